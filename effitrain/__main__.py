@@ -1,0 +1,6 @@
+"""``python -m effitrain`` (and ``accelerate launch -m effitrain ...``)."""
+
+from effitrain.cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""The typed training configuration: defaults, YAML loading, CLI overrides, validation.
+
+One flat dataclass keeps the mapping between CLI options, YAML keys and code obvious: the YAML key
+``batch_size`` (or ``batch-size``) is the option ``--batch-size`` is the field ``batch_size``.
+A YAML file only overrides defaults; explicit CLI options override the YAML file. Unknown keys and
+values of the wrong type are errors that name the key.
+
+This module imports nothing heavy (no torch), so the CLI can build and check a config instantly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from effitrain.errors import EffitrainError
+
+SCHEDULERS = ("linear", "cosine", "constant")
+MIXED_PRECISION = ("no", "fp16", "bf16")
+
+
+def _opt(default: Any, help: str) -> Any:
+    """A config field with its one-line doc, which is also the CLI option's help text."""
+    return field(default=default, metadata={"help": help})
+
+
+def help_for(name: str) -> str:
+    """The help text of a config field (shown by ``effitrain train --help``)."""
+    return next(f.metadata["help"] for f in dataclasses.fields(TrainConfig) if f.name == name)
+
+
+@dataclass
+class TrainConfig:
+    """Everything one ``effitrain train`` run needs. Field docs are shown by ``effitrain train --help``."""
+
+    # --- model and data ---
+    model: str = _opt(
+        "tiny", "Built-in preset name, a hub id, or a local folder saved with save_pretrained."
+    )
+    dataset: str = _opt(
+        "demo",
+        "'demo' (built-in, offline), a hub dataset id, or a local file/folder (csv, json, jsonl, parquet).",
+    )
+    dataset_config: str | None = _opt(None, "Hub dataset configuration name, e.g. 'mrpc' for glue.")
+    train_file: str | None = _opt(
+        None, "Local training file (csv/json/jsonl/parquet); used instead of --dataset."
+    )
+    validation_file: str | None = _opt(
+        None,
+        "Local validation file; without it the dataset's validation split (or 10% of train) is used.",
+    )
+    text_columns: list[str] | None = _opt(
+        None, "One or two text columns; auto-detected when not given."
+    )
+    label_column: str | None = _opt(None, "Label column; auto-detected when not given.")
+    max_length: int = _opt(128, "Truncate inputs to this many tokens.")
+
+    # --- optimizer and schedule ---
+    optim: str = _opt("adamw", "Optimizer name from `effitrain optimizers`.")
+    lr: float | None = _opt(
+        None, "Learning rate; default depends on the optimizer (see `effitrain optimizers`)."
+    )
+    weight_decay: float = _opt(
+        0.01, "Decoupled weight decay for >=2-D weights (biases and norms get none)."
+    )
+    scheduler: str = _opt(
+        "linear", "Learning-rate schedule after warmup: linear, cosine or constant."
+    )
+    warmup_ratio: float = _opt(
+        0.06, "Fraction of optimizer steps spent warming up (ignored if warmup_steps is set)."
+    )
+    warmup_steps: int | None = _opt(None, "Number of warmup steps (overrides warmup_ratio).")
+    max_grad_norm: float = _opt(
+        1.0, "Clip the global gradient norm to this value; 0 disables clipping."
+    )
+
+    # --- loop ---
+    epochs: int = _opt(3, "Number of passes over the training set.")
+    max_steps: int | None = _opt(None, "Stop after this many optimizer steps (overrides epochs).")
+    batch_size: int = _opt(32, "Training micro-batch size per process.")
+    eval_batch_size: int | None = _opt(
+        None, "Evaluation batch size per process (default: 2 x batch size)."
+    )
+    grad_accum: int = _opt(1, "Micro-batches per optimizer step (gradient accumulation).")
+    mixed_precision: str = _opt("no", "Passed to Accelerator: no, fp16 or bf16.")
+    seed: int = _opt(42, "Seed for model init, data order and dropout.")
+    log_every: int = _opt(10, "Update the shown loss every this many optimizer steps.")
+
+    # --- outputs ---
+    output_dir: str | None = _opt(None, "Folder for checkpoints and the final model.")
+    metrics_json: str | None = _opt(
+        None, "Write the run's metrics as one JSON object to this file."
+    )
+    quiet: bool = _opt(False, "Only print the final results (no progress, no per-epoch lines).")
+
+    def validate(self) -> TrainConfig:
+        """Check values that types alone cannot; raise EffitrainError naming the option."""
+        positive = {
+            "batch_size": self.batch_size,
+            "epochs": self.epochs,
+            "grad_accum": self.grad_accum,
+            "max_length": self.max_length,
+            "log_every": self.log_every,
+        }
+        for name in ("lr", "max_steps", "eval_batch_size"):
+            if getattr(self, name) is not None:
+                positive[name] = getattr(self, name)
+        for name, value in positive.items():
+            if not value > 0:
+                raise EffitrainError(f"{option(name)} must be greater than 0 (got {value})")
+        for name in ("weight_decay", "max_grad_norm", "warmup_ratio"):
+            if getattr(self, name) < 0:
+                raise EffitrainError(
+                    f"{option(name)} must be 0 or more (got {getattr(self, name)})"
+                )
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise EffitrainError(f"--warmup-steps must be 0 or more (got {self.warmup_steps})")
+        if self.warmup_ratio >= 1:
+            raise EffitrainError(f"--warmup-ratio must be below 1 (got {self.warmup_ratio})")
+        if self.scheduler not in SCHEDULERS:
+            raise EffitrainError(
+                f"unknown --scheduler '{self.scheduler}'; choose one of: {', '.join(SCHEDULERS)}"
+            )
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise EffitrainError(
+                f"unknown --mixed-precision '{self.mixed_precision}'; "
+                f"choose one of: {', '.join(MIXED_PRECISION)}"
+            )
+        if self.text_columns is not None and not 1 <= len(self.text_columns) <= 2:
+            raise EffitrainError(
+                f"--text-columns takes one or two column names (got {len(self.text_columns)})"
+            )
+        # Imported here: the registry module is light, but config must not depend on it at import.
+        from effitrain.optim import get_spec
+
+        get_spec(self.optim)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def option(field_name: str) -> str:
+    """The CLI spelling of a config field: ``batch_size`` -> ``--batch-size``."""
+    return "--" + field_name.replace("_", "-")
+
+
+def _field_types() -> dict[str, Any]:
+    hints = typing.get_type_hints(TrainConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(TrainConfig)}
+
+
+def _coerce(key: str, value: Any, annotation: Any, source: str) -> Any:
+    """Check ``value`` against the field's type; convert only where it is lossless and obvious."""
+    args = typing.get_args(annotation)
+    is_optional = (
+        typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args
+    )
+    if is_optional:
+        if value is None:
+            return None
+        annotation = next(a for a in args if a is not type(None))
+
+    def wrong(expected: str) -> EffitrainError:
+        return EffitrainError(
+            f"{source}: '{key}' must be {expected}, got {type(value).__name__} {value!r}"
+        )
+
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise wrong("true or false")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise wrong("an integer")
+        return value
+    if annotation is float:
+        if isinstance(value, bool):
+            raise wrong("a number")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            # PyYAML reads 3e-4 (no dot) as a string; accept it as the number it plainly is.
+            try:
+                return float(value)
+            except ValueError:
+                raise wrong("a number") from None
+        raise wrong("a number")
+    if annotation is str:
+        if not isinstance(value, str):
+            raise wrong("a string")
+        return value
+    if typing.get_origin(annotation) is list:
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise wrong("a list of strings")
+        return value
+    raise AssertionError(f"unhandled config type {annotation!r} for {key}")  # a bug, not user input
+
+
+def merge(base: dict[str, Any], overrides: dict[str, Any], source: str) -> dict[str, Any]:
+    """Return ``base`` updated with ``overrides`` after checking each key and type."""
+    types_by_name = _field_types()
+    merged = dict(base)
+    for raw_key, value in overrides.items():
+        key = str(raw_key).replace("-", "_")
+        if key not in types_by_name:
+            raise EffitrainError(
+                f"{source}: unknown key '{raw_key}'; valid keys: {', '.join(types_by_name)}"
+            )
+        merged[key] = _coerce(key, value, types_by_name[key], source)
+    return merged
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a training YAML file into a plain dict (top level must be a mapping)."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise EffitrainError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise EffitrainError(f"{path}: not valid YAML{where}: {exc.__class__.__name__}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise EffitrainError(f"{path}: the top level must be a mapping of option: value")
+    return data
+
+
+def build_config(
+    config_file: str | Path | None = None, overrides: dict[str, Any] | None = None
+) -> TrainConfig:
+    """Defaults <- YAML file <- explicit overrides (CLI options), then validate.
+
+    Args:
+        config_file: optional YAML file whose keys are TrainConfig field names.
+        overrides: values given explicitly on the command line (None values are ignored).
+
+    Raises:
+        EffitrainError: unknown key, wrong type, or invalid value; the message names the key.
+    """
+    values = dataclasses.asdict(TrainConfig())
+    if config_file is not None:
+        values = merge(values, load_yaml(config_file), source=str(config_file))
+    cli = {k: v for k, v in (overrides or {}).items() if v is not None}
+    values = merge(values, cli, source="command line")
+    return TrainConfig(**values).validate()
+
+
+__all__ = ["TrainConfig", "build_config", "help_for", "load_yaml", "merge", "option"]

@@ -1,0 +1,319 @@
+"""Datasets: load (built-in demo, hub id, local files), find columns and labels, tokenize, batch.
+
+``load_data`` returns raw splits plus what the model needs to know (number and names of labels);
+``build_dataloaders`` tokenizes with the model's tokenizer and pads each batch dynamically.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from effitrain.errors import EffitrainError
+from effitrain.models import first_line, is_offline
+
+if TYPE_CHECKING:
+    import datasets
+    from torch.utils.data import DataLoader
+    from transformers import PreTrainedTokenizerBase
+
+    from effitrain.config import TrainConfig
+
+# Tried in order; the first whose columns all exist wins.
+TEXT_COLUMN_CANDIDATES: tuple[tuple[str, ...], ...] = (
+    ("sentence1", "sentence2"),
+    ("question1", "question2"),
+    ("premise", "hypothesis"),
+    ("question", "sentence"),
+    ("question", "passage"),
+    ("sentence",),
+    ("text",),
+    ("review",),
+    ("content",),
+    ("document",),
+)
+LABEL_COLUMN_CANDIDATES = ("label", "labels", "label_id", "class", "target")
+VALIDATION_SPLITS = ("validation", "validation_matched", "dev", "valid", "test")
+LOCAL_FORMATS = {
+    ".csv": "csv",
+    ".tsv": "csv",
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+}
+HELD_OUT_FRACTION = 0.1
+
+
+@dataclass
+class LoadedData:
+    """Raw train/validation splits with the columns and labels resolved."""
+
+    train: datasets.Dataset
+    validation: datasets.Dataset
+    text_columns: tuple[str, ...]
+    label_column: str
+    label_names: list[str]
+    source: str
+    validation_source: str
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.label_names)
+
+
+def _load_local_file(path: str, split: str) -> datasets.Dataset:
+    import datasets
+
+    file = Path(path).expanduser()
+    if not file.exists():
+        raise EffitrainError(f"dataset file not found: {path}")
+    if file.is_dir():
+        raise EffitrainError(f"{path} is a folder; give a file (csv, json, jsonl, parquet)")
+    builder = LOCAL_FORMATS.get(file.suffix.lower())
+    if builder is None:
+        raise EffitrainError(
+            f"cannot read '{path}': unknown file type '{file.suffix}'; "
+            f"use one of {', '.join(LOCAL_FORMATS)}"
+        )
+    kwargs: dict[str, Any] = {"delimiter": "\t"} if file.suffix.lower() == ".tsv" else {}
+    try:
+        return datasets.load_dataset(builder, data_files={split: str(file)}, split=split, **kwargs)
+    except Exception as exc:  # datasets raises many types for malformed files
+        raise EffitrainError(f"cannot read '{path}' as {builder}: {first_line(exc)}") from exc
+
+
+def _load_splits(config: TrainConfig) -> tuple[dict[str, datasets.Dataset], str]:
+    """The raw splits by name, and a short description of where they came from."""
+    import datasets
+
+    if config.train_file is not None:
+        return {"train": _load_local_file(config.train_file, "train")}, config.train_file
+    name = config.dataset
+    if name == "demo":
+        from effitrain.demo import build_demo_dataset
+
+        return dict(build_demo_dataset()), "built-in demo (MRPC-shaped sentence pairs)"
+    path = Path(name).expanduser()
+    if path.is_file():
+        return {"train": _load_local_file(name, "train")}, name
+    if path.is_dir():
+        try:
+            loaded = (
+                datasets.load_from_disk(str(path))
+                if (path / "dataset_dict.json").exists() or (path / "state.json").exists()
+                else datasets.load_dataset(str(path), config.dataset_config)
+            )
+        except Exception as exc:
+            raise EffitrainError(f"cannot read dataset folder '{name}': {first_line(exc)}") from exc
+        if isinstance(loaded, datasets.Dataset):
+            return {"train": loaded}, name
+        return dict(loaded), name
+    if name.startswith((".", "/", "~")) or Path(name).suffix.lower() in LOCAL_FORMATS:
+        raise EffitrainError(f"dataset not found: {name} (no such file or folder)")
+    try:
+        loaded = datasets.load_dataset(name, config.dataset_config)
+    except Exception as exc:
+        if is_offline():
+            reason = "not a local file or folder, and the hub is offline (HF_DATASETS_OFFLINE=1)"
+        else:
+            reason = first_line(exc)
+        raise EffitrainError(f"cannot load dataset '{name}': {reason}") from exc
+    source = name + (f"/{config.dataset_config}" if config.dataset_config else "")
+    return dict(loaded), source
+
+
+def _pick_text_columns(columns: list[str], config: TrainConfig) -> tuple[str, ...]:
+    if config.text_columns:
+        missing = [c for c in config.text_columns if c not in columns]
+        if missing:
+            raise EffitrainError(
+                f"--text-columns {', '.join(missing)} not in the dataset; columns found: "
+                f"{', '.join(columns)}"
+            )
+        return tuple(config.text_columns)
+    for candidate in TEXT_COLUMN_CANDIDATES:
+        if all(c in columns for c in candidate):
+            return candidate
+    raise EffitrainError(
+        f"no usable text column; columns found: {', '.join(columns)}. "
+        "Name them with --text-columns COL or --text-columns COL1,COL2"
+    )
+
+
+def _pick_label_column(columns: list[str], config: TrainConfig) -> str:
+    if config.label_column:
+        if config.label_column not in columns:
+            raise EffitrainError(
+                f"--label-column {config.label_column} not in the dataset; columns found: "
+                f"{', '.join(columns)}"
+            )
+        return config.label_column
+    for candidate in LABEL_COLUMN_CANDIDATES:
+        if candidate in columns:
+            return candidate
+    raise EffitrainError(
+        f"no label column; columns found: {', '.join(columns)}. Name it with --label-column COL"
+    )
+
+
+def _label_values(dataset: datasets.Dataset, column: str) -> list[Any]:
+    return dataset.unique(column)
+
+
+def _resolve_labels(
+    train: datasets.Dataset, validation: datasets.Dataset, column: str
+) -> tuple[datasets.Dataset, datasets.Dataset, list[str]]:
+    """Map labels to ids 0..K-1 and check both splits fit; return the label names."""
+    import datasets
+
+    feature = train.features[column]
+    if isinstance(feature, datasets.ClassLabel):
+        names = list(feature.names)
+    else:
+        values = [v for v in _label_values(train, column) if v is not None]
+        if values and all(isinstance(v, str) for v in values):
+            names = sorted(values)
+            mapping = {name: i for i, name in enumerate(names)}
+            unseen = sorted({v for v in _label_values(validation, column)} - set(mapping))
+            if unseen:
+                raise EffitrainError(
+                    f"validation labels {unseen[:5]} never occur in the training set "
+                    f"(labels seen: {names[:10]})"
+                )
+
+            def to_id(batch: dict[str, list[Any]]) -> dict[str, list[int]]:
+                return {column: [mapping[v] for v in batch[column]]}
+
+            train = train.map(to_id, batched=True)
+            validation = validation.map(to_id, batched=True)
+        elif values and all(isinstance(v, (int, float)) and float(v).is_integer() for v in values):
+            names = [str(i) for i in range(int(max(values)) + 1)]
+            if any(isinstance(v, float) for v in values):
+
+                def to_int(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+                    return {column: [None if v is None else int(v) for v in batch[column]]}
+
+                train = train.map(to_int, batched=True)
+                validation = validation.map(to_int, batched=True)
+        else:
+            sample = values[:5]
+            raise EffitrainError(
+                f"label column '{column}' must hold class ids or class names, found {sample}; "
+                "effitrain trains classifiers"
+            )
+    num_labels = len(names)
+    for split_name, split in (("training", train), ("validation", validation)):
+        bad = [v for v in _label_values(split, column) if v is None or not 0 <= v < num_labels]
+        if bad:
+            shown = "(empty)" if None in bad else min(bad)
+            raise EffitrainError(
+                f"{split_name} label {shown} is out of range for a model with {num_labels} "
+                f"labels (0..{num_labels - 1}); fix the '{column}' column or drop those rows"
+            )
+    return train, validation, names
+
+
+def load_data(config: TrainConfig) -> LoadedData:
+    """Load the training and validation splits and resolve text columns and labels.
+
+    Raises:
+        EffitrainError: missing files, no usable columns, bad labels, or an empty training set.
+    """
+    splits, source = _load_splits(config)
+    if "train" not in splits:
+        raise EffitrainError(f"dataset {source} has no 'train' split (splits: {', '.join(splits)})")
+    train = splits["train"]
+    if config.validation_file is not None:
+        validation = _load_local_file(config.validation_file, "validation")
+        validation_source = config.validation_file
+    else:
+        name = next((s for s in VALIDATION_SPLITS if s in splits), None)
+        validation = splits[name] if name else None
+        validation_source = f"split '{name}'" if name else ""
+    if len(train) == 0:
+        raise EffitrainError(f"the training set of {source} is empty")
+    columns = list(train.column_names)
+    text_columns = _pick_text_columns(columns, config)
+    label_column = _pick_label_column(columns, config)
+    if text_columns and label_column in text_columns:
+        raise EffitrainError(f"column '{label_column}' cannot be both a text and the label column")
+    if validation is None:
+        if len(train) < 2:
+            raise EffitrainError(f"the training set of {source} is too small to hold out a split")
+        held = train.train_test_split(test_size=HELD_OUT_FRACTION, seed=config.seed)
+        train, validation = held["train"], held["test"]
+        validation_source = f"{HELD_OUT_FRACTION:.0%} held out of train"
+    missing = [c for c in (*text_columns, label_column) if c not in validation.column_names]
+    if missing:
+        raise EffitrainError(
+            f"validation data lacks column(s) {', '.join(missing)}; columns found: "
+            f"{', '.join(validation.column_names)}"
+        )
+    train, validation, names = _resolve_labels(train, validation, label_column)
+    if len(names) < 2:
+        raise EffitrainError(
+            f"label column '{label_column}' has a single class ({names}); a classifier needs two"
+        )
+    return LoadedData(
+        train=train,
+        validation=validation,
+        text_columns=text_columns,
+        label_column=label_column,
+        label_names=names,
+        source=source,
+        validation_source=validation_source,
+    )
+
+
+def tokenize(
+    data: LoadedData, tokenizer: PreTrainedTokenizerBase, max_length: int
+) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """Tokenize both splits (truncating to ``max_length``); keep only model inputs and labels."""
+
+    def encode(batch: dict[str, list[Any]]) -> dict[str, Any]:
+        texts = [["" if t is None else str(t) for t in batch[c]] for c in data.text_columns]
+        encoded = tokenizer(*texts, truncation=True, max_length=max_length)
+        encoded["labels"] = batch[data.label_column]
+        return encoded
+
+    def run(split: datasets.Dataset) -> datasets.Dataset:
+        return split.map(encode, batched=True, remove_columns=split.column_names)
+
+    return run(data.train), run(data.validation)
+
+
+def build_dataloaders(
+    data: LoadedData,
+    tokenizer: PreTrainedTokenizerBase,
+    config: TrainConfig,
+    pad_to_multiple_of: int | None = None,
+) -> tuple[DataLoader, DataLoader]:
+    """Shuffled training and ordered evaluation loaders with dynamic padding.
+
+    The training loader has its own seeded generator so that data order and, after a resume,
+    everything drawn from it are reproducible.
+    """
+    import torch
+    from torch.utils.data import DataLoader
+    from transformers import DataCollatorWithPadding
+
+    train, validation = tokenize(data, tokenizer, config.max_length)
+    collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
+    generator = torch.Generator().manual_seed(config.seed)
+    train_loader = DataLoader(
+        train, batch_size=config.batch_size, shuffle=True, collate_fn=collator, generator=generator
+    )
+    eval_loader = DataLoader(
+        validation,
+        batch_size=config.eval_batch_size or 2 * config.batch_size,
+        shuffle=False,
+        collate_fn=collator,
+    )
+    return train_loader, eval_loader
+
+
+def steps_per_epoch(num_batches: int, grad_accum: int) -> int:
+    """Optimizer steps in one pass over ``num_batches`` micro-batches (the last step may be short)."""
+    return math.ceil(num_batches / grad_accum)

@@ -1,0 +1,136 @@
+"""Model and tokenizer: a built-in preset (offline, random init), a hub id, or a local folder.
+
+Presets and hub/local models end in the same place: a ``*ForSequenceClassification`` model with
+``num_labels``/``id2label`` taken from the dataset, and a tokenizer with a pad token.
+Heavy libraries are imported inside the functions: ``PRESETS`` is read by ``--help``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from effitrain.errors import EffitrainError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+# name -> (description, DistilBertConfig overrides on top of the demo's tiny config).
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "tiny": ("2-layer 64-dim DistilBERT, random init (default; trains the demo in seconds)", {}),
+    "small": (
+        "4-layer 256-dim DistilBERT, random init",
+        {"dim": 256, "n_layers": 4, "n_heads": 4, "hidden_dim": 1024},
+    ),
+    "distilbert-base": (
+        "distilbert-base-cased architecture (65.8M params), random init: real-size memory numbers",
+        {
+            "vocab_size": 28996,
+            "dim": 768,
+            "n_layers": 6,
+            "n_heads": 12,
+            "hidden_dim": 3072,
+            "max_position_embeddings": 512,
+        },
+    ),
+}
+
+
+def is_offline() -> bool:
+    """True when the Hugging Face hub is switched off by environment."""
+    return any(
+        os.environ.get(var, "").upper() in {"1", "ON", "YES", "TRUE"}
+        for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
+
+
+def _cannot_load(what: str, name: str, exc: BaseException) -> EffitrainError:
+    if Path(name).exists():
+        reason = f"the folder exists but is not a saved {what} ({first_line(exc)})"
+    elif name.startswith((".", "/", "~")):
+        reason = "no such folder"
+    elif is_offline():
+        reason = "not a preset or local folder, and the hub is offline (HF_HUB_OFFLINE=1)"
+    else:
+        reason = first_line(exc)
+    presets = ", ".join(PRESETS)
+    return EffitrainError(f"cannot load {what} '{name}': {reason}. Presets: {presets}")
+
+
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception message (library messages run long)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else exc.__class__.__name__
+
+
+def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
+    """The tokenizer for a preset, hub id or local folder; a pad token is guaranteed.
+
+    Raises:
+        EffitrainError: it cannot be loaded (the message says why, offline included).
+    """
+    if name in PRESETS:
+        from effitrain.demo import build_tokenizer
+
+        return build_tokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError, KeyError) as exc:
+        raise _cannot_load("tokenizer", name, exc) from exc
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise EffitrainError(
+                f"tokenizer of '{name}' has neither a pad nor an eos token; "
+                "save one with a pad token (tokenizer.add_special_tokens({'pad_token': '[PAD]'}))"
+            )
+        # Decoder-only models (GPT-2 style) classify fine with eos as padding.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(
+    name: str,
+    num_labels: int,
+    label_names: list[str],
+    tokenizer: PreTrainedTokenizerBase,
+) -> PreTrainedModel:
+    """Build a preset or load a pretrained model with a classification head for ``num_labels``.
+
+    A pretrained head with a different number of labels is replaced (``ignore_mismatched_sizes``);
+    the head is then freshly initialised, as in the Trainer.
+
+    Raises:
+        EffitrainError: the model cannot be loaded.
+    """
+    id2label = dict(enumerate(label_names))
+    label2id = {label: i for i, label in id2label.items()}
+    if name in PRESETS:
+        from transformers import DistilBertConfig, DistilBertForSequenceClassification
+
+        from effitrain.demo import TINY_MODEL_CONFIG
+
+        settings = {**TINY_MODEL_CONFIG, **PRESETS[name][1]}
+        settings["vocab_size"] = max(settings.get("vocab_size", 0), len(tokenizer))
+        settings["pad_token_id"] = tokenizer.pad_token_id
+        config = DistilBertConfig(
+            **settings, num_labels=num_labels, id2label=id2label, label2id=label2id
+        )
+        return DistilBertForSequenceClassification(config)
+
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    try:
+        config = AutoConfig.from_pretrained(
+            name, num_labels=num_labels, id2label=id2label, label2id=label2id
+        )
+        if getattr(config, "pad_token_id", None) is None:
+            config.pad_token_id = tokenizer.pad_token_id
+        model = AutoModelForSequenceClassification.from_pretrained(
+            name, config=config, ignore_mismatched_sizes=True
+        )
+    except (OSError, ValueError, KeyError) as exc:
+        raise _cannot_load("model", name, exc) from exc
+    return model

@@ -1,0 +1,199 @@
+"""The optimizer registry: name -> how to build it, its default lr, and what state it keeps.
+
+Optional libraries (bitsandbytes) are imported inside their factory, so a missing extra is one
+clear message when the optimizer is chosen, not an import error at start-up. This module imports
+nothing heavy at module level: ``effitrain optimizers`` and ``--help`` stay instant.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from effitrain.errors import EffitrainError
+
+if TYPE_CHECKING:
+    import torch
+
+    from effitrain.config import TrainConfig
+
+ParamGroups = list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """One registry entry."""
+
+    name: str
+    class_path: str
+    """Dotted path of the optimizer class, e.g. torch.optim.AdamW."""
+    module: str
+    """Module that must be importable for this optimizer."""
+    install: str
+    """What to install when ``module`` is missing."""
+    default_lr: float
+    description: str
+    state: str
+    """The state it keeps per parameter tensor."""
+    bytes_per_param: str
+    """Optimizer-state bytes per fp32 parameter for a large 2-D weight."""
+    factory: Callable[[ParamGroups, float], torch.optim.Optimizer]
+
+    def is_available(self) -> bool:
+        return importlib.util.find_spec(self.module) is not None
+
+
+def _adamw(groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
+    import torch
+
+    return torch.optim.AdamW(groups, lr=lr)
+
+
+def _adafactor(groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
+    import torch
+
+    # lr here caps a *relative* step (about RMS(param) * min(lr, 1/sqrt(t))): see REFERENCE.md.
+    return torch.optim.Adafactor(groups, lr=lr)
+
+
+def _adafactor_hf(groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
+    from transformers.optimization import Adafactor
+
+    # The Trainer's optim="adafactor": a plain lr, no relative step, no parameter scaling.
+    return Adafactor(groups, lr=lr, relative_step=False, scale_parameter=False, warmup_init=False)
+
+
+def _adamw_8bit(groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
+    # bitsandbytes logs a warning about an optional 4-bit CPU kernel on import; it does not
+    # concern 8-bit optimizers, so keep it out of the user's console.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    import bitsandbytes as bnb
+
+    return bnb.optim.AdamW8bit(groups, lr=lr)
+
+
+def _sgd(groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
+    import torch
+
+    return torch.optim.SGD(groups, lr=lr, momentum=0.9)
+
+
+OPTIMIZERS: dict[str, OptimizerSpec] = {
+    spec.name: spec
+    for spec in (
+        OptimizerSpec(
+            name="adamw",
+            class_path="torch.optim.AdamW",
+            module="torch",
+            install="pip install torch",
+            default_lr=5e-4,
+            description="Adam with decoupled weight decay; the reference everything is compared to",
+            state="step, exp_avg, exp_avg_sq",
+            bytes_per_param="8",
+            factory=_adamw,
+        ),
+        OptimizerSpec(
+            name="adafactor",
+            class_path="torch.optim.Adafactor",
+            module="torch",
+            install="pip install 'torch>=2.5'",
+            default_lr=1e-2,
+            description="factored second moment (row + column sums); lr caps a relative step",
+            state="step, row_var + col_var (>=2-D), variance (1-D)",
+            bytes_per_param="~4(m+n)/(mn), ~0",
+            factory=_adafactor,
+        ),
+        OptimizerSpec(
+            name="adafactor-hf",
+            class_path="transformers.optimization.Adafactor",
+            module="transformers",
+            install="pip install transformers",
+            default_lr=1e-3,
+            description="transformers' Adafactor as the Trainer uses it (no relative step)",
+            state="step, exp_avg_sq_row/col (>=2-D) or exp_avg_sq, RMS",
+            bytes_per_param="~0 (fp32 state)",
+            factory=_adafactor_hf,
+        ),
+        OptimizerSpec(
+            name="adamw-8bit",
+            class_path="bitsandbytes.optim.AdamW8bit",
+            module="bitsandbytes",
+            install="pip install 'effitrain[8bit]'  (bitsandbytes)",
+            default_lr=5e-4,
+            description="AdamW with block-wise 8-bit quantized moments",
+            state="state1, state2 (uint8), absmax1/2, qmap1/2 (shared)",
+            bytes_per_param="~2 (tensors < 4096 elements stay fp32: 8)",
+            factory=_adamw_8bit,
+        ),
+        OptimizerSpec(
+            name="sgd",
+            class_path="torch.optim.SGD",
+            module="torch",
+            install="pip install torch",
+            default_lr=5e-2,
+            description="SGD with momentum 0.9",
+            state="momentum_buffer",
+            bytes_per_param="4",
+            factory=_sgd,
+        ),
+    )
+}
+
+
+def get_spec(name: str) -> OptimizerSpec:
+    """Look up an optimizer by name; an unknown name lists the valid ones."""
+    try:
+        return OPTIMIZERS[name]
+    except KeyError:
+        raise EffitrainError(
+            f"unknown optimizer '{name}'; choose one of: {', '.join(OPTIMIZERS)} "
+            "(see `effitrain optimizers`)"
+        ) from None
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> ParamGroups:
+    """Two groups: >=2-D weights decay, biases and norm weights (1-D) do not (as in nanoGPT)."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if not param.requires_grad:
+            continue
+        (decay if param.ndim >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def resolve_lr(config: TrainConfig) -> float:
+    """The lr actually used: the explicit one, else the optimizer's default."""
+    return config.lr if config.lr is not None else get_spec(config.optim).default_lr
+
+
+def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """Build the configured optimizer over ``model``'s trainable parameters.
+
+    Raises:
+        EffitrainError: unknown optimizer, or its library is not installed.
+    """
+    spec = get_spec(config.optim)
+    if not spec.is_available():
+        raise EffitrainError(
+            f"optimizer '{spec.name}' needs the '{spec.module}' package, which is not installed: "
+            f"{spec.install}"
+        )
+    return spec.factory(param_groups(model, config.weight_decay), resolve_lr(config))
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, config: TrainConfig, total_steps: int, warmup_steps: int
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """Warmup then linear decay, cosine decay or constant, over ``total_steps`` scheduler steps."""
+    from transformers import get_scheduler
+
+    name = {"constant": "constant_with_warmup"}.get(config.scheduler, config.scheduler)
+    return get_scheduler(
+        name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps
+    )

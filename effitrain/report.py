@@ -1,0 +1,285 @@
+"""Everything effitrain prints: run banner, progress, eval lines, the memory tables, JSON.
+
+Printing never computes: the loop hands over plain numbers. A reporter made with
+``enabled=False`` (every process but the main one) prints nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from effitrain.errors import EffitrainError
+from effitrain.memory import format_bytes
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from effitrain.loop import TrainResult
+
+
+@dataclass
+class RunInfo:
+    """What a run is about to do, for the banner."""
+
+    model: str
+    model_class: str
+    parameters: int
+    dataset: str
+    train_examples: int
+    validation_examples: int
+    validation_source: str
+    text_columns: tuple[str, ...]
+    label_column: str
+    num_labels: int
+    optimizer: str
+    optimizer_class: str
+    lr: float
+    total_steps: int
+    epochs: int
+    steps_per_epoch: int
+    global_batch_size: int
+    device: str
+    num_processes: int
+    mixed_precision: str
+
+
+@dataclass
+class StepLog:
+    """One periodic training log line (numbers averaged over the window since the last one)."""
+
+    step: int
+    total_steps: int
+    epoch: int
+    loss: float
+    lr: float
+    samples_per_second: float
+    eta_seconds: float
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(round(seconds))
+    minutes, sec = divmod(seconds, 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{sec:02d}" if hours else f"{minutes}:{sec:02d}"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
+
+
+class Reporter:
+    """Prints a run's progress and results on the main process.
+
+    Args:
+        enabled: False on every process but the main one: nothing is printed.
+        quiet: only the final results are printed.
+        console: a rich Console (default: stdout). When it is not a terminal, the progress bar
+            is replaced by plain log lines every ``log_every`` steps, so CI logs stay readable.
+    """
+
+    def __init__(self, enabled: bool = True, quiet: bool = False, console: Console | None = None):
+        from rich.console import Console
+
+        self.enabled = enabled
+        self.quiet = quiet
+        self.console = console or Console(highlight=False)
+        self._progress: Any = None
+        self._task: Any = None
+
+    @property
+    def _chatty(self) -> bool:
+        return self.enabled and not self.quiet
+
+    def note(self, message: str) -> None:
+        """A warning or hint the user should see even with --quiet."""
+        if self.enabled:
+            self.console.print(f"[yellow]note:[/] {message}")
+
+    def run_started(self, info: RunInfo) -> None:
+        if not self._chatty:
+            return
+        c = self.console
+        c.print(
+            f"[bold]effitrain[/] · model [cyan]{info.model}[/] ({info.model_class}, "
+            f"{_count(info.parameters)} params)"
+        )
+        columns = " + ".join(info.text_columns)
+        c.print(
+            f"  data      {info.dataset}: {info.train_examples:,} train / "
+            f"{info.validation_examples:,} validation ({info.validation_source}); "
+            f"text {columns}, label {info.label_column} ({info.num_labels} classes)"
+        )
+        c.print(f"  optimizer [cyan]{info.optimizer}[/] ({info.optimizer_class}), lr {info.lr:g}")
+        c.print(
+            f"  schedule  {info.total_steps} steps ({info.epochs} epoch(s) × "
+            f"{info.steps_per_epoch} steps), global batch {info.global_batch_size}"
+        )
+        c.print(
+            f"  device    {info.device} × {info.num_processes} process(es), "
+            f"mixed precision {info.mixed_precision}"
+        )
+
+    def progress_started(self, total_steps: int) -> None:
+        if not self._chatty or not self.console.is_terminal:
+            return
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self._progress = Progress(
+            TextColumn("[bold]train[/]"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[stats]}"),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=False,
+        )
+        self._task = self._progress.add_task("train", total=total_steps, stats="")
+        self._progress.start()
+
+    def step_done(self, step: int) -> None:
+        """Advance the bar (cheap; called once per optimizer step)."""
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step)
+
+    def logged(self, log: StepLog) -> None:
+        if not self._chatty:
+            return
+        stats = f"loss {log.loss:.4f} · lr {log.lr:.2e} · {log.samples_per_second:,.0f} samples/s"
+        if self._progress is not None:
+            self._progress.update(self._task, completed=log.step, stats=stats)
+        else:
+            self.console.print(
+                f"step {log.step}/{log.total_steps} · epoch {log.epoch} · {stats} · "
+                f"eta {_duration(log.eta_seconds)}"
+            )
+
+    def evaluated(self, epoch: int, metrics: dict[str, float], final: bool = False) -> None:
+        if not self._chatty:
+            return
+        where = "end" if final else f"epoch {epoch}"
+        self.console.print(
+            f"eval ({where}) · loss {metrics['loss']:.4f} · accuracy {metrics['accuracy']:.4f} "
+            f"· f1 {metrics['f1']:.4f}"
+        )
+
+    def progress_finished(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    def finished(self, result: TrainResult) -> None:
+        """The closing summary and the optimizer-memory tables (printed even with --quiet)."""
+        if not self.enabled:
+            return
+        self.progress_finished()
+        c = self.console
+        ev = result.eval
+        c.print(
+            f"[bold green]done[/] · {result.global_steps} steps in {result.train_seconds:.1f} s "
+            f"({result.seconds_per_step * 1000:.1f} ms/step, "
+            f"{result.samples_per_second:,.0f} samples/s) · train loss {result.train_loss:.4f} · "
+            f"eval accuracy {ev['accuracy']:.4f} · f1 {ev['f1']:.4f} · loss {ev['loss']:.4f}"
+        )
+        c.print(optimizer_state_table(result))
+        c.print(memory_table(result))
+
+    def saved_metrics(self, path: str) -> None:
+        if self._chatty:
+            self.console.print(f"metrics written to {path}")
+
+
+def optimizer_state_table(result: TrainResult) -> Any:
+    """Per state key: tensors, elements, bytes, dtypes; then the total."""
+    from rich.table import Table
+
+    ledger = result.optimizer_state
+    table = Table(
+        title=f"Optimizer state: {result.optimizer} ({result.optimizer_class})",
+        title_justify="left",
+    )
+    table.add_column("state key")
+    table.add_column("tensors", justify="right")
+    table.add_column("elements", justify="right")
+    table.add_column("bytes", justify="right")
+    table.add_column("dtypes")
+    for key, usage in ledger.by_key.items():
+        table.add_row(
+            key,
+            f"{usage.tensors:,}",
+            f"{usage.elements:,}",
+            format_bytes(usage.bytes),
+            ", ".join(usage.dtypes),
+        )
+    table.add_section()
+    table.add_row(
+        "[bold]total[/]",
+        f"{ledger.tensors:,}",
+        f"{ledger.elements:,}",
+        f"[bold]{format_bytes(ledger.bytes)}[/]",
+        f"{ledger.params_with_state} params with state",
+    )
+    return table
+
+
+def memory_table(result: TrainResult) -> Any:
+    """Optimizer state next to AdamW's, parameters, gradients and the process peak."""
+    from rich.table import Table
+
+    table = Table(title="Memory", title_justify="left")
+    table.add_column("what")
+    table.add_column("bytes", justify="right")
+    table.add_column("note")
+    adamw = result.adamw_equivalent_bytes
+    state = result.optimizer_state.bytes
+    ratio = state / adamw if adamw else float("nan")
+    table.add_row(
+        f"optimizer state ({result.optimizer})",
+        format_bytes(state),
+        f"{ratio:.1%} of AdamW",
+    )
+    table.add_row(
+        "AdamW (fp32) would keep",
+        format_bytes(adamw),
+        f"{result.adamw_equivalent_elements:,} elements; saved {format_bytes(max(adamw - state, 0))}"
+        if state <= adamw
+        else f"{result.adamw_equivalent_elements:,} elements",
+    )
+    table.add_row(
+        "parameters",
+        format_bytes(result.parameter_bytes),
+        f"{result.trainable_parameters:,} trainable",
+    )
+    table.add_row("gradients", format_bytes(result.gradient_bytes), "measured at the first step")
+    peak_note = {
+        "cuda_peak_allocated": "CUDA peak allocated",
+        "peak_rss": "peak RSS of the process",
+    }.get(result.peak_memory_kind, result.peak_memory_kind)
+    table.add_row("peak memory", format_bytes(result.peak_memory_bytes), peak_note)
+    return table
+
+
+def write_metrics_json(path: str | Path, metrics: dict[str, Any]) -> None:
+    """Write the run's metrics as one JSON object (atomically: no half-written file)."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(metrics, indent=2) + "\n")
+        tmp.replace(path)
+    except OSError as exc:
+        raise EffitrainError(f"cannot write --metrics-json {path}: {exc.strerror}") from exc

@@ -1,0 +1,116 @@
+"""The command line: fast help, the optimizer table, and one clean line for each bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import assert_clean_error
+
+HEAVY = ("torch", "transformers", "accelerate", "datasets", "bitsandbytes", "sklearn")
+
+
+def test_help_imports_nothing_heavy():
+    code = (
+        "import sys\n"
+        "from effitrain.cli import main\n"
+        "try:\n"
+        "    main(['--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "try:\n"
+        "    main(['train', '--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        f"print([m for m in {HEAVY!r} if m in sys.modules])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_help_lists_commands_options_and_presets(cli):
+    top = cli("--help")
+    assert top.returncode == 0
+    for command in ("train", "optimizers"):
+        assert command in top.stdout
+    train_help = cli("train", "--help")
+    assert train_help.returncode == 0
+    for option in (
+        "--optim",
+        "--lr",
+        "--mixed-precision",
+        "--metrics-json",
+        "--config",
+        "--grad-accum",
+    ):
+        assert option in train_help.stdout
+    for preset in ("tiny", "distilbert-base"):
+        assert preset in train_help.stdout
+
+
+def test_version(cli):
+    from effitrain import __version__
+
+    proc = cli("--version")
+    assert proc.returncode == 0 and __version__ in proc.stdout
+
+
+def test_optimizers_table_and_json(cli):
+    table = cli("optimizers")
+    assert table.returncode == 0, table.stderr
+    for name in (
+        "adamw",
+        "adafactor",
+        "adafactor-hf",
+        "adamw-8bit",
+        "sgd",
+        "torch.optim.Adafactor",
+    ):
+        assert name in table.stdout
+    rows = json.loads(cli("optimizers", "--json").stdout)
+    by_name = {row["name"]: row for row in rows}
+    assert by_name["adamw"]["available"] is True
+    assert by_name["adamw-8bit"]["class"] == "bitsandbytes.optim.AdamW8bit"
+    assert by_name["adafactor"]["default_lr"] > by_name["adamw"]["default_lr"]
+
+
+# --- bad input: each gives one line, a non-zero exit and no traceback ---------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["--optim", "adam"], ["unknown optimizer 'adam'", "adafactor", "adamw-8bit"]),
+        (["--lr", "-1"], ["--lr must be greater than 0"]),
+        (["--lr", "0"], ["--lr must be greater than 0"]),
+        (["--batch-size", "0"], ["--batch-size must be greater than 0"]),
+        (["--epochs", "-2"], ["--epochs must be greater than 0"]),
+        (["--scheduler", "step"], ["unknown --scheduler"]),
+    ],
+)
+def test_bad_options(cli, args, fragments):
+    assert_clean_error(cli("train", *args), *fragments)
+
+
+def test_yaml_unknown_key(cli, tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("optim: adamw\nlearning_rate: 1e-3\n")
+    assert_clean_error(
+        cli("train", "--config", str(path)), "unknown key 'learning_rate'", str(path)
+    )
+
+
+def test_yaml_wrong_type(cli, tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("epochs: many\n")
+    assert_clean_error(cli("train", "--config", str(path)), "'epochs' must be an integer")
+
+
+def test_debug_env_shows_traceback(cli):
+    proc = cli("train", "--optim", "adam", env={"EFFITRAIN_DEBUG": "1"})
+    assert proc.returncode != 0
+    assert "Traceback" in proc.stderr and "EffitrainError" in proc.stderr

@@ -1,0 +1,124 @@
+"""TrainConfig: defaults, YAML, CLI precedence, strict keys and types, validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from effitrain.config import TrainConfig, build_config, option
+from effitrain.errors import EffitrainError
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_are_valid():
+    config = build_config()
+    assert config == TrainConfig()
+    assert config.model == "tiny" and config.dataset == "demo" and config.optim == "adamw"
+
+
+def test_yaml_overrides_defaults_and_cli_overrides_yaml(tmp_path):
+    path = write(tmp_path, "optim: adafactor\nbatch_size: 8\nlr: 3e-4\nepochs: 2\n")
+    config = build_config(path, {"batch_size": 16, "epochs": None})
+    assert config.optim == "adafactor"  # from YAML
+    assert config.batch_size == 16  # CLI wins
+    assert config.epochs == 2  # None means "not given on the command line"
+    assert config.lr == pytest.approx(3e-4)  # YAML's 3e-4 is a string to PyYAML; accepted
+
+
+def test_yaml_accepts_dashed_keys_and_lists(tmp_path):
+    path = write(tmp_path, "text-columns: [question, sentence]\nlabel-column: y\n")
+    config = build_config(path)
+    assert config.text_columns == ["question", "sentence"]
+    assert config.label_column == "y"
+
+
+def test_comma_separated_text_columns_from_cli():
+    assert build_config(None, {"text_columns": "a, b"}).text_columns == ["a", "b"]
+
+
+def test_unknown_yaml_key_names_it(tmp_path):
+    path = write(tmp_path, "optim: adamw\nbatchsize: 8\n")
+    with pytest.raises(EffitrainError, match="unknown key 'batchsize'") as info:
+        build_config(path)
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("epochs: three\n", "epochs"),
+        ("lr: fast\n", "lr"),
+        ("quiet: 1\n", "quiet"),
+        ("batch_size: 8.5\n", "batch_size"),
+        ("epochs: true\n", "epochs"),
+        ("model: [a]\n", "model"),
+    ],
+)
+def test_wrong_type_names_key(tmp_path, text, key):
+    with pytest.raises(EffitrainError, match=f"'{key}' must be"):
+        build_config(write(tmp_path, text))
+
+
+def test_yaml_must_be_a_mapping(tmp_path):
+    with pytest.raises(EffitrainError, match="mapping"):
+        build_config(write(tmp_path, "- a\n- b\n"))
+
+
+def test_invalid_yaml_and_missing_file(tmp_path):
+    with pytest.raises(EffitrainError, match="not valid YAML"):
+        build_config(write(tmp_path, "a: [unclosed\n"))
+    with pytest.raises(EffitrainError, match="config file not found"):
+        build_config(tmp_path / "nope.yaml")
+
+
+def test_empty_yaml_is_defaults(tmp_path):
+    assert build_config(write(tmp_path, "")) == TrainConfig()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("lr", -1.0),
+        ("lr", 0.0),
+        ("batch_size", 0),
+        ("batch_size", -4),
+        ("epochs", 0),
+        ("grad_accum", 0),
+        ("max_steps", 0),
+        ("max_length", 0),
+    ],
+)
+def test_non_positive_values_are_refused(field, value):
+    with pytest.raises(EffitrainError, match=f"{option(field)} must be greater than 0"):
+        build_config(None, {field: value})
+
+
+def test_other_validation():
+    with pytest.raises(EffitrainError, match="--weight-decay must be 0 or more"):
+        build_config(None, {"weight_decay": -0.1})
+    with pytest.raises(EffitrainError, match="unknown --scheduler 'step'"):
+        build_config(None, {"scheduler": "step"})
+    with pytest.raises(EffitrainError, match="unknown --mixed-precision 'fp8'"):
+        build_config(None, {"mixed_precision": "fp8"})
+    with pytest.raises(EffitrainError, match="one or two column names"):
+        build_config(None, {"text_columns": "a,b,c"})
+
+
+def test_unknown_optimizer_lists_valid_ones():
+    with pytest.raises(EffitrainError, match="unknown optimizer 'adam'") as info:
+        build_config(None, {"optim": "adam"})
+    for name in ("adamw", "adafactor", "adafactor-hf", "adamw-8bit", "sgd"):
+        assert name in str(info.value)
+
+
+def test_shipped_yaml_configs_load():
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).parent.parent / "configs" / "train").glob("*.yaml"))
+    assert configs, "configs/train/ should ship at least one example"
+    for path in configs:
+        build_config(path)
