@@ -175,28 +175,23 @@ def _resolve_labels(
         values = [v for v in _label_values(train, column) if v is not None]
         if values and all(isinstance(v, str) for v in values):
             names = sorted(values)
-            mapping = {name: i for i, name in enumerate(names)}
-            unseen = sorted({v for v in _label_values(validation, column)} - set(mapping))
+            unseen = sorted(
+                {v for v in _label_values(validation, column) if v is not None} - set(names)
+            )
             if unseen:
                 raise EffitrainError(
                     f"validation labels {unseen[:5]} never occur in the training set "
                     f"(labels seen: {names[:10]})"
                 )
-
-            def to_id(batch: dict[str, list[Any]]) -> dict[str, list[int]]:
-                return {column: [mapping[v] for v in batch[column]]}
-
-            train = train.map(to_id, batched=True)
-            validation = validation.map(to_id, batched=True)
+            # ClassLabel maps the names to ids 0..K-1 (sorted, so the order is reproducible).
+            label_feature = datasets.ClassLabel(names=names)
+            train = train.cast_column(column, label_feature)
+            validation = validation.cast_column(column, label_feature)
         elif values and all(isinstance(v, (int, float)) and float(v).is_integer() for v in values):
             names = [str(i) for i in range(int(max(values)) + 1)]
-            if any(isinstance(v, float) for v in values):
-
-                def to_int(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
-                    return {column: [None if v is None else int(v) for v in batch[column]]}
-
-                train = train.map(to_int, batched=True)
-                validation = validation.map(to_int, batched=True)
+            if any(isinstance(v, float) for v in values):  # 0.0/1.0 read from a csv
+                train = train.cast_column(column, datasets.Value("int64"))
+                validation = validation.cast_column(column, datasets.Value("int64"))
         else:
             sample = values[:5]
             raise EffitrainError(

@@ -92,6 +92,10 @@ class Reporter:
         self._progress: Any = None
         self._task: Any = None
 
+    def _line(self, text: str) -> None:
+        # soft_wrap: never insert hard line breaks (log files and narrow terminals stay greppable).
+        self.console.print(text, soft_wrap=True)
+
     @property
     def _chatty(self) -> bool:
         return self.enabled and not self.quiet
@@ -99,28 +103,29 @@ class Reporter:
     def note(self, message: str) -> None:
         """A warning or hint the user should see even with --quiet."""
         if self.enabled:
-            self.console.print(f"[yellow]note:[/] {message}")
+            self._line(f"[yellow]note:[/] {message}")
 
     def run_started(self, info: RunInfo) -> None:
         if not self._chatty:
             return
-        c = self.console
-        c.print(
+        self._line(
             f"[bold]effitrain[/] · model [cyan]{info.model}[/] ({info.model_class}, "
             f"{_count(info.parameters)} params)"
         )
         columns = " + ".join(info.text_columns)
-        c.print(
+        self._line(
             f"  data      {info.dataset}: {info.train_examples:,} train / "
             f"{info.validation_examples:,} validation ({info.validation_source}); "
             f"text {columns}, label {info.label_column} ({info.num_labels} classes)"
         )
-        c.print(f"  optimizer [cyan]{info.optimizer}[/] ({info.optimizer_class}), lr {info.lr:g}")
-        c.print(
+        self._line(
+            f"  optimizer [cyan]{info.optimizer}[/] ({info.optimizer_class}), lr {info.lr:g}"
+        )
+        self._line(
             f"  schedule  {info.total_steps} steps ({info.epochs} epoch(s) × "
             f"{info.steps_per_epoch} steps), global batch {info.global_batch_size}"
         )
-        c.print(
+        self._line(
             f"  device    {info.device} × {info.num_processes} process(es), "
             f"mixed precision {info.mixed_precision}"
         )
@@ -163,7 +168,7 @@ class Reporter:
         if self._progress is not None:
             self._progress.update(self._task, completed=log.step, stats=stats)
         else:
-            self.console.print(
+            self._line(
                 f"step {log.step}/{log.total_steps} · epoch {log.epoch} · {stats} · "
                 f"eta {_duration(log.eta_seconds)}"
             )
@@ -172,7 +177,7 @@ class Reporter:
         if not self._chatty:
             return
         where = "end" if final else f"epoch {epoch}"
-        self.console.print(
+        self._line(
             f"eval ({where}) · loss {metrics['loss']:.4f} · accuracy {metrics['accuracy']:.4f} "
             f"· f1 {metrics['f1']:.4f}"
         )
@@ -189,7 +194,7 @@ class Reporter:
         self.progress_finished()
         c = self.console
         ev = result.eval
-        c.print(
+        self._line(
             f"[bold green]done[/] · {result.global_steps} steps in {result.train_seconds:.1f} s "
             f"({result.seconds_per_step * 1000:.1f} ms/step, "
             f"{result.samples_per_second:,.0f} samples/s) · train loss {result.train_loss:.4f} · "
@@ -200,7 +205,7 @@ class Reporter:
 
     def saved_metrics(self, path: str) -> None:
         if self._chatty:
-            self.console.print(f"metrics written to {path}")
+            self._line(f"metrics written to {path}")
 
 
 def optimizer_state_table(result: TrainResult) -> Any:

@@ -44,3 +44,55 @@ def assert_clean_error(proc: subprocess.CompletedProcess, *fragments: str) -> st
 @pytest.fixture
 def cli():
     return run_cli
+
+
+class InProcessResult:
+    """What an in-process CLI run printed and returned."""
+
+    def __init__(self, exit_code: int, stdout: str, stderr: str):
+        self.returncode = exit_code
+        self.stdout = stdout
+        self.stderr = stderr
+
+
+def _reset_accelerate() -> None:
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
+@pytest.fixture
+def train_cli():
+    """Run ``effitrain ARGS`` inside this process (fast: torch is imported once per session).
+
+    Accelerate keeps process-wide singletons; they are reset around each run so runs with
+    different options do not leak into each other.
+    """
+    from typer.testing import CliRunner
+
+    from effitrain.cli import app
+
+    def invoke(*args: str) -> InProcessResult:
+        _reset_accelerate()
+        result = CliRunner().invoke(app, list(args), env={"COLUMNS": "200", **OFFLINE})
+        _reset_accelerate()
+        if result.exception is not None and not isinstance(result.exception, SystemExit):
+            raise result.exception
+        return InProcessResult(result.exit_code, result.stdout, result.stderr)
+
+    return invoke
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The tiny preset saved with save_pretrained: a stand-in for a hub model, loaded by path."""
+    from effitrain.models import load_model, load_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-model")
+    tokenizer = load_tokenizer("tiny")
+    model = load_model("tiny", 2, ["no", "yes"], tokenizer)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -1,0 +1,312 @@
+"""`effitrain train` end to end on the tiny preset: outputs, data sources, models, bad inputs."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import assert_clean_error
+
+METRIC_FIELDS = (
+    "optimizer",
+    "global_steps",
+    "train_loss",
+    "eval",
+    "optimizer_state",
+    "parameter_bytes",
+    "gradient_bytes",
+    "adamw_equivalent_bytes",
+    "peak_memory_bytes",
+    "seconds_per_step",
+    "samples_per_second",
+)
+EXPECTED_KEYS = {
+    "adamw": {"step", "exp_avg", "exp_avg_sq"},
+    "adafactor": {"step", "row_var", "col_var", "variance"},
+    "adafactor-hf": {"step", "exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq", "RMS"},
+    "adamw-8bit": {"step", "state1", "state2"},
+    "sgd": {"momentum_buffer"},
+}
+QUICK = ("--max-steps", "4", "--batch-size", "8", "--log-every", "2")
+
+
+def metrics(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    """Write rows as csv, json (list), jsonl or parquet depending on the suffix."""
+    if path.suffix == ".csv":
+        with path.open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    elif path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(rows))
+    elif path.suffix == ".parquet":
+        import pandas as pd
+
+        pd.DataFrame(rows).to_parquet(path)
+    return path
+
+
+def review_rows(n: int, labels=("bad", "good", "okay")) -> list[dict]:
+    words = {"bad": "awful terrible", "good": "great lovely", "okay": "fine average"}
+    return [
+        {
+            "review": f"the film was {words[labels[i % len(labels)]]} number {i}",
+            "label": labels[i % len(labels)],
+        }
+        for i in range(n)
+    ]
+
+
+def test_demo_run_prints_progress_eval_and_tables(train_cli, tmp_path):
+    out = tmp_path / "m.json"
+    proc = train_cli("train", *QUICK, "--metrics-json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    # Not a terminal here: plain log lines with the loss, then eval, then the tables.
+    assert "step 2/4" in text and "step 4/4" in text and "loss" in text
+    assert "eval (end)" in text and "accuracy" in text
+    assert "Optimizer state: adamw (torch.optim.AdamW)" in text
+    for key in ("exp_avg_sq", "AdamW (fp32) would keep", "peak memory", "gradients"):
+        assert key in text
+    data = metrics(out)
+    for field in METRIC_FIELDS:
+        assert field in data, field
+    assert data["global_steps"] == 4
+    assert set(data["eval"]) >= {"accuracy", "f1", "loss"}
+    assert data["eval"]["examples"] == 400  # every validation example, once
+    state = data["optimizer_state"]
+    assert {"tensors", "elements", "bytes", "by_key"} <= set(state)
+    assert state["bytes"] == sum(v["bytes"] for v in state["by_key"].values())
+    # AdamW's own state is exactly the AdamW reference.
+    assert state["bytes"] == data["adamw_equivalent_bytes"]
+    assert data["gradient_bytes"] == data["parameter_bytes"]
+    assert data["peak_memory_bytes"] > 0 and data["seconds_per_step"] > 0
+
+
+@pytest.mark.parametrize("optim", sorted(EXPECTED_KEYS))
+def test_each_optimizer_runs_and_reports_its_state(train_cli, tmp_path, optim):
+    out = tmp_path / "m.json"
+    proc = train_cli("train", *QUICK, "--optim", optim, "--metrics-json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    data = metrics(out)
+    assert data["optimizer"] == optim
+    assert set(data["optimizer_state"]["by_key"]) >= EXPECTED_KEYS[optim]
+    if optim != "adamw":
+        assert data["optimizer_state"]["bytes"] < data["adamw_equivalent_bytes"]
+
+
+def test_quiet_prints_only_results(train_cli):
+    proc = train_cli("train", *QUICK, "--quiet")
+    assert proc.returncode == 0
+    assert "step 2/4" not in proc.stdout and "effitrain ·" not in proc.stdout
+    assert "done" in proc.stdout and "Optimizer state" in proc.stdout
+
+
+def test_grad_accum_scheduler_and_bf16(train_cli, tmp_path):
+    out = tmp_path / "m.json"
+    proc = train_cli(
+        "train",
+        "--max-steps",
+        "3",
+        "--batch-size",
+        "4",
+        "--grad-accum",
+        "2",
+        "--scheduler",
+        "cosine",
+        "--mixed-precision",
+        "bf16",
+        "--metrics-json",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = metrics(out)
+    assert data["global_steps"] == 3
+    assert data["mixed_precision"] == "bf16"
+    assert data["config"]["grad_accum"] == 2
+
+
+def test_yaml_config_with_cli_override(train_cli, tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("optim: sgd\nmax_steps: 2\nbatch_size: 4\nlog_every: 1\n")
+    out = tmp_path / "m.json"
+    proc = train_cli(
+        "train", "--config", str(config), "--optim", "adafactor", "--metrics-json", str(out)
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = metrics(out)
+    assert data["optimizer"] == "adafactor" and data["global_steps"] == 2
+    assert data["config"]["batch_size"] == 4
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl", ".json", ".parquet"])
+def test_local_files_with_string_labels(train_cli, tmp_path, suffix):
+    train = write_rows(tmp_path / f"train{suffix}", review_rows(60))
+    dev = write_rows(tmp_path / f"dev{suffix}", review_rows(12))
+    out = tmp_path / "m.json"
+    proc = train_cli(
+        "train",
+        "--dataset",
+        str(train),
+        "--validation-file",
+        str(dev),
+        *QUICK,
+        "--metrics-json",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "text review, label label (3 classes)" in proc.stdout
+    assert metrics(out)["eval"]["examples"] == 12
+
+
+def test_local_model_folder_and_dataset_folder(train_cli, tmp_path, tiny_model_dir):
+    """Hub ids go through from_pretrained / load_dataset: exercised with local folders."""
+    import datasets
+
+    rows = review_rows(40)
+    folder = tmp_path / "ds"
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_list(rows),
+            "validation": datasets.Dataset.from_list(rows[:9]),
+        }
+    ).save_to_disk(str(folder))
+    out = tmp_path / "m.json"
+    proc = train_cli(
+        "train",
+        "--model",
+        str(tiny_model_dir),
+        "--dataset",
+        str(folder),
+        *QUICK,
+        "--metrics-json",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "DistilBertForSequenceClassification" in proc.stdout
+    data = metrics(out)
+    assert data["eval"]["examples"] == 9
+    # The saved model had 2 labels; the dataset has 3: the head was resized.
+    assert "(3 classes)" in proc.stdout
+
+
+def test_held_out_split_when_no_validation(train_cli, tmp_path):
+    train = write_rows(tmp_path / "train.csv", review_rows(50))
+    proc = train_cli("train", "--train-file", str(train), *QUICK)
+    assert proc.returncode == 0, proc.stderr
+    assert "10% held out of train" in proc.stdout
+
+
+def test_python_dash_m_runs(cli, tmp_path):
+    out = tmp_path / "m.json"
+    proc = cli("train", "--max-steps", "2", "--batch-size", "8", "--metrics-json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert metrics(out)["global_steps"] == 2
+    assert "Traceback" not in proc.stderr
+
+
+# --- bad inputs that need data or models ---------------------------------------------------------
+
+
+def test_model_folder_missing(train_cli, tmp_path):
+    assert_clean_error(
+        train_cli("train", "--model", str(tmp_path / "nope")), "cannot load", "no such folder"
+    )
+
+
+def test_hub_model_offline(train_cli):
+    assert_clean_error(
+        train_cli("train", "--model", "someone/not-a-model"), "cannot load", "offline"
+    )
+
+
+def test_folder_that_is_not_a_model(train_cli, tmp_path):
+    (tmp_path / "notes.txt").write_text("hi")
+    assert_clean_error(train_cli("train", "--model", str(tmp_path)), "cannot load", "not a saved")
+
+
+def test_dataset_path_missing(train_cli, tmp_path):
+    assert_clean_error(train_cli("train", "--dataset", str(tmp_path / "missing.csv")), "not found")
+    assert_clean_error(
+        train_cli("train", "--validation-file", str(tmp_path / "dev.csv")), "not found", "dev.csv"
+    )
+
+
+def test_hub_dataset_offline(train_cli):
+    assert_clean_error(train_cli("train", "--dataset", "someone/not-a-dataset"), "offline")
+
+
+def test_no_text_column_lists_columns(train_cli, tmp_path):
+    rows = [{"foo": f"x {i}", "bar": f"y {i}", "label": i % 2} for i in range(20)]
+    path = write_rows(tmp_path / "t.csv", rows)
+    line = assert_clean_error(train_cli("train", "--dataset", str(path)), "no usable text column")
+    assert "foo" in line and "bar" in line and "--text-columns" in line
+
+
+def test_no_label_column_lists_columns(train_cli, tmp_path):
+    rows = [{"text": f"x {i}", "rating": i % 2} for i in range(20)]
+    path = write_rows(tmp_path / "t.csv", rows)
+    line = assert_clean_error(train_cli("train", "--dataset", str(path)), "no label column")
+    assert "rating" in line and "--label-column" in line
+
+
+def test_named_column_missing(train_cli, tmp_path):
+    path = write_rows(tmp_path / "t.csv", [{"text": f"x {i}", "label": i % 2} for i in range(20)])
+    assert_clean_error(
+        train_cli("train", "--dataset", str(path), "--label-column", "y"), "--label-column y"
+    )
+
+
+def test_labels_out_of_range(train_cli, tmp_path):
+    train = write_rows(
+        tmp_path / "train.csv", [{"text": f"x {i}", "label": i % 2} for i in range(20)]
+    )
+    dev = write_rows(tmp_path / "dev.csv", [{"text": f"x {i}", "label": i % 3} for i in range(9)])
+    assert_clean_error(
+        train_cli("train", "--dataset", str(train), "--validation-file", str(dev)),
+        "validation label 2 is out of range for a model with 2 labels",
+    )
+    negative = write_rows(
+        tmp_path / "neg.csv", [{"text": f"x {i}", "label": i % 2 - 1} for i in range(20)]
+    )
+    assert_clean_error(train_cli("train", "--dataset", str(negative)), "label -1 is out of range")
+
+
+def test_empty_training_set(train_cli, tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("")
+    dev = write_rows(tmp_path / "dev.jsonl", [{"text": "x", "label": 0}])
+    assert_clean_error(
+        train_cli("train", "--dataset", str(path), "--validation-file", str(dev)), "empty"
+    )
+
+
+def test_bitsandbytes_missing(train_cli, monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+
+    def without_bnb(name, *args, **kwargs):
+        return None if name == "bitsandbytes" else real_find_spec(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_bnb)
+    assert_clean_error(
+        train_cli("train", "--optim", "adamw-8bit", *QUICK), "bitsandbytes", "pip install"
+    )
+
+
+def test_metrics_json_unwritable_fails_before_training(train_cli, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    proc = train_cli("train", *QUICK, "--metrics-json", str(blocker / "m.json"))
+    assert_clean_error(proc, "--metrics-json")
+    assert "step" not in proc.stdout
