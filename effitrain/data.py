@@ -265,7 +265,12 @@ def load_data(config: TrainConfig) -> LoadedData:
 def tokenize(
     data: LoadedData, tokenizer: PreTrainedTokenizerBase, max_length: int
 ) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """Tokenize both splits (truncating to ``max_length``); keep only model inputs and labels."""
+    """Tokenize both splits (truncating to ``max_length``); keep only model inputs and labels.
+
+    ``max_length`` is capped by the tokenizer's ``model_max_length``: longer inputs would index
+    past the model's position embeddings.
+    """
+    max_length = min(max_length, tokenizer.model_max_length)
 
     def encode(batch: dict[str, list[Any]]) -> dict[str, Any]:
         texts = [["" if t is None else str(t) for t in batch[c]] for c in data.text_columns]

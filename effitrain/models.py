@@ -21,7 +21,13 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny": ("2-layer 64-dim DistilBERT, random init (default; trains the demo in seconds)", {}),
     "small": (
         "4-layer 256-dim DistilBERT, random init",
-        {"dim": 256, "n_layers": 4, "n_heads": 4, "hidden_dim": 1024},
+        {
+            "dim": 256,
+            "n_layers": 4,
+            "n_heads": 4,
+            "hidden_dim": 1024,
+            "max_position_embeddings": 512,
+        },
     ),
     "distilbert-base": (
         "distilbert-base-cased architecture (65.8M params), random init: real-size memory numbers",
@@ -64,6 +70,13 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else exc.__class__.__name__
 
 
+def preset_settings(name: str) -> dict[str, Any]:
+    """DistilBertConfig keyword arguments of a preset (the demo's tiny config plus overrides)."""
+    from effitrain.demo import TINY_MODEL_CONFIG
+
+    return {**TINY_MODEL_CONFIG, **PRESETS[name][1]}
+
+
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     """The tokenizer for a preset, hub id or local folder; a pad token is guaranteed.
 
@@ -73,7 +86,8 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     if name in PRESETS:
         from effitrain.demo import build_tokenizer
 
-        return build_tokenizer()
+        max_positions = preset_settings(name)["max_position_embeddings"]
+        return build_tokenizer(model_max_length=max_positions)
     from transformers import AutoTokenizer
 
     try:
@@ -110,9 +124,7 @@ def load_model(
     if name in PRESETS:
         from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
-        from effitrain.demo import TINY_MODEL_CONFIG
-
-        settings = {**TINY_MODEL_CONFIG, **PRESETS[name][1]}
+        settings = preset_settings(name)
         settings["vocab_size"] = max(settings.get("vocab_size", 0), len(tokenizer))
         settings["pad_token_id"] = tokenizer.pad_token_id
         config = DistilBertConfig(
