@@ -21,6 +21,7 @@ from effitrain.errors import EffitrainError
 
 SCHEDULERS = ("linear", "cosine", "constant")
 MIXED_PRECISION = ("no", "fp16", "bf16")
+SAVE_STRATEGIES = ("steps", "epoch", "no")
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -91,7 +92,24 @@ class TrainConfig:
     log_every: int = _opt(10, "Update the shown loss every this many optimizer steps.")
 
     # --- outputs ---
-    output_dir: str | None = _opt(None, "Folder for checkpoints and the final model.")
+    output_dir: str | None = _opt(
+        None, "Folder for checkpoints (checkpoint-<step>/) and the final model (final/)."
+    )
+    save_every: int | None = _opt(
+        None, "Save a checkpoint every this many optimizer steps (needs --output-dir)."
+    )
+    save_strategy: str = _opt(
+        "steps",
+        "'steps': checkpoints every --save-every steps; 'epoch': also after each epoch's "
+        "evaluation; 'no': none (a stop by signal still saves one).",
+    )
+    save_total_limit: int | None = _opt(
+        None, "Keep at most this many checkpoints; the oldest are deleted after a save succeeds."
+    )
+    resume: str | None = _opt(
+        None,
+        "Continue from 'latest' (newest complete checkpoint in --output-dir) or a checkpoint folder.",
+    )
     metrics_json: str | None = _opt(
         None, "Write the run's metrics as one JSON object to this file."
     )
@@ -134,11 +152,39 @@ class TrainConfig:
             raise EffitrainError(
                 f"--text-columns takes one or two column names (got {len(self.text_columns)})"
             )
+        self._validate_checkpointing()
         # Imported here: the registry module is light, but config must not depend on it at import.
         from effitrain.optim import get_spec
 
         get_spec(self.optim)
         return self
+
+    def _validate_checkpointing(self) -> None:
+        if self.save_strategy not in SAVE_STRATEGIES:
+            raise EffitrainError(
+                f"unknown --save-strategy '{self.save_strategy}'; "
+                f"choose one of: {', '.join(SAVE_STRATEGIES)}"
+            )
+        for name in ("save_every", "save_total_limit"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise EffitrainError(f"{option(name)} must be greater than 0 (got {value})")
+        if self.save_strategy == "no" and self.save_every is not None:
+            raise EffitrainError("--save-every contradicts --save-strategy no; drop one of them")
+        wants_checkpoints = self.save_every is not None or self.save_strategy == "epoch"
+        if wants_checkpoints and not self.output_dir:
+            raise EffitrainError("checkpoints need a folder: add --output-dir DIR")
+        if self.resume == "latest" and not self.output_dir:
+            raise EffitrainError(
+                "--resume latest needs --output-dir (the folder with the checkpoints)"
+            )
+
+    @property
+    def saves_checkpoints(self) -> bool:
+        """Whether periodic checkpoints are on (a signal saves one whenever --output-dir is set)."""
+        return bool(self.output_dir) and (
+            self.save_every is not None or self.save_strategy == "epoch"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from effitrain.loop import TrainResult
+    from effitrain.memory import OptimizerStateLedger
+    from effitrain.state import StateReport
 
 
 @dataclass
@@ -130,7 +132,7 @@ class Reporter:
             f"mixed precision {info.mixed_precision}"
         )
 
-    def progress_started(self, total_steps: int) -> None:
+    def progress_started(self, total_steps: int, completed: int = 0) -> None:
         if not self._chatty or not self.console.is_terminal:
             return
         from rich.progress import (
@@ -153,7 +155,9 @@ class Reporter:
             console=self.console,
             transient=False,
         )
-        self._task = self._progress.add_task("train", total=total_steps, stats="")
+        self._task = self._progress.add_task(
+            "train", total=total_steps, completed=completed, stats=""
+        )
         self._progress.start()
 
     def step_done(self, step: int) -> None:
@@ -202,21 +206,60 @@ class Reporter:
         )
         c.print(optimizer_state_table(result))
         c.print(memory_table(result))
+        if len(result.ranks) > 1 or result.sharding.get("kind", "single") != "single":
+            c.print(ranks_table(result))
 
     def saved_metrics(self, path: str) -> None:
         if self._chatty:
             self._line(f"metrics written to {path}")
 
+    def resumed(self, path: str, global_step: int, epoch: int, step_in_epoch: int) -> None:
+        """Where a resumed run continues (printed even with --quiet)."""
+        if self.enabled:
+            self._line(
+                f"resumed from {path} · step {global_step} · epoch {epoch + 1}, "
+                f"{step_in_epoch} step(s) into it"
+            )
+
+    def checkpoint_saved(self, path: str, step: int) -> None:
+        if self._chatty:
+            self._line(f"checkpoint saved: {path} (step {step})")
+
+    def saved_final(self, path: str) -> None:
+        if self._chatty:
+            self._line(f"model and tokenizer saved to {path} (save_pretrained, safetensors)")
+
+    def stopped(
+        self, signal_name: str, step: int, checkpoint: Path | None, resume_command: str | None
+    ) -> None:
+        """A signal stopped the run: what was kept and how to continue (even with --quiet)."""
+        if not self.enabled:
+            return
+        self.progress_finished()
+        if checkpoint is None:
+            self._line(
+                f"[yellow]stopped[/] by {signal_name} after step {step}; nothing was saved "
+                "(add --output-dir DIR to keep a checkpoint)"
+            )
+            return
+        self._line(
+            f"[yellow]stopped[/] by {signal_name} after step {step}; checkpoint: {checkpoint}"
+        )
+        self._line(f"resume with: {resume_command}")
+
 
 def optimizer_state_table(result: TrainResult) -> Any:
     """Per state key: tensors, elements, bytes, dtypes; then the total."""
+    return ledger_table(
+        result.optimizer_state, f"Optimizer state: {result.optimizer} ({result.optimizer_class})"
+    )
+
+
+def ledger_table(ledger: OptimizerStateLedger, title: str) -> Any:
+    """A measured optimizer-state ledger as a table: one row per state key, then the total."""
     from rich.table import Table
 
-    ledger = result.optimizer_state
-    table = Table(
-        title=f"Optimizer state: {result.optimizer} ({result.optimizer_class})",
-        title_justify="left",
-    )
+    table = Table(title=title, title_justify="left")
     table.add_column("state key")
     table.add_column("tensors", justify="right")
     table.add_column("elements", justify="right")
@@ -278,6 +321,42 @@ def memory_table(result: TrainResult) -> Any:
     return table
 
 
+def ranks_table(result: TrainResult) -> Any:
+    """Per process: optimizer state, parameters, peak memory; then the total over processes.
+
+    The title names the sharding in use (DDP replicates, FSDP/ZeRO shard: the totals say what
+    the whole job holds).
+    """
+    from rich.table import Table
+
+    description = result.sharding.get("description", f"{result.num_processes} processes")
+    table = Table(title=f"Per rank: {description}", title_justify="left")
+    table.add_column("rank", justify="right")
+    table.add_column("device")
+    table.add_column("optimizer state", justify="right")
+    table.add_column("parameters", justify="right")
+    table.add_column("peak memory", justify="right")
+    for entry in result.ranks:
+        table.add_row(
+            str(entry["rank"]),
+            entry["device"],
+            format_bytes(entry["optimizer_state_bytes"]),
+            format_bytes(entry["parameter_bytes"]),
+            format_bytes(entry["peak_memory_bytes"]),
+        )
+    totals = result.ranks_total
+    if totals:
+        table.add_section()
+        table.add_row(
+            "[bold]total[/]",
+            "",
+            f"[bold]{format_bytes(totals['optimizer_state_bytes'])}[/]",
+            format_bytes(totals["parameter_bytes"]),
+            format_bytes(totals["peak_memory_bytes"]),
+        )
+    return table
+
+
 def write_metrics_json(path: str | Path, metrics: dict[str, Any]) -> None:
     """Write the run's metrics as one JSON object (atomically: no half-written file)."""
     path = Path(path)
@@ -288,3 +367,67 @@ def write_metrics_json(path: str | Path, metrics: dict[str, Any]) -> None:
         tmp.replace(path)
     except OSError as exc:
         raise EffitrainError(f"cannot write --metrics-json {path}: {exc.strerror}") from exc
+
+
+# --------------------------------------------------------------------------------------------
+# effitrain inspect-state
+# --------------------------------------------------------------------------------------------
+
+
+def _hyperparameters(group: dict[str, Any]) -> str:
+    shown = {k: v for k, v in group.items() if k != "params" and v is not None and v is not False}
+    return ", ".join(f"{k}={v}" for k, v in shown.items())
+
+
+def print_state_report(report: StateReport, top: int, console: Console | None = None) -> None:
+    """``effitrain inspect-state``: summary, per-key table, largest states, AdamW comparison."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(highlight=False)
+
+    def line(text: str) -> None:
+        console.print(text, soft_wrap=True)
+
+    name = (
+        f"{report.optimizer_name} ({report.optimizer_class})"
+        if report.optimizer_name
+        else (
+            f"{report.optimizer_class} (inferred from the state keys)"
+            if report.optimizer_inferred
+            else report.optimizer_class
+        )
+    )
+    line(f"[bold]{report.path}[/] · {report.format}")
+    for file in report.files:
+        line(f"  file       {file}")
+    line(f"  optimizer  [cyan]{name}[/]")
+    line(f"  state for  {report.ledger.params_with_state:,} parameters")
+    line(f"  step       {report.step if report.step is not None else 'unknown'}")
+    for index, group in enumerate(report.param_groups):
+        line(f"  group {index}    {group.get('params', '?')} params · {_hyperparameters(group)}")
+    console.print(ledger_table(report.ledger, "Optimizer state by key"))
+
+    table = Table(title=f"Largest per-parameter states (top {top})", title_justify="left")
+    for column in ("parameter", "shape", "state keys", "bytes", "second moment"):
+        table.add_column(column, justify="right" if column == "bytes" else "left")
+    for row in report.params[:top]:
+        shape = "×".join(str(d) for d in row.shape) if row.shape is not None else "?"
+        table.add_row(
+            row.parameter, shape, ", ".join(row.keys), format_bytes(row.bytes), row.second_moment
+        )
+    console.print(table)
+
+    adamw = report.adamw_equivalent_bytes
+    state = report.ledger.bytes
+    ratio = f"{state / adamw:.1%} of AdamW" if adamw else "no AdamW reference"
+    line(
+        f"total [bold]{format_bytes(state)}[/] ({ratio}) · AdamW (fp32) would keep "
+        f"{format_bytes(adamw)} for the same {len(report.params) - report.params_without_shape:,} "
+        "parameters (shapes inferred from the state)"
+    )
+    if report.params_without_shape:
+        line(
+            f"[yellow]note:[/] {report.params_without_shape} parameter(s) with state of unknown "
+            "shape are left out of the AdamW figure"
+        )

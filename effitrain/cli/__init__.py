@@ -62,6 +62,7 @@ def user_errors() -> Iterator[None]:
 
 
 # Register the commands (each module is light: heavy imports live inside the functions).
+from effitrain.cli import inspect_state as _inspect_state  # noqa: E402,F401
 from effitrain.cli import optimizers as _optimizers  # noqa: E402,F401
 from effitrain.cli import train as _train  # noqa: E402,F401
 

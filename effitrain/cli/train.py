@@ -58,6 +58,10 @@ def train(
     seed: Annotated[int | None, _opt("seed", LOOP)] = None,
     log_every: Annotated[int | None, _opt("log_every", LOOP)] = None,
     output_dir: Annotated[str | None, _opt("output_dir", OUT)] = None,
+    save_every: Annotated[int | None, _opt("save_every", OUT)] = None,
+    save_strategy: Annotated[str | None, _opt("save_strategy", OUT)] = None,
+    save_total_limit: Annotated[int | None, _opt("save_total_limit", OUT)] = None,
+    resume: Annotated[str | None, _opt("resume", OUT)] = None,
     metrics_json: Annotated[str | None, _opt("metrics_json", OUT)] = None,
     quiet: Annotated[bool | None, _opt("quiet", OUT)] = None,
 ) -> None:
@@ -80,10 +84,15 @@ def train(
 def run(config) -> None:  # noqa: ANN001 - TrainConfig, imported lazily
     """Train, print the results, write the metrics JSON."""
     _quiet_libraries()
+    from effitrain.loop import TrainingStopped
     from effitrain.loop import train as train_loop
     from effitrain.report import Reporter, write_metrics_json
 
-    result = train_loop(config)
+    try:
+        result = train_loop(config)
+    except TrainingStopped as stop:
+        # A signal stopped the run; the loop saved a checkpoint and said how to resume.
+        raise typer.Exit(stop.exit_code) from None
     from accelerate import PartialState
 
     state = PartialState()
@@ -102,3 +111,4 @@ def _quiet_libraries() -> None:
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
     transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()  # save_pretrained's 'Writing model shards'

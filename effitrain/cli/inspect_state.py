@@ -1,0 +1,46 @@
+"""``effitrain inspect-state``: what is inside a checkpoint's optimizer state (read safely)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from effitrain.cli import app, user_errors
+
+
+@app.command("inspect-state")
+def inspect_state(
+    path: Annotated[
+        Path,
+        typer.Argument(
+            help="An effitrain checkpoint folder, an accelerate save_state folder, a Trainer "
+            "checkpoint folder, an output folder with checkpoint-* folders, or a torch.save file.",
+            show_default=False,
+        ),
+    ],
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object instead of tables.")
+    ] = False,
+    top: Annotated[
+        int, typer.Option("--top", min=1, help="How many of the largest per-parameter states.")
+    ] = 10,
+) -> None:
+    """Show the optimizer state in a checkpoint: keys, sizes, the largest states, AdamW's cost.
+
+    Files are never unpickled with code execution: only torch.save zip archives are read, with
+    weights_only=True, after checking which globals they would import.
+    """
+    with user_errors():
+        from effitrain.state import inspect_state as read_state
+
+        report = read_state(path)
+        if as_json:
+            import json
+
+            typer.echo(json.dumps(report.to_dict(top=top), indent=2))
+            return
+        from effitrain.report import print_state_report
+
+        print_state_report(report, top)

@@ -1,0 +1,182 @@
+"""The built-in offline demo: an MRPC-shaped paraphrase dataset, a tokenizer, a tiny model preset.
+
+Nothing here downloads anything, and importing this module imports nothing heavy:
+``datasets``, ``tokenizers`` and ``transformers`` are imported inside the functions.
+
+The task: given two short news-style sentences, say whether the second is a paraphrase of
+the first (label 1, ``equivalent``) or not (label 0, ``not_equivalent``). Paraphrases reword
+the first sentence with synonyms, active/passive voice and moved time phrases or clauses;
+non-paraphrases are restyled the same way but change exactly one content word or phrase
+(who, what was done, to what, when, where, how). See ``_generate.py``.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING
+
+from effitrain.demo._generate import generate_pairs
+from effitrain.demo._lexicon import all_words
+
+if TYPE_CHECKING:  # pragma: no cover
+    import datasets
+    import transformers
+
+__all__ = [
+    "DEMO_LABEL_NAMES",
+    "RECOMMENDED",
+    "TINY_MODEL_CONFIG",
+    "build_demo_dataset",
+    "build_tokenizer",
+]
+
+#: label names, in label-id order (MRPC's naming)
+DEMO_LABEL_NAMES: list[str] = ["not_equivalent", "equivalent"]
+
+DEFAULT_NUM_TRAIN = 3000
+DEFAULT_NUM_VALIDATION = 400
+
+#: kwargs for ``transformers.DistilBertConfig`` for the default "tiny" preset. The caller sets
+#: ``vocab_size=len(tokenizer)`` (the value below is what ``build_tokenizer()`` gives) and
+#: ``num_labels``.
+TINY_MODEL_CONFIG: dict = {
+    "vocab_size": 0,  # replaced below by the real size of the demo tokenizer
+    "max_position_embeddings": 64,
+    "sinusoidal_pos_embds": False,
+    "n_layers": 2,
+    "n_heads": 4,
+    "dim": 128,
+    "hidden_dim": 256,
+    "dropout": 0.1,
+    "attention_dropout": 0.1,
+    "activation": "gelu",
+    "initializer_range": 0.02,
+    "seq_classif_dropout": 0.1,
+    "pad_token_id": 0,
+}
+
+#: what was measured to work for the demo with the tiny preset (see the project notes)
+RECOMMENDED: dict = {
+    "epochs": 5,
+    "batch_size": 32,
+    "max_length": 64,
+    "warmup_ratio": 0.1,
+    "weight_decay": 0.01,
+    "lr": {
+        "adamw": 1e-3,
+        "adafactor": 3e-2,
+        "adafactor-hf": 1e-3,
+        "adamw-8bit": 1e-3,
+        "sgd": 5e-2,
+    },
+}
+
+_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789"
+_PUNCT = "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"
+
+
+def _vocab_list() -> list[str]:
+    """The tokenizer's vocabulary, in id order: specials, characters, demo words."""
+    vocab = list(_SPECIAL_TOKENS)
+    vocab += list(_CHARS) + list(_PUNCT)
+    vocab += ["##" + c for c in _CHARS]
+    seen = set(vocab)
+    vocab += [w for w in all_words() if w not in seen]
+    return vocab
+
+
+TINY_MODEL_CONFIG["vocab_size"] = len(_vocab_list())
+
+
+def build_demo_dataset(
+    seed: int = 0,
+    num_train: int = DEFAULT_NUM_TRAIN,
+    num_validation: int = DEFAULT_NUM_VALIDATION,
+) -> datasets.DatasetDict:
+    """The demo paraphrase dataset: splits ``train`` and ``validation`` with columns
+    ``sentence1``, ``sentence2`` (str) and ``label`` (ClassLabel, ``DEMO_LABEL_NAMES``).
+
+    Fully determined by the arguments (its own ``random.Random``, never the global RNG).
+    Labels are balanced (half each). The validation sentence1s never express a meaning used
+    by any training sentence1, so validation pairs are never copies of training pairs.
+    """
+    import datasets
+
+    if num_train < 1 or num_validation < 1:
+        raise ValueError("num_train and num_validation must be at least 1")
+
+    train_rng = random.Random(seed * 1_000_003 + 17)
+    validation_rng = random.Random(seed * 1_000_003 + 29)
+    train, train_meanings = generate_pairs(train_rng, num_train)
+    validation, _ = generate_pairs(
+        validation_rng,
+        num_validation,
+        exclude_pairs={(s1, s2) for s1, s2, _ in train},
+        exclude_meanings=train_meanings,
+    )
+
+    features = datasets.Features(
+        {
+            "sentence1": datasets.Value("string"),
+            "sentence2": datasets.Value("string"),
+            "label": datasets.ClassLabel(names=list(DEMO_LABEL_NAMES)),
+        }
+    )
+
+    def to_dataset(rows: list[tuple[str, str, int]]) -> datasets.Dataset:
+        return datasets.Dataset.from_dict(
+            {
+                "sentence1": [r[0] for r in rows],
+                "sentence2": [r[1] for r in rows],
+                "label": [r[2] for r in rows],
+            },
+            features=features,
+        )
+
+    return datasets.DatasetDict({"train": to_dataset(train), "validation": to_dataset(validation)})
+
+
+def build_tokenizer(model_max_length: int = 512) -> transformers.PreTrainedTokenizerFast:
+    """A BERT-style WordPiece tokenizer built in memory, no download.
+
+    The vocabulary is the demo words plus the special tokens and single characters (and
+    ``##``-prefixed letters and digits), so any English text still tokenizes: words outside the
+    demo vocabulary fall back to characters instead of ``[UNK]``. Lowercases like
+    ``bert-base-uncased``. Pairs are encoded ``[CLS] A [SEP] B [SEP]``.
+
+    ``model_input_names`` is ``input_ids`` and ``attention_mask`` (what DistilBERT takes);
+    ``token_type_ids`` (0 for A, 1 for B) are still produced on request with
+    ``return_token_type_ids=True``.
+    """
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
+    from tokenizers.decoders import WordPiece as WordPieceDecoder
+    from tokenizers.models import WordPiece
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(_vocab_list())}
+    tok = Tokenizer(WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
+    tok.normalizer = normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=True
+    )
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    cls_id, sep_id = vocab["[CLS]"], vocab["[SEP]"]
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A:0 [SEP]:0 $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+    )
+    tok.decoder = WordPieceDecoder(prefix="##")
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_max_length=model_max_length,
+        padding_side="right",
+        truncation_side="right",
+        model_input_names=["input_ids", "attention_mask"],
+    )

@@ -1,0 +1,172 @@
+"""Deterministic generator of MRPC-shaped sentence pairs (pure Python, no heavy imports).
+
+A *meaning* is a choice of one meaning group per slot (subject, verb, noun, and optionally
+adjective, time, place, clause). A sentence renders a meaning with a random choice of
+synonyms, active or passive voice, and a fronted or trailing time phrase or clause.
+
+- label 1 (equivalent): sentence2 renders the *same* meaning as sentence1, independently
+  restyled, so the two usually differ on the surface (synonyms, voice, word order).
+- label 0 (not_equivalent): sentence2 renders the meaning with exactly *one* slot moved to a
+  different meaning group, and is restyled the same way, so style tells nothing about the label.
+
+The only way to tell the labels apart is to line up the content words of the two sentences
+(modulo synonyms) and notice the one that has no counterpart.
+"""
+
+from __future__ import annotations
+
+import random
+
+from effitrain.demo._lexicon import SLOTS
+
+Meaning = dict[str, int | None]
+
+#: probability that an optional slot is present in a meaning
+_OPTIONAL = {"adjective": 0.6, "time": 0.7, "place": 0.35, "clause": 0.3}
+#: how often each present slot is the one changed in a non-paraphrase
+_REPLACE_WEIGHT = {
+    "subject": 3.0,
+    "verb": 3.0,
+    "noun": 3.0,
+    "adjective": 1.5,
+    "time": 1.5,
+    "place": 1.0,
+    "clause": 1.0,
+}
+#: how sentence2 is restyled from sentence1 (the same way for both labels): the chance that a
+#: slot switches to another synonym, that the voice flips, that a different phrase is fronted
+STYLE = {"synonym": 0.3, "passive": 0.3, "front": 0.3}
+_PROPER = {
+    "monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday",
+    "january", "march", "may", "june", "september", "november",
+    "london", "paris", "new", "york", "tokyo", "berlin", "sydney", "chicago", "boston",
+    "madrid", "toronto", "rome", "washington",
+}  # fmt: skip
+
+
+def _sample_meaning(rng: random.Random) -> Meaning:
+    meaning: Meaning = {}
+    for slot, groups in SLOTS.items():
+        if slot in _OPTIONAL and rng.random() >= _OPTIONAL[slot]:
+            meaning[slot] = None
+        else:
+            meaning[slot] = rng.randrange(len(groups))
+    return meaning
+
+
+#: how many slots a non-paraphrase changes (weights)
+CHANGES = {1: 1.0}
+
+
+def _perturb(meaning: Meaning, rng: random.Random) -> Meaning:
+    """Change some present slots (how many: ``CHANGES``) to a different meaning group."""
+    k = rng.choices(list(CHANGES), weights=list(CHANGES.values()))[0]
+    changed = dict(meaning)
+    present = [slot for slot, value in meaning.items() if value is not None]
+    for _ in range(min(k, len(present))):
+        slot = rng.choices(present, weights=[_REPLACE_WEIGHT[s] for s in present])[0]
+        present.remove(slot)
+        choices = [i for i in range(len(SLOTS[slot])) if i != meaning[slot]]
+        changed[slot] = rng.choice(choices)
+    return changed
+
+
+def _proper_case(phrase: str) -> str:
+    return " ".join(w.capitalize() if w in _PROPER else w for w in phrase.split())
+
+
+Style = dict  # {"form": {slot: index in group}, "passive": bool, "front": "time" | "clause" | None}
+
+
+def _random_style(rng: random.Random) -> Style:
+    return {
+        "form": {slot: rng.randrange(3) for slot in SLOTS},
+        "passive": rng.random() < 0.5,
+        "front": rng.choice(("time", "clause")) if rng.random() < 0.4 else None,
+    }
+
+
+def _restyle(style: Style, rng: random.Random) -> Style:
+    """The style of sentence2: sentence1's, with some choices redrawn (``STYLE``)."""
+    form = {
+        slot: (index + 1 + rng.randrange(2)) % 3 if rng.random() < STYLE["synonym"] else index
+        for slot, index in style["form"].items()
+    }
+    passive = not style["passive"] if rng.random() < STYLE["passive"] else style["passive"]
+    front = style["front"]
+    if rng.random() < STYLE["front"]:
+        front = rng.choice([f for f in ("time", "clause", None) if f != front])
+    return {"form": form, "passive": passive, "front": front}
+
+
+def _render(meaning: Meaning, style: Style) -> str:
+    word = {
+        slot: (
+            SLOTS[slot][value][style["form"][slot] % len(SLOTS[slot][value])]
+            if value is not None
+            else None
+        )
+        for slot, value in meaning.items()
+    }
+    obj = "the " + (f"{word['adjective']} " if word["adjective"] else "") + word["noun"]
+    if style["passive"]:
+        core = [obj, "was", word["verb"], "by", word["subject"]]
+    else:
+        core = [word["subject"], word["verb"], obj]
+
+    tail = []
+    if word["place"]:
+        tail.append(_proper_case(word["place"]))
+    time = _proper_case(word["time"]) if word["time"] else None
+    clause = word["clause"]
+    # at most one phrase moves to the front, MRPC-style: "On Monday, the committee ..."
+    fronted = {"time": time, "clause": clause, None: None}[style["front"]]
+    for phrase in (time, clause):
+        if phrase and phrase != fronted:
+            tail.append(phrase)
+
+    text = " ".join(core + tail)
+    if fronted:
+        text = f"{fronted}, {text}"
+    return text[0].upper() + text[1:] + "."
+
+
+def _key(meaning: Meaning) -> tuple:
+    return tuple(sorted(meaning.items()))
+
+
+def generate_pairs(
+    rng: random.Random,
+    n: int,
+    *,
+    exclude_pairs: set[tuple[str, str]] | None = None,
+    exclude_meanings: set[tuple] | None = None,
+) -> tuple[list[tuple[str, str, int]], set[tuple]]:
+    """``n`` distinct (sentence1, sentence2, label) triples, exactly half of each label
+    (label 1 gets the extra one when ``n`` is odd), in shuffled order.
+
+    Pairs in ``exclude_pairs`` and sentence1 meanings in ``exclude_meanings`` are never
+    produced. Returns the triples and the set of sentence1 meanings used.
+    """
+    exclude_pairs = exclude_pairs or set()
+    exclude_meanings = exclude_meanings or set()
+    labels = [1] * (n - n // 2) + [0] * (n // 2)
+    rng.shuffle(labels)
+    seen: set[tuple[str, str]] = set()
+    meanings: set[tuple] = set()
+    out: list[tuple[str, str, int]] = []
+    for label in labels:
+        while True:
+            meaning = _sample_meaning(rng)
+            if _key(meaning) in exclude_meanings:
+                continue
+            other = meaning if label == 1 else _perturb(meaning, rng)
+            style = _random_style(rng)
+            s1, s2 = _render(meaning, style), _render(other, _restyle(style, rng))
+            if (s1, s2) in seen or (s1, s2) in exclude_pairs:
+                continue
+            break
+        seen.add((s1, s2))
+        meanings.add(_key(meaning))
+        out.append((s1, s2, label))
+    return out, meanings

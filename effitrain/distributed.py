@@ -1,0 +1,398 @@
+"""Running under ``accelerate launch``: what sharding is in use, what it does to the optimizer,
+and what every rank really holds in memory.
+
+effitrain does not invent its own distribution. Accelerate decides (DDP, FSDP1, FSDP2,
+DeepSpeed ZeRO) from its config; this module reads that decision and, *before* training starts:
+
+- refuses combinations that cannot work, with one line giving the reason and the alternative
+  (FSDP2 + Adafactor or bitsandbytes 8-bit crash on DTensor parameters; FSDP1 without
+  ``use_orig_params`` leaves an optimizer built before ``prepare`` holding orphaned parameters,
+  so nothing trains; a DeepSpeed config with its own optimizer or scheduler section; ZeRO
+  optimizer offload with a client optimizer; processes that were launched together but would
+  each train alone);
+- warns where a combination works but loses the point (FSDP1 and DeepSpeed hand the optimizer
+  flat 1-D shards, so Adafactor keeps a full second moment instead of row/column factors);
+- sets ``zero_allow_untested_optimizer`` for DeepSpeed, since effitrain always passes its own
+  (client) optimizer.
+
+After training, :func:`gather_rank_memory` collects each rank's optimizer-state bytes, parameter
+bytes, peak memory and a parameter checksum on every process (all ranks must call it).
+
+The sharding rules read plain attributes of Accelerate's state (``distributed_type``,
+``num_processes``, ``backend``, ``fsdp_plugin``, ``deepspeed_plugin``), so they are tested with
+stand-in objects; torch and accelerate are imported inside the functions only.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from effitrain import memory
+from effitrain.errors import EffitrainError
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from effitrain.config import TrainConfig
+    from effitrain.report import Reporter
+
+FACTORED_OPTIMIZERS = frozenset({"adafactor", "adafactor-hf"})
+"""Optimizers whose savings come from factoring the second moment of >=2-D weights."""
+
+DTENSOR_INCOMPATIBLE = {
+    "adafactor": "torch.optim.Adafactor",
+    "adafactor-hf": "transformers' Adafactor",
+    "adamw-8bit": "bitsandbytes' 8-bit AdamW",
+}
+"""Optimizers that crash on FSDP2's DTensor parameters (checked with torch 2.13, bnb 0.50.2)."""
+
+RANK_FIELDS = ("optimizer_state_bytes", "parameter_bytes", "peak_memory_bytes")
+"""Per-rank byte counts that :func:`rank_totals` sums over ranks."""
+
+_ASKED_BY_ENV = {
+    "ACCELERATE_USE_FSDP": ("FSDP", ("fsdp1", "fsdp2")),
+    "ACCELERATE_USE_DEEPSPEED": ("DeepSpeed", ("deepspeed",)),
+}
+"""What ``accelerate launch`` asked for (environment variable -> name, sharding kinds)."""
+
+DDP_CONFIG = "configs/accelerate/multi-gpu-ddp.yaml"
+CPU_CONFIG = "configs/accelerate/cpu-2proc.yaml"
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How Accelerate will distribute this run, as far as the optimizer is concerned."""
+
+    kind: str
+    """``single``, ``ddp``, ``fsdp1``, ``fsdp2``, ``deepspeed`` or ``other``."""
+    description: str
+    """One human line, e.g. ``DDP over 2 processes (gloo)``."""
+    num_processes: int
+    flat_params: bool = False
+    """The optimizer sees flattened 1-D shards (FSDP1, DeepSpeed ZeRO), not the model's shapes."""
+    dtensor_params: bool = False
+    """The optimizer sees DTensor parameters (FSDP2)."""
+    zero_stage: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class RankMemory:
+    """What one process holds at the end of training (one entry of ``--metrics-json`` ``ranks``)."""
+
+    rank: int
+    optimizer_state_bytes: int
+    parameter_bytes: int
+    peak_memory_bytes: int
+    peak_memory_kind: str
+    parameter_checksum: float
+    """Sum of this rank's local parameter values in float64: equal on every DDP rank."""
+    device: str
+
+
+# --------------------------------------------------------------------------------------------
+# Before the Accelerator exists
+# --------------------------------------------------------------------------------------------
+
+
+def launched_world_size() -> int:
+    """Number of processes the launcher started (``WORLD_SIZE``; 1 when not launched)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def _has_distributed_accelerator() -> bool:
+    """True when this machine has a device type with a distributed backend (CUDA, XPU, …)."""
+    import torch
+
+    try:
+        from accelerate.utils import get_distributed_backend, get_torch_accelerator_backend
+    except ImportError:  # older accelerate
+        return torch.cuda.is_available()
+    device_type, _ = get_torch_accelerator_backend()
+    return get_distributed_backend(device_type) is not None
+
+
+def cpu_for_launch() -> bool:
+    """Check the launch before the Accelerator exists; return the Accelerator's ``cpu`` argument.
+
+    ``accelerate launch --multi_gpu`` (or a config with ``distributed_type: MULTI_GPU``) on a
+    machine without GPUs starts N processes that each train alone, unless
+    ``ACCELERATE_USE_CPU=1`` is set; ``use_cpu: true`` in a config file is not passed on to them.
+    With several processes and no GPU, CPU processes over gloo are the only meaningful choice,
+    so this returns True then.
+
+    Raises:
+        EffitrainError: the launch asks for DeepSpeed, which is not installed.
+    """
+    import importlib.util
+
+    wants_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if wants_deepspeed and importlib.util.find_spec("deepspeed") is None:
+        raise EffitrainError(
+            "the accelerate config asks for DeepSpeed, which is not installed: pip install deepspeed"
+        )
+    return launched_world_size() > 1 and not _has_distributed_accelerator()
+
+
+# --------------------------------------------------------------------------------------------
+# What Accelerate decided
+# --------------------------------------------------------------------------------------------
+
+
+def _enum_value(value: Any) -> str:
+    return str(getattr(value, "value", value))
+
+
+def _fsdp1_strategy(plugin: Any) -> str:
+    strategy = getattr(plugin, "sharding_strategy", None) or getattr(
+        plugin, "reshard_after_forward", None
+    )
+    return str(getattr(strategy, "name", strategy or "FULL_SHARD"))
+
+
+def detect_sharding(state: Any) -> Sharding:
+    """Read Accelerate's state (an ``AcceleratorState`` or anything with its attributes).
+
+    Reads ``distributed_type``, ``num_processes``, ``backend``, and ``fsdp_plugin``
+    (``fsdp_version``, ``use_orig_params``, ``reshard_after_forward``/``sharding_strategy``) or
+    ``deepspeed_plugin`` (``zero_stage``).
+    """
+    kind = _enum_value(getattr(state, "distributed_type", "NO"))
+    n = int(getattr(state, "num_processes", 1))
+    backend = getattr(state, "backend", None)
+    over = f"over {n} process{'es' if n != 1 else ''}" + (f" ({backend})" if backend else "")
+    if kind == "NO":
+        return Sharding("single", "single process (no sharding)", n)
+    if kind == "FSDP":
+        plugin = getattr(state, "fsdp_plugin", None)
+        version = int(getattr(plugin, "fsdp_version", 1) or 1)
+        if version >= 2:
+            reshard = getattr(plugin, "reshard_after_forward", True)
+            mode = "full shard" if reshard in (True, None) else "no reshard after forward"
+            return Sharding("fsdp2", f"FSDP2 {mode} {over}", n, dtensor_params=True)
+        orig = bool(getattr(plugin, "use_orig_params", False))
+        return Sharding(
+            "fsdp1",
+            f"FSDP1 {_fsdp1_strategy(plugin)}, use_orig_params={orig} {over}",
+            n,
+            flat_params=True,
+        )
+    if kind == "DEEPSPEED":
+        stage = getattr(getattr(state, "deepspeed_plugin", None), "zero_stage", None)
+        stage = int(stage) if stage is not None else None
+        return Sharding(
+            "deepspeed",
+            f"DeepSpeed ZeRO-{stage} {over}",
+            n,
+            flat_params=bool(stage),
+            zero_stage=stage,
+        )
+    if kind.startswith("MULTI_"):
+        return Sharding("ddp", f"DDP {over}", n)
+    return Sharding("other", f"{kind} {over}", n)
+
+
+# --------------------------------------------------------------------------------------------
+# What that means for the optimizer
+# --------------------------------------------------------------------------------------------
+
+
+def _deepspeed_config(state: Any) -> dict[str, Any]:
+    config = getattr(getattr(state, "deepspeed_plugin", None), "deepspeed_config", None)
+    return config if isinstance(config, dict) else {}
+
+
+def _offload_device(ds_config: Mapping[str, Any]) -> str:
+    zero = ds_config.get("zero_optimization") or {}
+    offload = zero.get("offload_optimizer") or {}
+    return str(offload.get("device") or "none").lower()
+
+
+def _check_launch(state: Any, sharding: Sharding) -> None:
+    """Processes that were launched together must really work together."""
+    launched = launched_world_size()
+    if launched > 1 and sharding.num_processes != launched:
+        raise EffitrainError(
+            f"{launched} processes were launched but each would train alone "
+            f"(Accelerate sees {sharding.num_processes}); on a machine without GPUs set "
+            f"ACCELERATE_USE_CPU=1 or launch with --config_file {CPU_CONFIG}"
+        )
+    for variable, (name, kinds) in _ASKED_BY_ENV.items():
+        if os.environ.get(variable, "false").lower() == "true" and sharding.kind not in kinds:
+            raise EffitrainError(
+                f"the accelerate config asks for {name}, but this run is {sharding.description} "
+                f"({name} needs GPUs); on CPU use --config_file {CPU_CONFIG} (plain DDP)"
+            )
+
+
+def _fsdp_rules(sharding: Sharding, state: Any, optim: str) -> list[str]:
+    if sharding.kind == "fsdp2" and optim in DTENSOR_INCOMPATIBLE:
+        alternative = (
+            "use DDP (" + DDP_CONFIG + "), where Adafactor keeps its factored savings, "
+            "or --optim adamw with FSDP2"
+            if optim in FACTORED_OPTIMIZERS
+            else "use DDP (" + DDP_CONFIG + "), FSDP1 with fsdp_use_orig_params: true, "
+            "or --optim adamw with FSDP2"
+        )
+        raise EffitrainError(
+            f"--optim {optim} cannot run under FSDP2: {DTENSOR_INCOMPATIBLE[optim]} crashes on "
+            f"FSDP2's sharded DTensor parameters; {alternative}"
+        )
+    if sharding.kind != "fsdp1":
+        return []
+    if not bool(getattr(getattr(state, "fsdp_plugin", None), "use_orig_params", False)):
+        raise EffitrainError(
+            "FSDP1 with use_orig_params false replaces the parameters that effitrain's optimizer "
+            "holds, so nothing would train; set fsdp_use_orig_params: true in the accelerate "
+            "config, or use FSDP2 (fsdp_version: 2)"
+        )
+    if optim in FACTORED_OPTIMIZERS:
+        return [
+            f"FSDP1 hands the optimizer flattened 1-D parameter shards: {optim} cannot factor "
+            "them and keeps a full second moment (4 bytes per parameter, half of AdamW, not ~0); "
+            f"for Adafactor's savings use DDP ({DDP_CONFIG})"
+        ]
+    return []
+
+
+def _deepspeed_rules(sharding: Sharding, state: Any, optim: str) -> list[str]:
+    if sharding.kind != "deepspeed":
+        return []
+    ds_config = _deepspeed_config(state)
+    for section in ("optimizer", "scheduler"):
+        if section in ds_config:
+            raise EffitrainError(
+                f"the DeepSpeed config has its own '{section}' section, but effitrain builds the "
+                f"{section} from its options (--optim, --scheduler); remove that section"
+            )
+    if ds_config.get("zero_allow_untested_optimizer") is False:
+        raise EffitrainError(
+            "the DeepSpeed config sets zero_allow_untested_optimizer: false, but effitrain always "
+            f"passes its own optimizer (--optim {optim}); set it to true or remove it"
+        )
+    offload = _offload_device(ds_config)
+    notes = []
+    if offload not in ("none", ""):
+        if ds_config.get("zero_force_ds_cpu_optimizer", True) is not False:
+            raise EffitrainError(
+                f"DeepSpeed offload_optimizer to {offload} needs DeepSpeed's own CPU Adam, not "
+                f"effitrain's --optim {optim}; remove offload_optimizer from the DeepSpeed config "
+                "(or, knowing it runs the optimizer slowly on the CPU, set "
+                "zero_force_ds_cpu_optimizer: false)"
+            )
+        notes.append(f"DeepSpeed offloads the optimizer to {offload}: --optim {optim} runs there")
+    if sharding.flat_params and optim in FACTORED_OPTIMIZERS:
+        notes.append(
+            f"DeepSpeed ZeRO-{sharding.zero_stage} hands the optimizer flat 1-D partitions: "
+            f"{optim} cannot factor them and keeps a full second moment (4 bytes per parameter, "
+            f"half of AdamW, not ~0); for Adafactor's savings use DDP ({DDP_CONFIG})"
+        )
+    return notes
+
+
+def optimizer_notes(state: Any, optim: str) -> list[str]:
+    """What the sharding in ``state`` does to optimizer ``optim``, before anything is built.
+
+    Returns:
+        Notes for combinations that work but lose something (empty when all is well).
+
+    Raises:
+        EffitrainError: the combination cannot work; the message gives the reason and the
+            alternative.
+    """
+    sharding = detect_sharding(state)
+    _check_launch(state, sharding)
+    return _fsdp_rules(sharding, state, optim) + _deepspeed_rules(sharding, state, optim)
+
+
+def _fill_deepspeed_autos(state: Any, config: TrainConfig) -> None:
+    """Let DeepSpeed run effitrain's client optimizer, and fill batch sizes it cannot infer.
+
+    effitrain prepares the dataloaders apart from the model, so Accelerate cannot fill an
+    ``auto`` micro-batch size when it prepares the model.
+    """
+    ds_config = _deepspeed_config(state)
+    ds_config["zero_allow_untested_optimizer"] = True
+    n = int(getattr(state, "num_processes", 1))
+    if ds_config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+        ds_config["train_micro_batch_size_per_gpu"] = config.batch_size
+    if ds_config.get("train_batch_size", "auto") == "auto":
+        ds_config["train_batch_size"] = config.batch_size * config.grad_accum * n
+
+
+def check_sharding(accelerator: Accelerator, config: TrainConfig, reporter: Reporter) -> Sharding:
+    """Call after the Accelerator exists and before ``prepare(model, optimizer, …)``.
+
+    Refuses impossible combinations (:class:`EffitrainError`), prints a note for lossy ones,
+    and readies a DeepSpeed config for effitrain's client optimizer.
+    """
+    state = accelerator.state
+    for note in optimizer_notes(state, config.optim):
+        reporter.note(note)
+    sharding = detect_sharding(state)
+    if sharding.kind == "deepspeed":
+        _fill_deepspeed_autos(state, config)
+    return sharding
+
+
+# --------------------------------------------------------------------------------------------
+# After training: every rank's memory, on every rank
+# --------------------------------------------------------------------------------------------
+
+
+def _local_parameters(model: Any) -> list[Any]:
+    """This rank's parameter storage: DeepSpeed ZeRO-3 keeps it in ``ds_tensor``."""
+    return [getattr(p, "ds_tensor", p) for p in model.parameters()]
+
+
+def parameter_checksum(model: Any) -> float:
+    """Sum of this rank's local parameter values in float64 (DTensors: the local shard)."""
+    import torch
+
+    total = torch.zeros((), dtype=torch.float64)
+    with torch.no_grad():
+        for p in _local_parameters(model):
+            local = p.to_local() if hasattr(p, "to_local") else p
+            total += local.detach().to(torch.float64).sum().cpu()
+    return float(total)
+
+
+def local_rank_memory(accelerator: Accelerator, model: Any, optimizer: Any) -> RankMemory:
+    """Measure what this process holds now."""
+    peak, kind = memory.peak_memory_bytes(accelerator.device)
+    return RankMemory(
+        rank=accelerator.process_index,
+        optimizer_state_bytes=memory.optimizer_state_ledger(optimizer).bytes,
+        parameter_bytes=memory.parameter_bytes(_local_parameters(model)),
+        peak_memory_bytes=peak,
+        peak_memory_kind=kind,
+        parameter_checksum=parameter_checksum(model),
+        device=str(accelerator.device),
+    )
+
+
+def gather_rank_memory(
+    accelerator: Accelerator, model: Any, optimizer: Any
+) -> list[dict[str, Any]]:
+    """Every rank's :class:`RankMemory` as dicts, sorted by rank, on every process.
+
+    A collective: every process must call it.
+    """
+    from accelerate.utils import gather_object
+
+    mine = [asdict(local_rank_memory(accelerator, model, optimizer))]
+    ranks = gather_object(mine) if accelerator.num_processes > 1 else mine
+    return sorted(ranks, key=lambda entry: entry["rank"])
+
+
+def rank_totals(ranks: list[dict[str, Any]]) -> dict[str, int]:
+    """Sums of the per-rank byte counts: what the whole job holds."""
+    return {name: sum(int(entry[name]) for entry in ranks) for name in RANK_FIELDS}

@@ -1,0 +1,465 @@
+"""Safe reading of optimizer state from checkpoint files, and what is inside it.
+
+``effitrain inspect-state`` is often pointed at files from elsewhere, so loading follows strict
+rules:
+
+- only ``torch.save`` zip archives are read; plain pickles (``custom_checkpoint_*.pkl``, legacy
+  ``torch.save`` files) are refused, because unpickling them can run code;
+- ``torch.serialization.get_unsafe_globals_in_checkpoint`` lists what the pickle inside would
+  import *before* anything is loaded; any global outside torch's weights-only allowlist is
+  refused, and there is no fallback to a full unpickle;
+- ``torch.load(..., weights_only=True, mmap=True)``, explicitly: ``weights_only`` because an
+  environment variable can flip the default, ``mmap`` so a 500 MB file is measured without being
+  read into memory (sizes come from storage metadata; the data pages are never touched).
+
+Pure data: nothing here prints. Accounting reuses :func:`effitrain.memory.optimizer_state_ledger`.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from effitrain import memory
+from effitrain.checkpoint import (
+    METADATA_FILE,
+    list_checkpoints,
+    param_group_hyperparameters,
+    read_metadata,
+)
+from effitrain.errors import EffitrainError
+
+ZIP_MAGIC = b"PK\x03\x04"
+PICKLE_PROTO = b"\x80"
+_ACCELERATE_OPTIMIZER = re.compile(r"^optimizer(?:_(\d+))?\.bin$")
+ADAMW_BYTES_PER_ELEMENT = 2 * 4
+"""fp32 exp_avg + exp_avg_sq per parameter element (plus a 4-byte step per tensor)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Loading one file safely
+# --------------------------------------------------------------------------------------------
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _check_container(path: Path) -> None:
+    """Refuse what is not a complete torch.save zip archive, before torch sees it."""
+    if not path.exists():
+        raise EffitrainError(f"no such file or folder: {path}")
+    size = path.stat().st_size
+    if size == 0:
+        raise EffitrainError(
+            f"{path} is empty (0 bytes): not a checkpoint, or a save that never finished"
+        )
+    with path.open("rb") as handle:
+        head = handle.read(4)
+    if head != ZIP_MAGIC:
+        if head.startswith(PICKLE_PROTO):
+            raise EffitrainError(
+                f"{path} is a plain pickle, refused: unpickling it could run code "
+                "(effitrain reads torch.save zip files only)"
+            )
+        raise EffitrainError(f"{path} is not a PyTorch checkpoint (not a torch.save zip archive)")
+    if not zipfile.is_zipfile(path):
+        raise EffitrainError(
+            f"{path} is truncated or corrupt (incomplete zip archive, {size:,} bytes)"
+        )
+
+
+def safe_load(path: str | Path) -> Any:
+    """Load a ``torch.save`` file without ever executing code from it.
+
+    Raises:
+        EffitrainError: missing, empty, truncated, not a torch checkpoint, a plain pickle, or
+            a pickle that would import anything outside torch's weights-only allowlist.
+    """
+    path = Path(path)
+    _check_container(path)
+    import torch
+
+    try:
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception as exc:
+        raise EffitrainError(
+            f"{path} is not a readable PyTorch checkpoint ({_first_line(exc)})"
+        ) from None
+    if unsafe:
+        shown = ", ".join(unsafe[:5]) + (", ..." if len(unsafe) > 5 else "")
+        raise EffitrainError(
+            f"{path} refused: loading it would import {shown}, which could run code; "
+            "effitrain never unpickles with code execution"
+        )
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as exc:
+        raise EffitrainError(
+            f"{path} refused by the weights-only loader: {_first_line(exc)}"
+        ) from None
+    except (RuntimeError, EOFError, ValueError, OSError) as exc:
+        raise EffitrainError(f"{path} is truncated or corrupt ({_first_line(exc)})") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Which files, which format
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Source:
+    """Where the optimizer state comes from."""
+
+    format: str
+    files: list[Path]
+    step: int | None = None
+    metadata: dict[str, Any] | None = None
+
+
+def _accelerate_files(folder: Path) -> list[Path]:
+    found = []
+    for child in folder.iterdir():
+        match = _ACCELERATE_OPTIMIZER.match(child.name)
+        if match and child.is_file():
+            found.append((int(match.group(1) or 0), child))
+    return [path for _, path in sorted(found)]
+
+
+def _trainer_step(folder: Path) -> int | None:
+    state_file = folder / "trainer_state.json"
+    try:
+        step = json.loads(state_file.read_text()).get("global_step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
+def _folder_source(folder: Path) -> Source | None:
+    if (folder / METADATA_FILE).exists():
+        meta = read_metadata(folder)  # checks every file's size: a truncated one is named
+        return Source(
+            "effitrain checkpoint", _accelerate_files(folder), meta.get("global_step"), meta
+        )
+    files = _accelerate_files(folder)
+    if files:
+        return Source("accelerate save_state folder", files)
+    if (folder / "optimizer.pt").is_file():
+        return Source(
+            "transformers Trainer checkpoint", [folder / "optimizer.pt"], _trainer_step(folder)
+        )
+    return None
+
+
+def find_source(path: str | Path) -> Source:
+    """Decide what ``path`` is and which files hold optimizer state.
+
+    Raises:
+        EffitrainError: nothing with optimizer state at ``path``.
+    """
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise EffitrainError(f"no such file or folder: {path}")
+    if path.is_file():
+        return Source("torch.save file", [path])
+    source = _folder_source(path)
+    if source is not None:
+        return source
+    for _, child in reversed(list_checkpoints(path)):
+        try:
+            source = _folder_source(child)
+        except EffitrainError:
+            continue  # an incomplete checkpoint: look at the one before
+        if source is not None:
+            source.format += f" ({child.name}, the newest in {path})"
+            return source
+    if any(child.is_dir() and child.name.startswith("optimizer") for child in path.iterdir()):
+        raise EffitrainError(
+            f"{path} holds sharded (FSDP) optimizer state, which inspect-state does not read yet"
+        )
+    raise EffitrainError(
+        f"no optimizer state in {path}: expected {METADATA_FILE}, optimizer.bin (accelerate), "
+        "optimizer.pt (Trainer) or checkpoint-* folders"
+    )
+
+
+def _is_state_dict(obj: Any) -> bool:
+    return (
+        isinstance(obj, Mapping) and isinstance(obj.get("state"), Mapping) and "param_groups" in obj
+    )
+
+
+def extract_state_dict(obj: Any, path: Path) -> tuple[dict[str, Any], str | None]:
+    """The optimizer ``state_dict`` in a loaded file: the object itself or one nested in a dict.
+
+    Returns the state dict and the key path it was found under (None at the top level).
+
+    Raises:
+        EffitrainError: no optimizer state dict in the file.
+    """
+    if _is_state_dict(obj):
+        return obj, None
+    if isinstance(obj, Mapping):
+        for key, value in obj.items():
+            if _is_state_dict(value):
+                return value, str(key)
+        for key, value in obj.items():
+            if isinstance(value, Mapping):
+                for inner_key, inner in value.items():
+                    if _is_state_dict(inner):
+                        return inner, f"{key}.{inner_key}"
+        keys = ", ".join(str(k) for k in list(obj)[:8])
+        raise EffitrainError(f"{path} holds no optimizer state_dict (top-level keys: {keys})")
+    raise EffitrainError(f"{path} holds a {type(obj).__name__}, not an optimizer state_dict")
+
+
+# --------------------------------------------------------------------------------------------
+# What each parameter's state says
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ParamState:
+    """One parameter's optimizer state."""
+
+    parameter: str
+    """Its name when the checkpoint records it, else ``#<index in the state dict>``."""
+    shape: list[int] | None
+    """The parameter's shape, inferred from the state (see :func:`infer_parameter`)."""
+    elements: int | None
+    bytes: int
+    keys: list[str]
+    second_moment: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "parameter": self.parameter,
+            "shape": self.shape,
+            "elements": self.elements,
+            "bytes": self.bytes,
+            "keys": self.keys,
+            "second_moment": self.second_moment,
+        }
+
+
+def _flat_entry(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """A parameter's state with bitsandbytes' nested quantization state lifted to the top."""
+    flat = {}
+    for key, value in entry.items():
+        if key == memory.BNB_QUANT_STATE_KEY:
+            if isinstance(value, (list, tuple)) and value and isinstance(value[0], Mapping):
+                value = value[0]
+            if isinstance(value, Mapping):
+                flat.update(value)
+        else:
+            flat[str(key)] = value
+    return flat
+
+
+def _shape(value: Any) -> list[int] | None:
+    shape = getattr(value, "shape", None)
+    return [int(d) for d in shape] if shape is not None else None
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def infer_parameter(entry: Mapping[str, Any]) -> tuple[list[int] | None, str]:
+    """The parameter's shape and how its second moment is stored, from its state alone.
+
+    - ``exp_avg`` / ``exp_avg_sq`` / ``momentum_buffer`` / ``variance`` / bitsandbytes ``state1``:
+      these have the parameter's shape;
+    - torch Adafactor ``row_var`` (…, m, 1) and ``col_var`` (…, 1, n): the parameter is (…, m, n);
+    - transformers Adafactor ``exp_avg_sq_row`` (…, m) and ``exp_avg_sq_col`` (…, n): (…, m, n).
+
+    The second moment is ``factored`` (row + column statistics), ``full`` (one value per
+    element), ``8-bit`` (bitsandbytes' quantized ``state2``) or ``-`` (none kept).
+    """
+    flat = _flat_entry(entry)
+    row, col = flat.get("row_var"), flat.get("col_var")
+    if row is not None and col is not None:
+        shape = _shape(row)[:-1] + _shape(col)[-1:]
+        return shape, f"factored ({_shape(row)[-2]:,} + {_shape(col)[-1]:,} values)"
+    row, col = flat.get("exp_avg_sq_row"), flat.get("exp_avg_sq_col")
+    if row is not None and col is not None:
+        shape = _shape(row) + _shape(col)[-1:]
+        return shape, f"factored ({_shape(row)[-1]:,} + {_shape(col)[-1]:,} values)"
+    for key in ("exp_avg", "exp_avg_sq", "variance", "state1", "momentum_buffer"):
+        shape = _shape(flat.get(key))
+        if shape is not None:
+            break
+    second = flat.get("exp_avg_sq", flat.get("variance", flat.get("state2")))
+    if second is None:
+        kind = "-"
+    elif str(getattr(second, "dtype", "")) == "torch.uint8":
+        kind = "8-bit"
+    else:
+        kind = "full"
+    return shape, kind
+
+
+def infer_optimizer(state_dict: Mapping[str, Any]) -> str:
+    """A best guess at the optimizer class from its state keys and hyperparameters."""
+    keys: set[str] = set()
+    for entry in state_dict["state"].values():
+        if isinstance(entry, Mapping):
+            keys.update(_flat_entry(entry))
+    groups = state_dict.get("param_groups") or [{}]
+    if {"state1", "qmap1"} <= keys:
+        return (
+            "bitsandbytes 8-bit optimizer (AdamW8bit/Adam8bit)"
+            if "state2" in keys
+            else "bitsandbytes 8-bit optimizer (one state)"
+        )
+    if keys & {"row_var", "col_var", "variance"}:
+        return "torch.optim.Adafactor"
+    if keys & {"exp_avg_sq_row", "exp_avg_sq_col", "RMS"}:
+        return "transformers.optimization.Adafactor"
+    if {"exp_avg", "exp_avg_sq"} <= keys:
+        decoupled = groups[0].get("decoupled_weight_decay")
+        return {True: "torch.optim.AdamW", False: "torch.optim.Adam"}.get(
+            decoupled, "torch.optim.Adam/AdamW"
+        )
+    if "momentum_buffer" in keys:
+        return "torch.optim.SGD"
+    return "unknown"
+
+
+def _step_of(state_dict: Mapping[str, Any]) -> int | None:
+    for entry in state_dict["state"].values():
+        if isinstance(entry, Mapping) and "step" in entry:
+            step = entry["step"]
+            try:
+                return int(step.item() if hasattr(step, "item") else step)
+            except (TypeError, ValueError):
+                return None
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# The whole report
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StateReport:
+    """What ``effitrain inspect-state`` shows; ``to_dict`` is its ``--json`` object."""
+
+    path: str
+    format: str
+    files: list[str]
+    optimizer_name: str | None
+    optimizer_class: str
+    optimizer_inferred: bool
+    step: int | None
+    param_groups: list[dict[str, Any]]
+    ledger: memory.OptimizerStateLedger
+    params: list[ParamState] = field(default_factory=list)
+    """Every parameter's state, largest first."""
+    adamw_equivalent_elements: int = 0
+    adamw_equivalent_bytes: int = 0
+    params_without_shape: int = 0
+    """Parameters whose shape could not be inferred (left out of the AdamW equivalent)."""
+
+    def to_dict(self, top: int | None = None) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "format": self.format,
+            "files": self.files,
+            "optimizer": {
+                "name": self.optimizer_name,
+                "class": self.optimizer_class,
+                "inferred": self.optimizer_inferred,
+            },
+            "step": self.step,
+            "param_groups": self.param_groups,
+            "optimizer_state": self.ledger.to_dict(),
+            "adamw_equivalent_bytes": self.adamw_equivalent_bytes,
+            "adamw_equivalent_elements": self.adamw_equivalent_elements,
+            "params_without_shape": self.params_without_shape,
+            "largest": [p.to_dict() for p in self.params[:top]],
+        }
+
+
+def _param_states(
+    state_dicts: list[Mapping[str, Any]], names: list[str] | None
+) -> list[ParamState]:
+    rows = []
+    for file_index, state_dict in enumerate(state_dicts):
+        for pid, entry in state_dict["state"].items():
+            if not isinstance(entry, Mapping) or not entry:
+                continue
+            if (
+                names is not None
+                and len(state_dicts) == 1
+                and isinstance(pid, int)
+                and pid < len(names)
+            ):
+                label = names[pid]
+            else:
+                label = f"#{pid}" if len(state_dicts) == 1 else f"#{file_index}.{pid}"
+            shape, second = infer_parameter(entry)
+            rows.append(
+                ParamState(
+                    parameter=label,
+                    shape=shape,
+                    elements=_numel(shape) if shape is not None else None,
+                    bytes=memory.optimizer_state_ledger({pid: entry}).bytes,
+                    keys=list(_flat_entry(entry)),
+                    second_moment=second,
+                )
+            )
+    return sorted(rows, key=lambda row: row.bytes, reverse=True)
+
+
+def inspect_state(path: str | Path) -> StateReport:
+    """Read the optimizer state at ``path`` (safely) and measure it.
+
+    Raises:
+        EffitrainError: see :func:`find_source` and :func:`safe_load`.
+    """
+    source = find_source(path)
+    state_dicts, where = [], []
+    for file in source.files:
+        state_dict, key = extract_state_dict(safe_load(file), file)
+        state_dicts.append(state_dict)
+        where.append(f"{file}" + (f" (key '{key}')" if key else ""))
+    if not state_dicts:
+        raise EffitrainError(f"no optimizer file in {path}")
+    combined = {
+        (i, pid): entry for i, sd in enumerate(state_dicts) for pid, entry in sd["state"].items()
+    }
+    ledger = memory.optimizer_state_ledger(combined)
+    meta = source.metadata or {}
+    saved_optimizer = meta.get("optimizer", {})
+    names = saved_optimizer.get("param_names")
+    params = _param_states(state_dicts, names if isinstance(names, list) else None)
+    known = [p.elements for p in params if p.elements is not None]
+    groups = [g for sd in state_dicts for g in param_group_hyperparameters(sd["param_groups"])]
+    step = source.step if source.step is not None else _step_of(state_dicts[0])
+    return StateReport(
+        path=str(path),
+        format=source.format,
+        files=where,
+        optimizer_name=saved_optimizer.get("name"),
+        optimizer_class=saved_optimizer.get("class") or infer_optimizer(state_dicts[0]),
+        optimizer_inferred=not saved_optimizer,
+        step=step,
+        param_groups=groups,
+        ledger=ledger,
+        params=params,
+        adamw_equivalent_elements=sum(2 * n + 1 for n in known),
+        adamw_equivalent_bytes=sum(ADAMW_BYTES_PER_ELEMENT * n + 4 for n in known),
+        params_without_shape=len(params) - len(known),
+    )

@@ -1,0 +1,107 @@
+"""Helpers shared by the checkpoint, resume and inspect-state tests: tiny data, runs, comparisons."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+TRAIN_ROWS = 24  # 6 optimizer steps per epoch at batch size 4
+BATCH = 4
+
+POSITIVE = ["great", "lovely", "fine", "superb", "pleasant"]
+NEGATIVE = ["awful", "terrible", "poor", "dreadful", "boring"]
+
+
+def write_data(folder: Path) -> tuple[Path, Path]:
+    """A 24-row training csv and an 8-row validation csv (text, label): epochs take seconds."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, rows in (("train.csv", TRAIN_ROWS), ("validation.csv", 8)):
+        path = folder / name
+        with path.open("w", newline="") as handle:
+            writer = csv.writer(handle)
+            writer.writerow(["text", "label"])
+            for i in range(rows):
+                words = POSITIVE if i % 2 else NEGATIVE
+                writer.writerow(
+                    [f"the film was {words[i % 5]} and {words[(i * 3) % 5]} number {i}", i % 2]
+                )
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def train_args(data: tuple[Path, Path], out: Path, *extra: str) -> list[str]:
+    """``train`` arguments for a quick run on the tiny data, writing to ``out``."""
+    train, validation = data
+    return [
+        "train",
+        "--train-file",
+        str(train),
+        "--validation-file",
+        str(validation),
+        "--batch-size",
+        str(BATCH),
+        "--log-every",
+        "1",
+        "--output-dir",
+        str(out),
+        *extra,
+    ]
+
+
+def signal_self_at_step(monkeypatch: Any, step: int, signum: int = signal.SIGTERM) -> None:
+    """Send ``signum`` to this process when the loop reports optimizer step ``step``.
+
+    The loop looks at the flag before each update, so the run completes step ``step + 1``,
+    saves ``checkpoint-<step + 1>`` and stops.
+    """
+    from effitrain.report import Reporter
+
+    original = Reporter.step_done
+
+    def step_done(self, done: int) -> None:
+        original(self, done)
+        if done == step:
+            os.kill(os.getpid(), signum)
+
+    monkeypatch.setattr(Reporter, "step_done", step_done)
+
+
+def load_tensors(folder: Path) -> dict[str, Any]:
+    """Model weights, optimizer and scheduler state of a checkpoint (or a final/ folder)."""
+    import torch
+    from safetensors.torch import load_file
+
+    out: dict[str, Any] = {"model": load_file(folder / "model.safetensors")}
+    for name in ("optimizer.bin", "scheduler.bin"):
+        if (folder / name).exists():
+            out[name] = torch.load(folder / name, weights_only=True, map_location="cpu")
+    return out
+
+
+def assert_identical(a: Any, b: Any, where: str = "") -> int:
+    """Recursively compare nested state: tensors with torch.equal (bit-identical), the rest with ==.
+
+    Returns the number of tensors compared.
+    """
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), f"tensors differ at {where}"
+        return 1
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"keys differ at {where}"
+        return sum(assert_identical(a[k], b[k], f"{where}/{k}") for k in a)
+    if isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        return sum(
+            assert_identical(x, y, f"{where}[{i}]")
+            for i, (x, y) in enumerate(zip(a, b, strict=True))
+        )
+    assert a == b, f"{where}: {a!r} != {b!r}"
+    return 0

@@ -1,0 +1,91 @@
+"""Run by test_distributed.py under ``accelerate launch`` with two CPU processes (gloo).
+
+Checks, on real FSDP1 and FSDP2 from torch (Accelerate itself only enables FSDP on GPUs), what
+effitrain's sharding rules say: FSDP2's DTensor parameters crash both Adafactors and bitsandbytes
+but not AdamW; FSDP1 hands the optimizer flattened 1-D shards, so Adafactor keeps a full
+``variance``; FSDP1 with ``use_orig_params=False`` leaves an optimizer built before wrapping
+holding parameters that never train. Prints one JSON line per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+
+import torch
+from accelerate import PartialState
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+
+warnings.filterwarnings("ignore")
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 4))
+
+
+def make_optimizer(name: str, params) -> torch.optim.Optimizer:
+    if name == "adafactor":
+        return torch.optim.Adafactor(params, lr=1e-2)
+    if name == "adafactor-hf":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params, lr=1e-3, relative_step=False, scale_parameter=False)
+    if name == "adamw-8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, lr=1e-3)
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def train_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    for _ in range(2):
+        model(torch.randn(8, 64)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def checksum(model: torch.nn.Module) -> float:
+    return sum(float(p.detach().double().sum()) for p in model.parameters())
+
+
+def fsdp2_outcome(name: str, mesh) -> str:
+    model = make_model()
+    fully_shard(model, mesh=mesh)
+    optimizer = make_optimizer(name, model.parameters())
+    try:
+        train_steps(model, optimizer)
+    except RuntimeError:
+        return "crash"
+    return "trains"
+
+
+def main() -> None:
+    state = PartialState(cpu=True)
+    mesh = init_device_mesh("cpu", (state.num_processes,))
+    facts: dict = {"rank": state.process_index, "fsdp2": {}, "fsdp1": {}}
+    for name in ("adamw", "adafactor", "adafactor-hf", "adamw-8bit"):
+        facts["fsdp2"][name] = fsdp2_outcome(name, mesh)
+
+    wrapped = FullyShardedDataParallel(
+        make_model(), device_id=torch.device("cpu"), use_orig_params=True
+    )
+    optimizer = make_optimizer("adafactor", wrapped.parameters())
+    train_steps(wrapped, optimizer)
+    facts["fsdp1"]["param_dims"] = sorted({p.dim() for p in wrapped.parameters()})
+    facts["fsdp1"]["adafactor"] = sorted({k for s in optimizer.state.values() for k in s})
+
+    model = make_model()
+    optimizer = make_optimizer("adamw", model.parameters())  # built before wrapping, as effitrain
+    wrapped = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=False)
+    before = checksum(wrapped)
+    train_steps(wrapped, optimizer)
+    facts["fsdp1"]["orig_params_false_trains"] = checksum(wrapped) != before
+    print(json.dumps(facts), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,525 @@
+"""Several processes under ``accelerate launch``: real two-process CPU runs (gloo) and the
+sharding rules.
+
+The two-process runs really start two processes (asserted through ``num_processes`` and the
+``ranks`` list): a plain ``accelerate launch --cpu --num_processes 2`` would start one.
+FSDP and DeepSpeed need GPUs under Accelerate, so their rules are tested on stand-in state
+objects with the attributes :mod:`effitrain.distributed` reads; what those rules rely on
+(FSDP1 flattens, FSDP2 DTensors crash Adafactor and bitsandbytes) is checked on real FSDP
+over gloo by ``fsdp_facts.py``, which uses torch directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from effitrain import distributed
+from effitrain.errors import EffitrainError
+from tests.conftest import OFFLINE
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_CONFIG = REPO / "configs" / "accelerate" / "cpu-2proc.yaml"
+BIN = Path(sys.executable).parent
+# Global batch 16 either way: 2 processes x 8, or 1 process x 16.
+STEPS = ("--max-steps", "6", "--log-every", "3", "--warmup-steps", "1", "--seed", "7")
+BANNER = "effitrain · model"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(
+    *args: str, no_python: bool = False, use_cpu_env: bool = True, timeout: int = 240
+) -> subprocess.CompletedProcess:
+    """``accelerate launch`` two CPU processes running ``effitrain ARGS``.
+
+    The config file is the shipped ``cpu-2proc.yaml``; the port is a free one.
+    ``no_python``: the console-script form (``--no_python effitrain …``) instead of
+    ``-m effitrain …``. ``use_cpu_env``: set ``ACCELERATE_USE_CPU=1``; without it, on a machine
+    without GPUs, effitrain itself must put the processes on CPU (``distributed.cpu_for_launch``).
+    """
+    env = {k: v for k, v in os.environ.items() if k != "EFFITRAIN_DEBUG"}
+    env.update({**OFFLINE, "COLUMNS": "200"})
+    if use_cpu_env:
+        env["ACCELERATE_USE_CPU"] = "1"
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    target = ["--no_python", "effitrain"] if no_python else ["-m", "effitrain"]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(CPU_CONFIG),
+        "--main_process_port",
+        str(free_port()),
+        *target,
+        *args,
+    ]
+    return subprocess.run(
+        command, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout
+    )
+
+
+def load_parameters(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def max_abs_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module")
+def no_dropout_model_dir(tmp_path_factory) -> Path:
+    """The tiny preset with every dropout off, so one and two processes can agree exactly."""
+    from effitrain.models import load_model, load_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-no-dropout")
+    tokenizer = load_tokenizer("tiny")
+    model = load_model("tiny", 2, ["not_equivalent", "equivalent"], tokenizer)
+    for name in ("dropout", "attention_dropout", "seq_classif_dropout"):
+        setattr(model.config, name, 0.0)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory, no_dropout_model_dir):
+    """One uninterrupted two-process run (``-m effitrain`` form) with a checkpoint at step 3.
+
+    Without ``ACCELERATE_USE_CPU`` where there is no GPU: the config file alone must give two
+    processes that train together.
+    """
+    import torch
+
+    out = tmp_path_factory.mktemp("two-proc")
+    proc = launch(
+        "train",
+        "--model",
+        str(no_dropout_model_dir),
+        *STEPS,
+        "--batch-size",
+        "8",
+        "--output-dir",
+        str(out / "run"),
+        "--save-every",
+        "3",
+        "--metrics-json",
+        str(out / "metrics.json"),
+        use_cpu_env=torch.cuda.is_available(),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return SimpleNamespace(
+        proc=proc, out=out, metrics=json.loads((out / "metrics.json").read_text())
+    )
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process(
+    two_process_run, no_dropout_model_dir, train_cli, tmp_path
+):
+    run = two_process_run
+    data = run.metrics
+    # Two real processes, each on its half of every global batch.
+    assert data["num_processes"] == 2
+    assert [r["rank"] for r in data["ranks"]] == [0, 1]
+    assert data["sharding"]["kind"] == "ddp" and "gloo" in data["sharding"]["description"]
+    first, second = data["ranks"]
+    assert first["parameter_checksum"] == second["parameter_checksum"]
+    assert first["optimizer_state_bytes"] == second["optimizer_state_bytes"] > 0
+    assert data["ranks_total"]["optimizer_state_bytes"] == 2 * first["optimizer_state_bytes"]
+    # Every validation example counted once (400 is not a multiple of the global eval batch 32).
+    assert data["eval"]["examples"] == 400
+    # samples/s counts both ranks: 6 steps x global batch 16.
+    assert data["samples_per_second"] * data["train_seconds"] == pytest.approx(6 * 16)
+
+    # Printed once: one banner, one summary, one per-rank table.
+    text = run.proc.stdout
+    assert text.count(BANNER) == 1, text
+    assert text.count("step 3/6") == 1 and text.count("step 6/6") == 1
+    assert text.count("done ·") == 1 and text.count("Per rank: DDP over 2 processes") == 1
+
+    one = train_cli(
+        "train",
+        "--model",
+        str(no_dropout_model_dir),
+        *STEPS,
+        "--batch-size",
+        "16",
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--metrics-json",
+        str(tmp_path / "metrics.json"),
+    )
+    assert one.returncode == 0, one.stdout + one.stderr
+    single = json.loads((tmp_path / "metrics.json").read_text())
+    assert single["num_processes"] == 1 and single["ranks"][0]["rank"] == 0
+    difference = max_abs_difference(
+        load_parameters(run.out / "run" / "final"), load_parameters(tmp_path / "run" / "final")
+    )
+    assert difference < 1e-5
+    # The logged loss is the mean over ranks: the same as one process over the whole batch.
+    assert data["train_loss"] == pytest.approx(single["train_loss"], abs=1e-5)
+    assert data["eval"]["loss"] == pytest.approx(single["eval"]["loss"], abs=1e-5)
+    assert first["parameter_checksum"] == pytest.approx(
+        single["ranks"][0]["parameter_checksum"], abs=1e-3
+    )
+
+
+@pytest.mark.slow
+def test_two_process_resume_is_exact(two_process_run, no_dropout_model_dir, tmp_path):
+    """Resume the step-3 checkpoint with two processes (``--no_python`` form): same weights."""
+    out = tmp_path / "run"
+    out.mkdir()
+    shutil.copytree(two_process_run.out / "run" / "checkpoint-3", out / "checkpoint-3")
+    proc = launch(
+        "train",
+        "--model",
+        str(no_dropout_model_dir),
+        *STEPS,
+        "--batch-size",
+        "8",
+        "--output-dir",
+        str(out),
+        "--save-every",
+        "3",
+        "--resume",
+        "latest",
+        "--metrics-json",
+        str(tmp_path / "metrics.json"),
+        no_python=True,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("resumed from") == 1
+    resumed = json.loads((tmp_path / "metrics.json").read_text())
+    assert resumed["num_processes"] == 2 and len(resumed["ranks"]) == 2
+    assert resumed["global_steps"] == 6
+    difference = max_abs_difference(
+        load_parameters(two_process_run.out / "run" / "final"), load_parameters(out / "final")
+    )
+    assert difference == 0.0
+    checksums = {r["parameter_checksum"] for r in resumed["ranks"]}
+    assert checksums == {two_process_run.metrics["ranks"][0]["parameter_checksum"]}
+
+
+@pytest.mark.slow
+def test_fsdp_facts_behind_the_rules():
+    """Real FSDP1/FSDP2 on two CPU processes: the behaviour the refusals and notes describe."""
+    env = {**os.environ, **OFFLINE, "ACCELERATE_USE_CPU": "1"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(free_port()),
+            str(Path(__file__).with_name("fsdp_facts.py")),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    facts = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(facts) == 2, proc.stdout  # one line per rank
+    for rank_facts in facts:
+        # FSDP2: the DTensor-incompatible optimizers crash, AdamW trains.
+        for optim in distributed.DTENSOR_INCOMPATIBLE:
+            assert rank_facts["fsdp2"][optim] == "crash", rank_facts
+        assert rank_facts["fsdp2"]["adamw"] == "trains"
+        # FSDP1, use_orig_params=True: 1-D shards, so Adafactor keeps a full `variance`.
+        assert rank_facts["fsdp1"]["adafactor"] == ["step", "variance"]
+        assert rank_facts["fsdp1"]["param_dims"] == [1]
+        # FSDP1, use_orig_params=False, optimizer built before wrapping: nothing trains.
+        assert rank_facts["fsdp1"]["orig_params_false_trains"] is False
+
+
+# --------------------------------------------------------------------------------------------
+# The sharding rules, on stand-in Accelerate state objects
+# --------------------------------------------------------------------------------------------
+
+
+def fake_state(kind: str = "NO", num_processes: int = 2, **extra) -> SimpleNamespace:
+    """What :func:`distributed.detect_sharding` reads from an ``AcceleratorState``."""
+    return SimpleNamespace(
+        distributed_type=kind, num_processes=num_processes, backend="nccl", **extra
+    )
+
+
+def fsdp(version: int, use_orig_params: bool = True) -> SimpleNamespace:
+    return fake_state(
+        "FSDP",
+        fsdp_plugin=SimpleNamespace(
+            fsdp_version=version,
+            use_orig_params=use_orig_params,
+            reshard_after_forward=True if version == 2 else None,
+            sharding_strategy=SimpleNamespace(name="FULL_SHARD") if version == 1 else None,
+        ),
+    )
+
+
+def deepspeed(stage: int = 2, **ds_config) -> SimpleNamespace:
+    ds_config.setdefault("zero_optimization", {"stage": stage})
+    return fake_state(
+        "DEEPSPEED",
+        deepspeed_plugin=SimpleNamespace(zero_stage=stage, deepspeed_config=ds_config),
+    )
+
+
+@pytest.fixture(autouse=True)
+def plain_launch_environment(monkeypatch):
+    """Unit tests below must not see the launcher's variables of an outer run."""
+    for name in ("WORLD_SIZE", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize(
+    ("state", "kind", "description"),
+    [
+        (fake_state("NO", 1), "single", "single process"),
+        (fake_state("MULTI_GPU"), "ddp", "DDP over 2 processes (nccl)"),
+        (fake_state("MULTI_CPU"), "ddp", "DDP over 2 processes"),
+        (fsdp(1), "fsdp1", "FSDP1 FULL_SHARD, use_orig_params=True"),
+        (fsdp(2), "fsdp2", "FSDP2 full shard"),
+        (deepspeed(3), "deepspeed", "DeepSpeed ZeRO-3"),
+    ],
+)
+def test_detect_sharding(state, kind, description):
+    sharding = distributed.detect_sharding(state)
+    assert sharding.kind == kind
+    assert description in sharding.description
+    assert sharding.flat_params == (kind in ("fsdp1", "deepspeed"))
+    assert sharding.dtensor_params == (kind == "fsdp2")
+
+
+def test_real_accelerator_state_is_read():
+    from accelerate import Accelerator
+
+    from tests.conftest import _reset_accelerate
+
+    _reset_accelerate()
+    try:
+        sharding = distributed.detect_sharding(Accelerator(cpu=True).state)
+    finally:
+        _reset_accelerate()
+    assert (sharding.kind, sharding.num_processes) == ("single", 1)
+
+
+@pytest.mark.parametrize("optim", ["adamw", "sgd", "adafactor", "adafactor-hf", "adamw-8bit"])
+def test_ddp_accepts_every_optimizer_silently(optim):
+    assert distributed.optimizer_notes(fake_state("MULTI_GPU"), optim) == []
+
+
+@pytest.mark.parametrize(
+    ("optim", "library", "alternative"),
+    [
+        ("adafactor", "torch.optim.Adafactor", "keeps its factored savings"),
+        ("adafactor-hf", "transformers' Adafactor", "keeps its factored savings"),
+        ("adamw-8bit", "bitsandbytes' 8-bit AdamW", "FSDP1 with fsdp_use_orig_params: true"),
+    ],
+)
+def test_fsdp2_refuses_dtensor_incompatible_optimizers(optim, library, alternative):
+    with pytest.raises(EffitrainError) as error:
+        distributed.optimizer_notes(fsdp(2), optim)
+    message = str(error.value)
+    assert "\n" not in message
+    assert f"--optim {optim} cannot run under FSDP2" in message
+    assert library in message and "DTensor" in message
+    assert "use DDP" in message and alternative in message
+
+
+@pytest.mark.parametrize("optim", ["adamw", "sgd"])
+def test_fsdp2_accepts_elementwise_optimizers(optim):
+    assert distributed.optimizer_notes(fsdp(2), optim) == []
+
+
+@pytest.mark.parametrize("optim", ["adafactor", "adafactor-hf"])
+def test_fsdp1_warns_that_adafactor_keeps_a_full_second_moment(optim):
+    (note,) = distributed.optimizer_notes(fsdp(1), optim)
+    assert "FSDP1" in note and "flattened 1-D" in note and "full second moment" in note
+    assert "use DDP" in note
+
+
+@pytest.mark.parametrize("optim", ["adamw", "adamw-8bit", "sgd"])
+def test_fsdp1_keeps_elementwise_optimizers_quiet(optim):
+    assert distributed.optimizer_notes(fsdp(1), optim) == []
+
+
+def test_fsdp1_without_orig_params_is_refused():
+    with pytest.raises(EffitrainError, match="nothing would train.*fsdp_use_orig_params: true"):
+        distributed.optimizer_notes(fsdp(1, use_orig_params=False), "adamw")
+
+
+@pytest.mark.parametrize("optim", ["adafactor", "adafactor-hf"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_warns_that_adafactor_keeps_a_full_second_moment(optim, stage):
+    (note,) = distributed.optimizer_notes(deepspeed(stage), optim)
+    assert f"ZeRO-{stage}" in note and "flat 1-D partitions" in note
+    assert "full second moment" in note
+
+
+@pytest.mark.parametrize("optim", ["adamw", "adamw-8bit", "sgd"])
+def test_deepspeed_keeps_elementwise_optimizers_quiet(optim):
+    assert distributed.optimizer_notes(deepspeed(2), optim) == []
+
+
+@pytest.mark.parametrize("section", ["optimizer", "scheduler"])
+def test_deepspeed_config_with_its_own_optimizer_or_scheduler_is_refused(section):
+    state = deepspeed(2, **{section: {"type": "AdamW"}})
+    with pytest.raises(EffitrainError, match=f"own '{section}' section.*remove that section"):
+        distributed.optimizer_notes(state, "adamw")
+
+
+def test_deepspeed_untested_optimizer_false_is_refused():
+    state = deepspeed(2, zero_allow_untested_optimizer=False)
+    with pytest.raises(EffitrainError, match="zero_allow_untested_optimizer: false"):
+        distributed.optimizer_notes(state, "adamw")
+
+
+def test_deepspeed_optimizer_offload_is_refused_unless_forced():
+    offload = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    with pytest.raises(EffitrainError, match="offload_optimizer to cpu.*CPU Adam"):
+        distributed.optimizer_notes(deepspeed(2, zero_optimization=offload), "adamw")
+    state = deepspeed(2, zero_optimization=offload, zero_force_ds_cpu_optimizer=False)
+    (note,) = distributed.optimizer_notes(state, "adamw")
+    assert "offloads the optimizer to cpu" in note
+
+
+def test_check_sharding_readies_deepspeed_for_a_client_optimizer():
+    state = deepspeed(2, train_micro_batch_size_per_gpu="auto", train_batch_size="auto")
+    accelerator = SimpleNamespace(state=state)
+    config = SimpleNamespace(optim="adamw-8bit", batch_size=8, grad_accum=2)
+    notes: list[str] = []
+    reporter = SimpleNamespace(note=notes.append)
+    sharding = distributed.check_sharding(accelerator, config, reporter)
+    ds_config = state.deepspeed_plugin.deepspeed_config
+    assert sharding.kind == "deepspeed" and notes == []
+    assert ds_config["zero_allow_untested_optimizer"] is True
+    assert ds_config["train_micro_batch_size_per_gpu"] == 8
+    assert ds_config["train_batch_size"] == 8 * 2 * 2
+
+
+def test_check_sharding_prints_the_note_through_the_reporter():
+    notes: list[str] = []
+    distributed.check_sharding(
+        SimpleNamespace(state=fsdp(1)),
+        SimpleNamespace(optim="adafactor", batch_size=8, grad_accum=1),
+        SimpleNamespace(note=notes.append),
+    )
+    assert len(notes) == 1 and "full second moment" in notes[0]
+
+
+def test_processes_that_would_train_alone_are_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(EffitrainError, match="2 processes were launched but each would train"):
+        distributed.optimizer_notes(fake_state("NO", 1), "adamw")
+
+
+@pytest.mark.parametrize(
+    ("variable", "name"),
+    [("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")],
+)
+def test_sharding_asked_for_but_not_in_use_is_refused(monkeypatch, variable, name):
+    monkeypatch.setenv(variable, "true")
+    with pytest.raises(EffitrainError, match=f"asks for {name}, but this run is DDP"):
+        distributed.optimizer_notes(fake_state("MULTI_CPU"), "adamw")
+
+
+def test_cpu_for_launch(monkeypatch):
+    monkeypatch.setattr(distributed, "_has_distributed_accelerator", lambda: False)
+    assert distributed.cpu_for_launch() is False  # not launched: leave Accelerate's choice
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert distributed.cpu_for_launch() is True
+    monkeypatch.setattr(distributed, "_has_distributed_accelerator", lambda: True)
+    assert distributed.cpu_for_launch() is False
+
+
+def test_deepspeed_asked_for_but_missing_is_one_line(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "deepspeed" else real_find_spec(name, *a),
+    )
+    with pytest.raises(EffitrainError, match="DeepSpeed, which is not installed: pip install"):
+        distributed.cpu_for_launch()
+
+
+def test_rank_totals_and_single_process_gather():
+    import torch
+
+    from tests.conftest import _reset_accelerate
+
+    _reset_accelerate()
+    try:
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(cpu=True)
+        model = torch.nn.Linear(4, 3)
+        optimizer = torch.optim.AdamW(model.parameters())
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        (entry,) = distributed.gather_rank_memory(accelerator, model, optimizer)
+    finally:
+        _reset_accelerate()
+    assert entry["rank"] == 0 and entry["parameter_bytes"] == (12 + 3) * 4
+    assert entry["optimizer_state_bytes"] == 2 * (12 + 3) * 4 + 2 * 4
+    expected = sum(float(p.detach().double().sum()) for p in model.parameters())
+    assert entry["parameter_checksum"] == pytest.approx(expected)
+    totals = distributed.rank_totals([entry, {**entry, "rank": 1}])
+    assert totals["optimizer_state_bytes"] == 2 * entry["optimizer_state_bytes"]
+    assert set(totals) == set(distributed.RANK_FIELDS)
+
+
+def test_shipped_accelerate_configs_load():
+    """Every config in configs/accelerate/ is read by Accelerate's own loader as documented."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    expected = {
+        "cpu-2proc.yaml": ("MULTI_GPU", 2),
+        "single-gpu.yaml": ("NO", 1),
+        "multi-gpu-ddp.yaml": ("MULTI_GPU", 8),
+        "fsdp2-full-shard.yaml": ("FSDP", 8),
+        "deepspeed-zero2.yaml": ("DEEPSPEED", 8),
+        "deepspeed-zero3.yaml": ("DEEPSPEED", 8),
+        "two-node-template.yaml": ("MULTI_GPU", 16),
+    }
+    folder = REPO / "configs" / "accelerate"
+    assert {path.name for path in folder.glob("*.yaml")} == set(expected)
+    for name, (kind, processes) in expected.items():
+        config = load_config_from_file(str(folder / name))
+        assert (str(config.distributed_type.value), config.num_processes) == (kind, processes)
+    assert (
+        load_config_from_file(str(folder / "fsdp2-full-shard.yaml")).fsdp_config["fsdp_version"]
+        == 2
+    )
+    zero3 = load_config_from_file(str(folder / "deepspeed-zero3.yaml")).deepspeed_config
+    assert zero3["zero_stage"] == 3 and zero3["offload_optimizer_device"] == "none"
