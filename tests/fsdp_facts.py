@@ -4,14 +4,17 @@ Checks, on real FSDP1 and FSDP2 from torch (Accelerate itself only enables FSDP 
 effitrain's sharding rules say: FSDP2's DTensor parameters crash both Adafactors and bitsandbytes
 but not AdamW; FSDP1 hands the optimizer flattened 1-D shards, so Adafactor keeps a full
 ``variance``; FSDP1 with ``use_orig_params=False`` leaves an optimizer built before wrapping
-holding parameters that never train. Prints one JSON line per rank.
+holding parameters that never train. Each rank writes its facts as JSON to
+``$FSDP_FACTS_DIR/rank-<N>.json`` (not stdout: two ranks' lines can interleave in one pipe).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import warnings
+from pathlib import Path
 
 import torch
 from accelerate import PartialState
@@ -84,7 +87,8 @@ def main() -> None:
     before = checksum(wrapped)
     train_steps(wrapped, optimizer)
     facts["fsdp1"]["orig_params_false_trains"] = checksum(wrapped) != before
-    print(json.dumps(facts), flush=True)
+    out_dir = Path(os.environ["FSDP_FACTS_DIR"])
+    (out_dir / f"rank-{state.process_index}.json").write_text(json.dumps(facts))
 
 
 if __name__ == "__main__":
