@@ -80,9 +80,9 @@ class TrainConfig:
     )
 
     # --- loop ---
-    epochs: int = _opt(3, "Number of passes over the training set.")
+    epochs: int = _opt(5, "Number of passes over the training set.")
     max_steps: int | None = _opt(None, "Stop after this many optimizer steps (overrides epochs).")
-    batch_size: int = _opt(32, "Training micro-batch size per process.")
+    batch_size: int = _opt(16, "Training micro-batch size per process.")
     eval_batch_size: int | None = _opt(
         None, "Evaluation batch size per process (default: 2 x batch size)."
     )

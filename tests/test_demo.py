@@ -89,8 +89,10 @@ def test_known_first_example_is_stable():
 
 
 def test_no_validation_pair_in_train(demo):
-    train_pairs = set(zip(demo["train"]["sentence1"], demo["train"]["sentence2"]))
-    val_pairs = list(zip(demo["validation"]["sentence1"], demo["validation"]["sentence2"]))
+    train_pairs = set(zip(demo["train"]["sentence1"], demo["train"]["sentence2"], strict=True))
+    val_pairs = list(
+        zip(demo["validation"]["sentence1"], demo["validation"]["sentence2"], strict=True)
+    )
     assert not train_pairs.intersection(val_pairs)
     assert len(set(val_pairs)) == len(val_pairs)
     assert len(train_pairs) == N_TRAIN
@@ -162,7 +164,10 @@ def test_collator_pads(tokenizer, demo):
 
     rows = demo["train"].select(range(4))
     features = [
-        dict(tokenizer(r["sentence1"], r["sentence2"], truncation=True, max_length=64), labels=r["label"])
+        dict(
+            tokenizer(r["sentence1"], r["sentence2"], truncation=True, max_length=64),
+            labels=r["label"],
+        )
         for r in rows
     ]
     batch = DataCollatorWithPadding(tokenizer)(features)

@@ -6,8 +6,9 @@ Nothing here downloads anything, and importing this module imports nothing heavy
 The task: given two short news-style sentences, say whether the second is a paraphrase of
 the first (label 1, ``equivalent``) or not (label 0, ``not_equivalent``). Paraphrases reword
 the first sentence with synonyms, active/passive voice and moved time phrases or clauses;
-non-paraphrases are restyled the same way but change exactly one content word or phrase
-(who, what was done, to what, when, where, how). See ``_generate.py``.
+non-paraphrases are restyled the same way but report a different event of the same shape
+(who, what was done, to what, when, where, how all changed). A deliberately easy task with a
+small vocabulary, so a tiny model learns it from scratch in seconds. See ``_generate.py``.
 """
 
 from __future__ import annotations
@@ -47,17 +48,17 @@ TINY_MODEL_CONFIG: dict = {
     "n_heads": 4,
     "dim": 128,
     "hidden_dim": 256,
-    "dropout": 0.1,
-    "attention_dropout": 0.1,
+    "dropout": 0.0,
+    "attention_dropout": 0.0,
     "activation": "gelu",
-    "initializer_range": 0.02,
+    "initializer_range": 0.05,
     "seq_classif_dropout": 0.1,
     "pad_token_id": 0,
 }
 
 #: what was measured to work for the demo with the tiny preset (see the project notes)
 RECOMMENDED: dict = {
-    "epochs": 5,
+    "epochs": 7,
     "batch_size": 32,
     "max_length": 64,
     "warmup_ratio": 0.1,
@@ -67,7 +68,7 @@ RECOMMENDED: dict = {
         "adafactor": 3e-2,
         "adafactor-hf": 1e-3,
         "adamw-8bit": 1e-3,
-        "sgd": 5e-2,
+        "sgd": 1e-1,
     },
 }
 

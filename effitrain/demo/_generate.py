@@ -4,13 +4,21 @@ A *meaning* is a choice of one meaning group per slot (subject, verb, noun, and 
 adjective, time, place, clause). A sentence renders a meaning with a random choice of
 synonyms, active or passive voice, and a fronted or trailing time phrase or clause.
 
-- label 1 (equivalent): sentence2 renders the *same* meaning as sentence1, independently
-  restyled, so the two usually differ on the surface (synonyms, voice, word order).
-- label 0 (not_equivalent): sentence2 renders the meaning with exactly *one* slot moved to a
-  different meaning group, and is restyled the same way, so style tells nothing about the label.
+- label 1 (equivalent): sentence2 renders the *same* meaning as sentence1, restyled (each
+  choice of synonym, voice and fronted phrase is redrawn with probability ``STYLE``), so the
+  two often differ on the surface; sometimes they are word-for-word identical.
+- label 0 (not_equivalent): sentence2 reports a *different* event of the same shape (every
+  present slot moved to another meaning group), restyled from sentence1 in the same way, so
+  style and sentence shape tell nothing about the label.
 
-The only way to tell the labels apart is to line up the content words of the two sentences
-(modulo synonyms) and notice the one that has no counterpart.
+Every sentence on its own is a plausible sentence of either label: only comparing the two
+sentences (content words, modulo synonyms) tells the labels apart.
+
+Why not MRPC's harder negatives (one word changed)? Measured on the tiny preset: with one to
+three slots changed, a 2-layer DistilBERT trained from scratch for the ~600 steps that fit in
+the demo's time budget stays at 0.5-0.8 validation accuracy; with every slot changed and a
+small vocabulary it passes 0.95. The demo has to show a loss that falls and an accuracy that
+rises within seconds on a laptop CPU, with every optimizer, so it takes the learnable version.
 """
 
 from __future__ import annotations
@@ -23,24 +31,13 @@ Meaning = dict[str, int | None]
 
 #: probability that an optional slot is present in a meaning
 _OPTIONAL = {"adjective": 0.6, "time": 0.7, "place": 0.35, "clause": 0.3}
-#: how often each present slot is the one changed in a non-paraphrase
-_REPLACE_WEIGHT = {
-    "subject": 3.0,
-    "verb": 3.0,
-    "noun": 3.0,
-    "adjective": 1.5,
-    "time": 1.5,
-    "place": 1.0,
-    "clause": 1.0,
-}
 #: how sentence2 is restyled from sentence1 (the same way for both labels): the chance that a
 #: slot switches to another synonym, that the voice flips, that a different phrase is fronted
-STYLE = {"synonym": 0.3, "passive": 0.3, "front": 0.3}
+STYLE = {"synonym": 0.2, "passive": 0.2, "front": 0.2}
+#: words capitalized inside time and place phrases
 _PROPER = {
     "monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday",
-    "january", "march", "may", "june", "september", "november",
-    "london", "paris", "new", "york", "tokyo", "berlin", "sydney", "chicago", "boston",
-    "madrid", "toronto", "rome", "washington",
+    "london", "paris", "new", "york", "tokyo", "berlin", "sydney",
 }  # fmt: skip
 
 
@@ -54,21 +51,14 @@ def _sample_meaning(rng: random.Random) -> Meaning:
     return meaning
 
 
-#: how many slots a non-paraphrase changes (weights)
-CHANGES = {1: 1.0}
-
-
 def _perturb(meaning: Meaning, rng: random.Random) -> Meaning:
-    """Change some present slots (how many: ``CHANGES``) to a different meaning group."""
-    k = rng.choices(list(CHANGES), weights=list(CHANGES.values()))[0]
-    changed = dict(meaning)
-    present = [slot for slot, value in meaning.items() if value is not None]
-    for _ in range(min(k, len(present))):
-        slot = rng.choices(present, weights=[_REPLACE_WEIGHT[s] for s in present])[0]
-        present.remove(slot)
-        choices = [i for i in range(len(SLOTS[slot])) if i != meaning[slot]]
-        changed[slot] = rng.choice(choices)
-    return changed
+    """Another event of the same shape: every present slot moves to a different group."""
+    return {
+        slot: None
+        if value is None
+        else rng.choice([i for i in range(len(SLOTS[slot])) if i != value])
+        for slot, value in meaning.items()
+    }
 
 
 def _proper_case(phrase: str) -> str:
