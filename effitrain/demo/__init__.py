@@ -56,9 +56,13 @@ TINY_MODEL_CONFIG: dict = {
     "pad_token_id": 0,
 }
 
-#: what was measured to work for the demo with the tiny preset (see the project notes)
+#: what was measured to work for the demo with the tiny preset: AdamW-style loop, linear schedule
+#: with 10% warmup, weight decay 0.01 on non-bias non-LayerNorm weights, 8 epochs x 94 steps.
+#: adamw / adafactor / adafactor-hf / adamw-8bit reach >= 0.9 validation accuracy on seeds 0-2.
+#: sgd (momentum 0.9) does NOT learn this task in the budget (stays at chance for lr 0.05-3);
+#: its entry is only a starting point.
 RECOMMENDED: dict = {
-    "epochs": 7,
+    "epochs": 8,
     "batch_size": 32,
     "max_length": 64,
     "warmup_ratio": 0.1,

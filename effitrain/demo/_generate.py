@@ -33,7 +33,7 @@ Meaning = dict[str, int | None]
 _OPTIONAL = {"adjective": 0.6, "time": 0.7, "place": 0.35, "clause": 0.3}
 #: how sentence2 is restyled from sentence1 (the same way for both labels): the chance that a
 #: slot switches to another synonym, that the voice flips, that a different phrase is fronted
-STYLE = {"synonym": 0.2, "passive": 0.2, "front": 0.2}
+STYLE = {"synonym": 0.15, "passive": 0.15, "front": 0.15}
 #: words capitalized inside time and place phrases
 _PROPER = {
     "monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday",
