@@ -15,8 +15,12 @@ POSITIVE = ["great", "lovely", "fine", "superb", "pleasant"]
 NEGATIVE = ["awful", "terrible", "poor", "dreadful", "boring"]
 
 
-def write_data(folder: Path) -> tuple[Path, Path]:
-    """A 24-row training csv and an 8-row validation csv (text, label): epochs take seconds."""
+def write_data(folder: Path) -> tuple[Path, Path, Path]:
+    """A 24-row training csv, an 8-row validation csv (text, label), and a tiny model folder.
+
+    The model is the tiny preset with every dropout at 0.1 (the preset itself trains without
+    dropout), so exact-resume tests prove that dropout randomness comes back too.
+    """
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, rows in (("train.csv", TRAIN_ROWS), ("validation.csv", 8)):
@@ -30,14 +34,29 @@ def write_data(folder: Path) -> tuple[Path, Path]:
                     [f"the film was {words[i % 5]} and {words[(i * 3) % 5]} number {i}", i % 2]
                 )
         paths.append(path)
-    return paths[0], paths[1]
+    return paths[0], paths[1], save_dropout_model(folder / "model")
 
 
-def train_args(data: tuple[Path, Path], out: Path, *extra: str) -> list[str]:
-    """``train`` arguments for a quick run on the tiny data, writing to ``out``."""
-    train, validation = data
+def save_dropout_model(folder: Path) -> Path:
+    """The tiny preset with dropout 0.1 everywhere, saved with save_pretrained."""
+    from effitrain.models import load_model, load_tokenizer
+
+    tokenizer = load_tokenizer("tiny")
+    model = load_model("tiny", 2, ["0", "1"], tokenizer)
+    for name in ("dropout", "attention_dropout", "seq_classif_dropout"):
+        setattr(model.config, name, 0.1)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def train_args(data: tuple[Path, Path, Path], out: Path, *extra: str) -> list[str]:
+    """``train`` arguments for a quick run on the tiny data and model, writing to ``out``."""
+    train, validation, model = data
     return [
         "train",
+        "--model",
+        str(model),
         "--train-file",
         str(train),
         "--validation-file",

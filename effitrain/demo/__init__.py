@@ -52,7 +52,7 @@ TINY_MODEL_CONFIG: dict = {
     "attention_dropout": 0.0,
     "activation": "gelu",
     "initializer_range": 0.05,
-    "seq_classif_dropout": 0.1,
+    "seq_classif_dropout": 0.0,  # measured: dropout here slows the demo past 60 s to reach 0.90
     "pad_token_id": 0,
 }
 
