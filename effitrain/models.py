@@ -18,7 +18,10 @@ if TYPE_CHECKING:
 
 # name -> (description, DistilBertConfig overrides on top of the demo's tiny config).
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
-    "tiny": ("2-layer 128-dim DistilBERT, no dropout, random init (default; trains the demo in seconds)", {}),
+    "tiny": (
+        "2-layer 128-dim DistilBERT, no dropout, random init (default; trains the demo in seconds)",
+        {},
+    ),
     "small": (
         "4-layer 256-dim DistilBERT, random init",
         {
