@@ -73,11 +73,17 @@ def test_deterministic_and_seed_dependent(demo):
 
 
 def test_known_first_example_is_stable():
-    # Pins the generator: the same strings on every machine and every Python run. Update
-    # deliberately (and re-tune RECOMMENDED) if the generator changes.
-    first = build_demo_dataset(seed=0, num_train=2, num_validation=1)["train"][0]
-    assert isinstance(first["sentence1"], str) and first["sentence1"].endswith(".")
+    # Pins the generator: the same strings on every machine and in every Python process (no
+    # hash randomization, no global RNG). Update deliberately, and re-tune RECOMMENDED, if the
+    # generator changes.
+    expected = {
+        "sentence1": "The government unveiled the yearly contract following a lengthy debate.",
+        "sentence2": "The government announced the yearly contract following a lengthy debate.",
+        "label": 1,
+    }
+    assert build_demo_dataset(seed=0, num_train=2, num_validation=1)["train"][0] == expected
     code = (
+        "import random; random.seed(99)\n"
         "from effitrain.demo import build_demo_dataset\n"
         "print(repr(build_demo_dataset(seed=0, num_train=2, num_validation=1)['train'][0]))\n"
     )
@@ -85,7 +91,7 @@ def test_known_first_example_is_stable():
     out = subprocess.run(
         [sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env
     ).stdout.strip()
-    assert out == repr(first)
+    assert out == repr(expected)
 
 
 def test_no_validation_pair_in_train(demo):
