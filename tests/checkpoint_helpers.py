@@ -34,17 +34,17 @@ def write_data(folder: Path) -> tuple[Path, Path, Path]:
                     [f"the film was {words[i % 5]} and {words[(i * 3) % 5]} number {i}", i % 2]
                 )
         paths.append(path)
-    return paths[0], paths[1], save_dropout_model(folder / "model")
+    return paths[0], paths[1], save_tiny_model(folder / "model", dropout=0.1)
 
 
-def save_dropout_model(folder: Path) -> Path:
-    """The tiny preset with dropout 0.1 everywhere, saved with save_pretrained."""
+def save_tiny_model(folder: Path, dropout: float, labels: tuple[str, ...] = ("0", "1")) -> Path:
+    """The tiny preset with every dropout set to ``dropout``, saved with save_pretrained."""
     from effitrain.models import load_model, load_tokenizer
 
     tokenizer = load_tokenizer("tiny")
-    model = load_model("tiny", 2, ["0", "1"], tokenizer)
+    model = load_model("tiny", len(labels), list(labels), tokenizer)
     for name in ("dropout", "attention_dropout", "seq_classif_dropout"):
-        setattr(model.config, name, 0.1)
+        setattr(model.config, name, dropout)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

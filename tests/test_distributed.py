@@ -86,16 +86,10 @@ def max_abs_difference(a: dict, b: dict) -> float:
 @pytest.fixture(scope="module")
 def no_dropout_model_dir(tmp_path_factory) -> Path:
     """The tiny preset with every dropout off, so one and two processes can agree exactly."""
-    from effitrain.models import load_model, load_tokenizer
+    from tests.checkpoint_helpers import save_tiny_model
 
     folder = tmp_path_factory.mktemp("tiny-no-dropout")
-    tokenizer = load_tokenizer("tiny")
-    model = load_model("tiny", 2, ["not_equivalent", "equivalent"], tokenizer)
-    for name in ("dropout", "attention_dropout", "seq_classif_dropout"):
-        setattr(model.config, name, 0.0)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_tiny_model(folder, dropout=0.0, labels=("not_equivalent", "equivalent"))
 
 
 @pytest.fixture(scope="module")
