@@ -56,23 +56,24 @@ TINY_MODEL_CONFIG: dict = {
     "pad_token_id": 0,
 }
 
-#: what was measured to work for the demo with the tiny preset: AdamW-style loop, linear schedule
-#: with 10% warmup, weight decay 0.01 on non-bias non-LayerNorm weights, 8 epochs x 94 steps.
-#: adamw / adafactor / adafactor-hf / adamw-8bit reach >= 0.9 validation accuracy on seeds 0-2.
+#: the settings `effitrain train` uses by default for the demo (TrainConfig and the optimizer
+#: registry hold the real defaults; this mirrors them): 5 epochs x 188 steps of batch 16, linear
+#: schedule with 6% warmup, weight decay 0.01 on >=2-D weights. Measured with 2 threads on an idle
+#: 2-core machine: adamw 0.927, adafactor 0.995, adamw-8bit 0.915 validation accuracy (seed 42).
 #: sgd (momentum 0.9) does NOT learn this task in the budget (stays at chance for lr 0.05-3);
 #: its entry is only a starting point.
 RECOMMENDED: dict = {
-    "epochs": 8,
-    "batch_size": 32,
+    "epochs": 5,
+    "batch_size": 16,
     "max_length": 64,
-    "warmup_ratio": 0.1,
+    "warmup_ratio": 0.06,
     "weight_decay": 0.01,
     "lr": {
         "adamw": 1e-3,
         "adafactor": 3e-2,
         "adafactor-hf": 1e-3,
-        "adamw-8bit": 1e-3,
-        "sgd": 1e-1,
+        "adamw-8bit": 7e-4,
+        "sgd": 5e-2,
     },
 }
 
