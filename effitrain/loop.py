@@ -109,8 +109,6 @@ def evaluate(model: Any, loader: DataLoader, accelerator: Accelerator) -> dict[s
 
 def _check_outputs_writable(config: TrainConfig) -> None:
     """Fail before training, not after it, when results could not be written."""
-    from pathlib import Path
-
     if config.metrics_json:
         parent = Path(config.metrics_json).expanduser().resolve().parent
         existing = next(p for p in (parent, *parent.parents) if p.exists())
