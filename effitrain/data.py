@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from effitrain.errors import EffitrainError
-from effitrain.models import first_line, is_offline
+from effitrain.errors import EffitrainError, first_line
+from effitrain.models import is_offline
 
 if TYPE_CHECKING:
     import datasets

@@ -1,4 +1,5 @@
-"""The one exception type for mistakes a user can fix."""
+"""The one exception type for mistakes a user can fix, and the one way to shorten a library's
+message to a line."""
 
 
 class EffitrainError(Exception):
@@ -7,3 +8,14 @@ class EffitrainError(Exception):
     The CLI prints it without a traceback and exits non-zero; set ``EFFITRAIN_DEBUG=1`` to see
     the traceback.
     """
+
+
+def first_line(exc: BaseException, default: str | None = None) -> str:
+    """The first non-empty line of an exception's message (library messages run long).
+
+    An empty message gives ``default``, or the exception's class name when no default is given.
+    """
+    text = str(exc).strip()
+    if text:
+        return text.splitlines()[0]
+    return type(exc).__name__ if default is None else default

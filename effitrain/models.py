@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from effitrain.errors import EffitrainError
+from effitrain.errors import EffitrainError, first_line
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -65,12 +65,6 @@ def _cannot_load(what: str, name: str, exc: BaseException) -> EffitrainError:
         reason = first_line(exc)
     presets = ", ".join(PRESETS)
     return EffitrainError(f"cannot load {what} '{name}': {reason}. Presets: {presets}")
-
-
-def first_line(exc: BaseException) -> str:
-    """The first non-empty line of an exception message (library messages run long)."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else exc.__class__.__name__
 
 
 def preset_settings(name: str) -> dict[str, Any]:

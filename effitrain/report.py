@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     from effitrain.loop import TrainResult
     from effitrain.memory import OptimizerStateLedger
-    from effitrain.state import StateReport
+    from effitrain.inspection import StateReport
 
 
 @dataclass

@@ -93,7 +93,7 @@ def main() -> None:
         size = path.stat().st_size
         command = [sys.executable, "-m", "effitrain", "inspect-state", str(path), "--json"]
         baseline = _measure(
-            [sys.executable, "-c", "import torch, effitrain.state, effitrain.cli, rich"]
+            [sys.executable, "-c", "import torch, effitrain.inspection, effitrain.cli, rich"]
         )
         runs = [_measure(command) for _ in range(args.runs)]
         report = json.loads(runs[0]["stdout"])

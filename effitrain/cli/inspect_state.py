@@ -33,7 +33,7 @@ def inspect_state(
     weights_only=True, after checking which globals they would import.
     """
     with user_errors():
-        from effitrain.state import inspect_state as read_state
+        from effitrain.inspection import inspect_state as read_state
 
         report = read_state(path)
         if as_json:

@@ -33,7 +33,7 @@ from effitrain.checkpoint import (
     param_group_hyperparameters,
     read_metadata,
 )
-from effitrain.errors import EffitrainError
+from effitrain.errors import EffitrainError, first_line
 
 ZIP_MAGIC = b"PK\x03\x04"
 PICKLE_PROTO = b"\x80"
@@ -45,11 +45,6 @@ ADAMW_BYTES_PER_ELEMENT = 2 * 4
 # --------------------------------------------------------------------------------------------
 # Loading one file safely
 # --------------------------------------------------------------------------------------------
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _check_container(path: Path) -> None:
@@ -91,7 +86,7 @@ def safe_load(path: str | Path) -> Any:
         unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
     except Exception as exc:
         raise EffitrainError(
-            f"{path} is not a readable PyTorch checkpoint ({_first_line(exc)})"
+            f"{path} is not a readable PyTorch checkpoint ({first_line(exc)})"
         ) from None
     if unsafe:
         shown = ", ".join(unsafe[:5]) + (", ..." if len(unsafe) > 5 else "")
@@ -103,10 +98,10 @@ def safe_load(path: str | Path) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as exc:
         raise EffitrainError(
-            f"{path} refused by the weights-only loader: {_first_line(exc)}"
+            f"{path} refused by the weights-only loader: {first_line(exc)}"
         ) from None
     except (RuntimeError, EOFError, ValueError, OSError) as exc:
-        raise EffitrainError(f"{path} is truncated or corrupt ({_first_line(exc)})") from None
+        raise EffitrainError(f"{path} is truncated or corrupt ({first_line(exc)})") from None
 
 
 # --------------------------------------------------------------------------------------------
