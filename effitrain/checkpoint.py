@@ -30,21 +30,18 @@ import math
 import os
 import re
 import shutil
-import signal
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from effitrain.errors import EffitrainError
+from effitrain.errors import EffitrainError, first_line
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from effitrain.config import TrainConfig
+    from effitrain.progress import TrainingProgress
 
 METADATA_FILE = "effitrain.json"
 METADATA_FORMAT = "effitrain-checkpoint"
@@ -69,59 +66,6 @@ RUN_ONLY_OPTIONS = frozenset(
         "eval_batch_size",
     }
 )
-
-
-# --------------------------------------------------------------------------------------------
-# Where the loop is
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class LoopState:
-    """The loop's own counters, stored in ``effitrain.json`` and restored on resume.
-
-    ``epoch`` is the 0-based epoch the loop is in; ``step_in_epoch`` the optimizer steps already
-    done in it. A checkpoint written after an epoch's evaluation points at the next epoch with
-    ``step_in_epoch == 0``. ``window`` holds the not-yet-logged sums (loss, micro-batches,
-    samples) summed over processes.
-    """
-
-    global_step: int = 0
-    epoch: int = 0
-    step_in_epoch: int = 0
-    total_loss: float = 0.0
-    total_batches: float = 0.0
-    total_samples: float = 0.0
-    window: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
-    eval_history: list[dict[str, float]] = field(default_factory=list)
-    gradient_bytes: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "global_step": self.global_step,
-            "epoch": self.epoch,
-            "step_in_epoch": self.step_in_epoch,
-            "total_loss": self.total_loss,
-            "total_batches": self.total_batches,
-            "total_samples": self.total_samples,
-            "window": list(self.window),
-            "eval_history": self.eval_history,
-            "gradient_bytes": self.gradient_bytes,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> LoopState:
-        return cls(
-            global_step=int(data["global_step"]),
-            epoch=int(data["epoch"]),
-            step_in_epoch=int(data["step_in_epoch"]),
-            total_loss=float(data["total_loss"]),
-            total_batches=float(data["total_batches"]),
-            total_samples=float(data["total_samples"]),
-            window=[float(x) for x in data["window"]],
-            eval_history=list(data["eval_history"]),
-            gradient_bytes=int(data.get("gradient_bytes", 0)),
-        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,7 +114,7 @@ def library_versions() -> dict[str, str]:
 def build_metadata(
     *,
     config: TrainConfig,
-    loop_state: LoopState,
+    progress: dict[str, Any],
     optimizer_name: str,
     optimizer_class: str,
     param_groups: list[dict[str, Any]],
@@ -181,13 +125,14 @@ def build_metadata(
 ) -> dict[str, Any]:
     """The JSON written beside the tensors (``files`` is added when the save is complete).
 
+    ``progress`` is the loop's ``TrainingProgress.state_dict()`` (its keys go at the top level);
     ``param_names`` are the optimizer's parameters in state-dict order (ids 0, 1, …), so
     ``inspect-state`` can name them; ``parameter_shapes`` are the model's, checked on resume.
     """
     return {
         "format": METADATA_FORMAT,
         "version": METADATA_VERSION,
-        **loop_state.to_dict(),
+        **progress,
         "optimizer": {
             "name": optimizer_name,
             "class": optimizer_class,
@@ -413,8 +358,10 @@ def config_differences(meta: dict[str, Any], config: TrainConfig) -> list[str]:
     """Options that differ from the checkpoint's run (resume is exact only without any)."""
     saved = meta.get("config", {})
     current = config.to_dict()
+    from effitrain.config import option
+
     return [
-        f"{key.replace('_', '-')} {saved.get(key)!r} -> {value!r}"
+        f"{option(key)[2:]} {saved.get(key)!r} -> {value!r}"
         for key, value in current.items()
         if key not in RUN_ONLY_OPTIONS and key in saved and saved[key] != value
     ]
@@ -559,8 +506,7 @@ def load_checkpoint(accelerator: Accelerator, checkpoint: Path) -> None:
     try:
         accelerator.load_state(str(checkpoint))
     except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise EffitrainError(f"cannot load checkpoint {checkpoint}: {first}") from exc
+        raise EffitrainError(f"cannot load checkpoint {checkpoint}: {first_line(exc)}") from exc
 
 
 def save_final(
@@ -592,58 +538,119 @@ def save_final(
 
 
 # --------------------------------------------------------------------------------------------
-# Stopping on SIGINT / SIGTERM
+# When to save, and saving for the loop
 # --------------------------------------------------------------------------------------------
 
 
-class StopRequest:
-    """Set by SIGINT/SIGTERM; the loop checks it after each optimizer step.
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """When the loop saves: it asks at three moments and computes no flags of its own.
 
-    The first signal only sets the flag (the loop finishes its step, saves and exits with
-    128 + signal number); a second one aborts at once (KeyboardInterrupt).
+    - after an optimizer step: every ``--save-every`` steps, except at an epoch's last step (or
+      the run's), whose checkpoint waits for the evaluation so that a resume does not evaluate
+      that epoch again;
+    - after an evaluation: at the end of every epoch with ``--save-strategy epoch``, at the end
+      of the run, and at a ``--save-every`` step that the rule above postponed;
+    - on a stop signal: whenever there is an ``--output-dir``, even with ``--save-strategy no``.
     """
 
-    def __init__(self) -> None:
-        self.signum: int | None = None
+    periodic: bool
+    """Checkpoints during the run (``--save-every`` or ``--save-strategy epoch``, with a folder)."""
+    on_stop: bool
+    """A stop signal saves one (there is an ``--output-dir``)."""
+    save_every: int | None
+    every_epoch: bool
+    total_steps: int
+    steps_per_epoch: int
 
-    @property
-    def requested(self) -> bool:
-        return self.signum is not None
+    @classmethod
+    def from_config(
+        cls, config: TrainConfig, total_steps: int, steps_per_epoch: int
+    ) -> CheckpointPolicy:
+        return cls(
+            periodic=config.saves_checkpoints,
+            on_stop=bool(config.output_dir),
+            save_every=config.save_every,
+            every_epoch=config.save_strategy == "epoch",
+            total_steps=total_steps,
+            steps_per_epoch=steps_per_epoch,
+        )
 
-    @property
-    def signal_name(self) -> str:
-        return signal.Signals(self.signum).name if self.signum is not None else ""
+    def _every(self, step: int) -> bool:
+        return bool(self.save_every) and step % self.save_every == 0
 
-    @property
-    def exit_code(self) -> int:
-        return 128 + (self.signum or 0)
+    def save_after_step(self, step: int, step_in_epoch: int) -> bool:
+        at_boundary = step_in_epoch >= self.steps_per_epoch or step >= self.total_steps
+        return self.periodic and self._every(step) and not at_boundary
 
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum is not None:
-            raise KeyboardInterrupt
-        self.signum = signum
+    def save_after_evaluation(self, step: int) -> bool:
+        due = self.every_epoch or step >= self.total_steps or self._every(step)
+        return self.periodic and due
 
 
-@contextmanager
-def stop_on_signals() -> Iterator[StopRequest]:
-    """Route SIGINT and SIGTERM to a :class:`StopRequest` for the duration of the block.
+class Checkpointer:
+    """Saves the run's checkpoints when its :class:`CheckpointPolicy` says so.
 
-    Outside the main thread (where Python cannot install handlers) nothing is installed.
+    Every process calls its methods (saving is a collective); each save is written by
+    :func:`save_checkpoint`, with the optimizer's identity and the model's parameter names and
+    shapes in ``effitrain.json``.
     """
-    import threading
 
-    request = StopRequest()
-    if threading.current_thread() is not threading.main_thread():
-        yield request
-        return
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    for sig in previous:
-        signal.signal(sig, request._handle)
-    try:
-        yield request
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        config: TrainConfig,
+        policy: CheckpointPolicy,
+        optimizer: Any,
+        optimizer_name: str,
+        optimizer_class: str,
+        param_names: list[str],
+        parameter_shapes: dict[str, list[int]],
+    ) -> None:
+        self.accelerator = accelerator
+        self.config = config
+        self.policy = policy
+        self.optimizer = optimizer
+        self.optimizer_name = optimizer_name
+        self.optimizer_class = optimizer_class
+        self.param_names = param_names
+        self.parameter_shapes = parameter_shapes
+        self.last_saved_step = -1
+        """A resumed run starts with its checkpoint's step: that one is not written again."""
+        self.last_path: Path | None = None
+
+    def save(self, progress: TrainingProgress) -> Path:
+        """Write ``checkpoint-<global step>`` now (all processes)."""
+        metadata = build_metadata(
+            config=self.config,
+            progress=progress.state_dict(),
+            optimizer_name=self.optimizer_name,
+            optimizer_class=self.optimizer_class,
+            param_groups=self.optimizer.param_groups,
+            param_names=self.param_names,
+            parameter_shapes=self.parameter_shapes,
+            world_size=self.accelerator.num_processes,
+            mixed_precision=self.accelerator.mixed_precision,
+        )
+        path = save_checkpoint(
+            self.accelerator, self.config.output_dir, metadata, self.config.save_total_limit
+        )
+        self.last_saved_step, self.last_path = progress.global_step, path
+        return path
+
+    def after_step(self, progress: TrainingProgress) -> Path | None:
+        if self.policy.save_after_step(progress.global_step, progress.step_in_epoch):
+            return self.save(progress)
+        return None
+
+    def after_evaluation(self, progress: TrainingProgress) -> Path | None:
+        step = progress.global_step
+        if self.policy.save_after_evaluation(step) and self.last_saved_step != step:
+            return self.save(progress)
+        return None
+
+    def on_stop(self, progress: TrainingProgress) -> Path | None:
+        return self.save(progress) if self.policy.on_stop else None
 
 
 def resume_command(config: TrainConfig, num_processes: int) -> str:
@@ -660,7 +667,7 @@ def resume_command(config: TrainConfig, num_processes: int) -> str:
         if f.name == "resume" or value == getattr(defaults, f.name):
             continue
         if isinstance(value, bool):
-            words.append(option(f.name) if value else f"--no-{f.name.replace('_', '-')}")
+            words.append(option(f.name) if value else "--no-" + option(f.name)[2:])
         elif isinstance(value, list):
             words += [option(f.name), ",".join(value)]
         else:

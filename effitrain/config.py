@@ -5,7 +5,8 @@ One flat dataclass keeps the mapping between CLI options, YAML keys and code obv
 A YAML file only overrides defaults; explicit CLI options override the YAML file. Unknown keys and
 values of the wrong type are errors that name the key.
 
-This module imports nothing heavy (no torch), so the CLI can build and check a config instantly.
+This module imports nothing heavy (no torch; the optimizer registry is light), so the CLI can
+build and check a config instantly.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from effitrain.errors import EffitrainError
+from effitrain.optim import get_spec
 
 SCHEDULERS = ("linear", "cosine", "constant")
 MIXED_PRECISION = ("no", "fp16", "bf16")
@@ -153,9 +155,6 @@ class TrainConfig:
                 f"--text-columns takes one or two column names (got {len(self.text_columns)})"
             )
         self._validate_checkpointing()
-        # Imported here: the registry module is light, but config must not depend on it at import.
-        from effitrain.optim import get_spec
-
         get_spec(self.optim)
         return self
 
@@ -171,8 +170,7 @@ class TrainConfig:
                 raise EffitrainError(f"{option(name)} must be greater than 0 (got {value})")
         if self.save_strategy == "no" and self.save_every is not None:
             raise EffitrainError("--save-every contradicts --save-strategy no; drop one of them")
-        wants_checkpoints = self.save_every is not None or self.save_strategy == "epoch"
-        if wants_checkpoints and not self.output_dir:
+        if self.wants_periodic_checkpoints and not self.output_dir:
             raise EffitrainError("checkpoints need a folder: add --output-dir DIR")
         if self.resume == "latest" and not self.output_dir:
             raise EffitrainError(
@@ -180,11 +178,19 @@ class TrainConfig:
             )
 
     @property
+    def wants_periodic_checkpoints(self) -> bool:
+        """Whether the options ask for periodic checkpoints (every N steps or every epoch)."""
+        return self.save_every is not None or self.save_strategy == "epoch"
+
+    @property
     def saves_checkpoints(self) -> bool:
         """Whether periodic checkpoints are on (a signal saves one whenever --output-dir is set)."""
-        return bool(self.output_dir) and (
-            self.save_every is not None or self.save_strategy == "epoch"
-        )
+        return bool(self.output_dir) and self.wants_periodic_checkpoints
+
+    @property
+    def effective_lr(self) -> float:
+        """The learning rate actually used: the explicit one, else the optimizer's default."""
+        return self.lr if self.lr is not None else get_spec(self.optim).default_lr
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

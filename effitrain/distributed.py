@@ -36,8 +36,6 @@ from effitrain.errors import EffitrainError
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from effitrain.config import TrainConfig
-    from effitrain.report import Reporter
 
 FACTORED_OPTIMIZERS = frozenset({"adafactor", "adafactor-hf"})
 """Optimizers whose savings come from factoring the second moment of >=2-D weights."""
@@ -58,8 +56,9 @@ _ASKED_BY_ENV = {
 }
 """What ``accelerate launch`` asked for (environment variable -> name, sharding kinds)."""
 
-DDP_CONFIG = "configs/accelerate/multi-gpu-ddp.yaml"
-CPU_CONFIG = "configs/accelerate/cpu-2proc.yaml"
+USE_DDP = "DDP (accelerate launch --multi_gpu)"
+ON_CPU = "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N"
+"""How to ask for DDP, and for cooperating CPU processes (no config file needed)."""
 
 
 @dataclass(frozen=True)
@@ -223,23 +222,23 @@ def _check_launch(state: Any, sharding: Sharding) -> None:
         raise EffitrainError(
             f"{launched} processes were launched but each would train alone "
             f"(Accelerate sees {sharding.num_processes}); on a machine without GPUs set "
-            f"ACCELERATE_USE_CPU=1 or launch with --config_file {CPU_CONFIG}"
+            f"ACCELERATE_USE_CPU=1 ({ON_CPU} ...)"
         )
     for variable, (name, kinds) in _ASKED_BY_ENV.items():
         if os.environ.get(variable, "false").lower() == "true" and sharding.kind not in kinds:
             raise EffitrainError(
                 f"the accelerate config asks for {name}, but this run is {sharding.description} "
-                f"({name} needs GPUs); on CPU use --config_file {CPU_CONFIG} (plain DDP)"
+                f"({name} needs GPUs); on CPU use plain DDP: {ON_CPU} ..."
             )
 
 
 def _fsdp_rules(sharding: Sharding, state: Any, optim: str) -> list[str]:
     if sharding.kind == "fsdp2" and optim in DTENSOR_INCOMPATIBLE:
         alternative = (
-            "use DDP (" + DDP_CONFIG + "), where Adafactor keeps its factored savings, "
+            f"use {USE_DDP}, where Adafactor keeps its factored savings, "
             "or --optim adamw with FSDP2"
             if optim in FACTORED_OPTIMIZERS
-            else "use DDP (" + DDP_CONFIG + "), FSDP1 with fsdp_use_orig_params: true, "
+            else f"use {USE_DDP}, FSDP1 with fsdp_use_orig_params: true, "
             "or --optim adamw with FSDP2"
         )
         raise EffitrainError(
@@ -258,7 +257,7 @@ def _fsdp_rules(sharding: Sharding, state: Any, optim: str) -> list[str]:
         return [
             f"FSDP1 hands the optimizer flattened 1-D parameter shards: {optim} cannot factor "
             "them and keeps a full second moment (4 bytes per parameter, half of AdamW, not ~0); "
-            f"for Adafactor's savings use DDP ({DDP_CONFIG})"
+            f"for Adafactor's savings use {USE_DDP}"
         ]
     return []
 
@@ -293,7 +292,7 @@ def _deepspeed_rules(sharding: Sharding, state: Any, optim: str) -> list[str]:
         notes.append(
             f"DeepSpeed ZeRO-{sharding.zero_stage} hands the optimizer flat 1-D partitions: "
             f"{optim} cannot factor them and keeps a full second moment (4 bytes per parameter, "
-            f"half of AdamW, not ~0); for Adafactor's savings use DDP ({DDP_CONFIG})"
+            f"half of AdamW, not ~0); for Adafactor's savings use {USE_DDP}"
         )
     return notes
 
@@ -313,34 +312,21 @@ def optimizer_notes(state: Any, optim: str) -> list[str]:
     return _fsdp_rules(sharding, state, optim) + _deepspeed_rules(sharding, state, optim)
 
 
-def _fill_deepspeed_autos(state: Any, config: TrainConfig) -> None:
+def configure_deepspeed(state: Any, batch_size: int, grad_accum: int) -> None:
     """Let DeepSpeed run effitrain's client optimizer, and fill batch sizes it cannot infer.
 
+    Call before ``prepare(model, optimizer, …)`` when :func:`detect_sharding` says DeepSpeed.
     effitrain prepares the dataloaders apart from the model, so Accelerate cannot fill an
-    ``auto`` micro-batch size when it prepares the model.
+    ``auto`` micro-batch size when it prepares the model; and effitrain always passes its own
+    (client) optimizer, which DeepSpeed refuses unless ``zero_allow_untested_optimizer`` is set.
     """
     ds_config = _deepspeed_config(state)
     ds_config["zero_allow_untested_optimizer"] = True
     n = int(getattr(state, "num_processes", 1))
     if ds_config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
-        ds_config["train_micro_batch_size_per_gpu"] = config.batch_size
+        ds_config["train_micro_batch_size_per_gpu"] = batch_size
     if ds_config.get("train_batch_size", "auto") == "auto":
-        ds_config["train_batch_size"] = config.batch_size * config.grad_accum * n
-
-
-def check_sharding(accelerator: Accelerator, config: TrainConfig, reporter: Reporter) -> Sharding:
-    """Call after the Accelerator exists and before ``prepare(model, optimizer, …)``.
-
-    Refuses impossible combinations (:class:`EffitrainError`), prints a note for lossy ones,
-    and readies a DeepSpeed config for effitrain's client optimizer.
-    """
-    state = accelerator.state
-    for note in optimizer_notes(state, config.optim):
-        reporter.note(note)
-    sharding = detect_sharding(state)
-    if sharding.kind == "deepspeed":
-        _fill_deepspeed_autos(state, config)
-    return sharding
+        ds_config["train_batch_size"] = batch_size * grad_accum * n
 
 
 # --------------------------------------------------------------------------------------------

@@ -38,8 +38,6 @@ from effitrain.errors import EffitrainError, first_line
 ZIP_MAGIC = b"PK\x03\x04"
 PICKLE_PROTO = b"\x80"
 _ACCELERATE_OPTIMIZER = re.compile(r"^optimizer(?:_(\d+))?\.bin$")
-ADAMW_BYTES_PER_ELEMENT = 2 * 4
-"""fp32 exp_avg + exp_avg_sq per parameter element (plus a 4-byte step per tensor)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -441,6 +439,7 @@ def inspect_state(path: str | Path) -> StateReport:
     names = saved_optimizer.get("param_names")
     params = _param_states(state_dicts, names if isinstance(names, list) else None)
     known = [p.elements for p in params if p.elements is not None]
+    adamw_elements, adamw_bytes = memory.adamw_state_size(known)
     groups = [g for sd in state_dicts for g in param_group_hyperparameters(sd["param_groups"])]
     step = source.step if source.step is not None else _step_of(state_dicts[0])
     return StateReport(
@@ -454,7 +453,7 @@ def inspect_state(path: str | Path) -> StateReport:
         param_groups=groups,
         ledger=ledger,
         params=params,
-        adamw_equivalent_elements=sum(2 * n + 1 for n in known),
-        adamw_equivalent_bytes=sum(ADAMW_BYTES_PER_ELEMENT * n + 4 for n in known),
+        adamw_equivalent_elements=adamw_elements,
+        adamw_equivalent_bytes=adamw_bytes,
         params_without_shape=len(params) - len(known),
     )

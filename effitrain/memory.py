@@ -31,6 +31,7 @@ __all__ = [
     "StateKeyUsage",
     "adamw_equivalent_bytes",
     "adamw_equivalent_elements",
+    "adamw_state_size",
     "format_bytes",
     "gradient_bytes",
     "optimizer_state_ledger",
@@ -422,25 +423,31 @@ def _trainable_local_numels(model_or_params: Any) -> list[int]:
     return [_local(p).numel() for p in _parameters(model_or_params) if p.requires_grad]
 
 
+def adamw_state_size(numels: Iterable[int]) -> tuple[int, int]:
+    """``(elements, bytes)`` that fp32 ``torch.optim.AdamW`` keeps after one step for parameter
+    tensors of these sizes: per tensor ``exp_avg`` and ``exp_avg_sq`` (``numel`` float32 each) and
+    one float32 ``step``.
+
+    This is the reference the user compares against. ``torch.optim.AdamW`` really keeps its
+    moments in the *parameter* dtype (bf16 params -> bf16 moments); the reference is
+    deliberately "AdamW with fp32 state", the usual mixed-precision setup.
+    """
+    sizes = list(numels)
+    return sum(2 * n + 1 for n in sizes), sum(2 * n * 4 + 4 for n in sizes)
+
+
 def adamw_equivalent_elements(model_or_params: Any) -> int:
-    """Elements ``torch.optim.AdamW`` would keep after one step: per trainable parameter tensor,
-    ``exp_avg`` + ``exp_avg_sq`` (``numel`` each) + one ``step`` element.
+    """Elements fp32 AdamW would keep for these trainable parameters (:func:`adamw_state_size`).
 
     A Parameter object shared by several modules (tied weights) counts once, as the optimizer
     sees it once; DTensor parameters count their local shard, like the measured ledger does.
     """
-    return sum(2 * n + 1 for n in _trainable_local_numels(model_or_params))
+    return adamw_state_size(_trainable_local_numels(model_or_params))[0]
 
 
 def adamw_equivalent_bytes(model_or_params: Any) -> int:
-    """Bytes fp32 AdamW would keep for the same trainable parameters: per parameter tensor,
-    ``2 * numel * 4`` (``exp_avg``, ``exp_avg_sq`` in float32) + 4 (the float32 ``step``).
-
-    This is the reference the user compares against. Note that ``torch.optim.AdamW`` really
-    keeps its moments in the *parameter* dtype (bf16 params -> bf16 moments); the reference is
-    deliberately "AdamW with fp32 state", the usual mixed-precision setup.
-    """
-    return sum(2 * n * 4 + 4 for n in _trainable_local_numels(model_or_params))
+    """Bytes fp32 AdamW would keep for these trainable parameters (:func:`adamw_state_size`)."""
+    return adamw_state_size(_trainable_local_numels(model_or_params))[1]
 
 
 # --------------------------------------------------------------------------------------------

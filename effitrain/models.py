@@ -69,9 +69,9 @@ def _cannot_load(what: str, name: str, exc: BaseException) -> EffitrainError:
 
 def preset_settings(name: str) -> dict[str, Any]:
     """DistilBertConfig keyword arguments of a preset (the demo's tiny config plus overrides)."""
-    from effitrain.demo import TINY_MODEL_CONFIG
+    from effitrain.demo import tiny_model_config
 
-    return {**TINY_MODEL_CONFIG, **PRESETS[name][1]}
+    return {**tiny_model_config(), **PRESETS[name][1]}
 
 
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:

@@ -18,8 +18,6 @@ from effitrain.errors import EffitrainError
 if TYPE_CHECKING:
     import torch
 
-    from effitrain.config import TrainConfig
-
 ParamGroups = list[dict[str, Any]]
 
 
@@ -55,7 +53,7 @@ def _adamw(groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
 def _adafactor(groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
     import torch
 
-    # lr here caps a *relative* step (about RMS(param) * min(lr, 1/sqrt(t))): see REFERENCE.md.
+    # lr caps a *relative* step: step size = max(eps2, RMS(param)) * min(lr, 1/sqrt(t)).
     return torch.optim.Adafactor(groups, lr=lr)
 
 
@@ -167,33 +165,33 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> ParamGroups:
     return groups
 
 
-def resolve_lr(config: TrainConfig) -> float:
-    """The lr actually used: the explicit one, else the optimizer's default."""
-    return config.lr if config.lr is not None else get_spec(config.optim).default_lr
+def build_optimizer(
+    model: torch.nn.Module, name: str, lr: float, weight_decay: float
+) -> torch.optim.Optimizer:
+    """Build the optimizer ``name`` over ``model``'s trainable parameters.
 
-
-def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """Build the configured optimizer over ``model``'s trainable parameters.
+    ``weight_decay`` applies to >=2-D weights only (see ``param_groups``).
 
     Raises:
         EffitrainError: unknown optimizer, or its library is not installed.
     """
-    spec = get_spec(config.optim)
+    spec = get_spec(name)
     if not spec.is_available():
         raise EffitrainError(
             f"optimizer '{spec.name}' needs the '{spec.module}' package, which is not installed: "
             f"{spec.install}"
         )
-    return spec.factory(param_groups(model, config.weight_decay), resolve_lr(config))
+    return spec.factory(param_groups(model, weight_decay), lr)
 
 
 def build_scheduler(
-    optimizer: torch.optim.Optimizer, config: TrainConfig, total_steps: int, warmup_steps: int
+    optimizer: torch.optim.Optimizer, name: str, total_steps: int, warmup_steps: int
 ) -> torch.optim.lr_scheduler.LRScheduler:
-    """Warmup then linear decay, cosine decay or constant, over ``total_steps`` scheduler steps."""
+    """Warmup, then ``name`` ('linear', 'cosine' or 'constant') over ``total_steps`` steps."""
     from transformers import get_scheduler
 
-    name = {"constant": "constant_with_warmup"}.get(config.scheduler, config.scheduler)
+    # transformers' 'constant' has no warmup; ours always warms up.
+    hf_name = {"constant": "constant_with_warmup"}.get(name, name)
     return get_scheduler(
-        name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps
+        hf_name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps
     )

@@ -1,14 +1,14 @@
 """Everything effitrain prints: run banner, progress, eval lines, the memory tables, JSON.
 
-Printing never computes: the loop hands over plain numbers. A reporter made with
-``enabled=False`` (every process but the main one) prints nothing.
+Printing never computes: training hands over the plain records of :mod:`effitrain.results`.
+The CLI makes the one :class:`Reporter` of a run; training sets ``enabled`` to whether this is
+the main process, so that everything is printed once under ``accelerate launch``.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,48 +18,9 @@ from effitrain.memory import format_bytes
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from effitrain.loop import TrainResult
-    from effitrain.memory import OptimizerStateLedger
     from effitrain.inspection import StateReport
-
-
-@dataclass
-class RunInfo:
-    """What a run is about to do, for the banner."""
-
-    model: str
-    model_class: str
-    parameters: int
-    dataset: str
-    train_examples: int
-    validation_examples: int
-    validation_source: str
-    text_columns: tuple[str, ...]
-    label_column: str
-    num_labels: int
-    optimizer: str
-    optimizer_class: str
-    lr: float
-    total_steps: int
-    epochs: int
-    steps_per_epoch: int
-    global_batch_size: int
-    device: str
-    num_processes: int
-    mixed_precision: str
-
-
-@dataclass
-class StepLog:
-    """One periodic training log line (numbers averaged over the window since the last one)."""
-
-    step: int
-    total_steps: int
-    epoch: int
-    loss: float
-    lr: float
-    samples_per_second: float
-    eta_seconds: float
+    from effitrain.memory import OptimizerStateLedger
+    from effitrain.results import RunInfo, StepLog, TrainResult
 
 
 def _duration(seconds: float) -> str:
@@ -79,7 +40,8 @@ class Reporter:
     """Prints a run's progress and results on the main process.
 
     Args:
-        enabled: False on every process but the main one: nothing is printed.
+        enabled: False on every process but the main one: nothing is printed. ``train()``
+            sets it once the Accelerator knows which process this is.
         quiet: only the final results are printed.
         console: a rich Console (default: stdout). When it is not a terminal, the progress bar
             is replaced by plain log lines every ``log_every`` steps, so CI logs stay readable.

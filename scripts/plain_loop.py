@@ -41,7 +41,7 @@ def main() -> None:
         get_scheduler,
     )
 
-    from effitrain.demo import TINY_MODEL_CONFIG, build_demo_dataset, build_tokenizer
+    from effitrain.demo import build_demo_dataset, build_tokenizer, tiny_model_config
 
     accelerator = Accelerator()
     set_seed(args.seed)
@@ -62,7 +62,7 @@ def main() -> None:
     )
     eval_dl = DataLoader(data["validation"], batch_size=2 * args.batch_size, collate_fn=collator)
 
-    config = DistilBertConfig(**{**TINY_MODEL_CONFIG, "vocab_size": len(tokenizer)}, num_labels=2)
+    config = DistilBertConfig(**tiny_model_config(), num_labels=2)  # vocab_size: the tokenizer's
     model = DistilBertForSequenceClassification(config)
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     decay = [p for p in model.parameters() if p.ndim >= 2]

@@ -114,3 +114,20 @@ def test_debug_env_shows_traceback(cli):
     proc = cli("train", "--optim", "adam", env={"EFFITRAIN_DEBUG": "1"})
     assert proc.returncode != 0
     assert "Traceback" in proc.stderr and "EffitrainError" in proc.stderr
+
+
+def test_unexpected_error_is_one_line_with_the_debug_hint(capsys, monkeypatch):
+    import typer
+
+    from effitrain.cli.errors import user_errors
+
+    monkeypatch.delenv("EFFITRAIN_DEBUG", raising=False)
+    for exc, line in [
+        (ValueError("\n  bad value\nmore detail"), "ValueError: bad value"),
+        (RuntimeError(), "RuntimeError: "),
+    ]:
+        with pytest.raises(typer.Exit) as info, user_errors():
+            raise exc
+        assert info.value.exit_code == 1
+        hint = "(set EFFITRAIN_DEBUG=1 to see the traceback)"
+        assert capsys.readouterr().err == f"error: {line} {hint}\n"

@@ -6,6 +6,7 @@ import pytest
 
 from effitrain.config import TrainConfig, build_config, option
 from effitrain.errors import EffitrainError
+from effitrain.optim import get_spec
 
 
 def write(tmp_path, text: str):
@@ -113,6 +114,35 @@ def test_unknown_optimizer_lists_valid_ones():
         build_config(None, {"optim": "adam"})
     for name in ("adamw", "adafactor", "adafactor-hf", "adamw-8bit", "sgd"):
         assert name in str(info.value)
+
+
+def test_effective_lr_is_the_explicit_one_else_the_optimizers_default():
+    assert TrainConfig(optim="adafactor").effective_lr == get_spec("adafactor").default_lr
+    assert TrainConfig(optim="adafactor", lr=0.5).effective_lr == 0.5
+
+
+@pytest.mark.parametrize(
+    ("overrides", "periodic", "saves"),
+    [
+        ({}, False, False),
+        ({"output_dir": "out"}, False, False),
+        ({"output_dir": "out", "save_every": 5}, True, True),
+        ({"output_dir": "out", "save_strategy": "epoch"}, True, True),
+        ({"output_dir": "out", "save_strategy": "no"}, False, False),
+    ],
+)
+def test_checkpoint_predicates(overrides, periodic, saves):
+    config = build_config(None, overrides)
+    assert config.wants_periodic_checkpoints is periodic
+    assert config.saves_checkpoints is saves
+
+
+@pytest.mark.parametrize("overrides", [{"save_every": 5}, {"save_strategy": "epoch"}])
+def test_periodic_checkpoints_need_an_output_dir(overrides):
+    with pytest.raises(EffitrainError, match="checkpoints need a folder: add --output-dir DIR"):
+        build_config(None, overrides)
+    assert TrainConfig(**overrides).wants_periodic_checkpoints
+    assert not TrainConfig(**overrides).saves_checkpoints
 
 
 def test_shipped_yaml_configs_load():

@@ -7,10 +7,9 @@ from typing import Annotated
 
 import typer
 
-from effitrain.cli import app, user_errors
+from effitrain.cli.errors import user_errors
 
 
-@app.command("inspect-state")
 def inspect_state(
     path: Annotated[
         Path,

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from effitrain.cli import app
 
-
-@app.command("optimizers")
 def optimizers(
     as_json: bool = typer.Option(False, "--json", help="Print the registry as JSON."),
 ) -> None:

@@ -1,15 +1,18 @@
-"""``effitrain train``: options -> TrainConfig -> loop.train -> report."""
+"""``effitrain train``: options -> TrainConfig -> train() -> report."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from effitrain.cli import app, user_errors
-from effitrain.config import help_for
+from effitrain.cli.errors import user_errors
+from effitrain.config import help_for, option
 from effitrain.models import PRESETS
+
+if TYPE_CHECKING:
+    from effitrain.config import TrainConfig
 
 _PRESETS_HELP = "; ".join(f"[bold]{name}[/]: {desc}" for name, (desc, _) in PRESETS.items())
 
@@ -17,11 +20,10 @@ MODEL, DATA, OPTIM, LOOP, OUT = "Model and data", "Data", "Optimizer", "Loop", "
 
 
 def _opt(name: str, panel: str, extra: str = "", **kwargs: object) -> typer.models.OptionInfo:
-    flag = "--" + name.replace("_", "-")
-    return typer.Option(flag, help=help_for(name) + extra, rich_help_panel=panel, **kwargs)
+    """The option for config field ``name``: its flag and help text come from the config."""
+    return typer.Option(option(name), help=help_for(name) + extra, rich_help_panel=panel, **kwargs)
 
 
-@app.command("train")
 def train(
     config_file: Annotated[
         Path | None,
@@ -81,24 +83,21 @@ def train(
         run(config)
 
 
-def run(config) -> None:  # noqa: ANN001 - TrainConfig, imported lazily
-    """Train, print the results, write the metrics JSON."""
+def run(config: TrainConfig) -> None:
+    """Train with the run's one reporter, print the results, write the metrics JSON."""
     _quiet_libraries()
-    from effitrain.loop import TrainingStopped
-    from effitrain.loop import train as train_loop
     from effitrain.report import Reporter, write_metrics_json
+    from effitrain.signals import TrainingStopped
+    from effitrain.train import train
 
+    reporter = Reporter(quiet=config.quiet)
     try:
-        result = train_loop(config)
+        result = train(config, reporter)
     except TrainingStopped as stop:
-        # A signal stopped the run; the loop saved a checkpoint and said how to resume.
+        # A signal stopped the run; it saved a checkpoint and said how to resume.
         raise typer.Exit(stop.exit_code) from None
-    from accelerate import PartialState
-
-    state = PartialState()
-    reporter = Reporter(enabled=state.is_main_process, quiet=config.quiet)
     reporter.finished(result)
-    if config.metrics_json and state.is_main_process:
+    if config.metrics_json and reporter.enabled:  # enabled: the main process
         write_metrics_json(config.metrics_json, result.to_dict())
         reporter.saved_metrics(config.metrics_json)
 

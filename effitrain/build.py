@@ -1,0 +1,210 @@
+"""Build a run's components in order: accelerator → data → model → plan → optimizer → scheduler
+→ ``accelerator.prepare``. The result, a :class:`Run`, is everything the loop needs.
+
+Nothing here trains or prints: notes for the user go through the reporter that the CLI made.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from effitrain import checkpoint, distributed, memory
+from effitrain.config import TrainConfig
+from effitrain.data import LoadedData, build_dataloaders, load_data, steps_per_epoch
+from effitrain.errors import EffitrainError
+from effitrain.models import load_model, load_tokenizer
+from effitrain.optim import OptimizerSpec, build_optimizer, build_scheduler, get_spec
+from effitrain.results import RunInfo
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from effitrain.report import Reporter
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How long the run is, in optimizer steps on each process."""
+
+    steps_per_epoch: int
+    total_steps: int
+    epochs: int
+    warmup_steps: int
+
+    @classmethod
+    def from_config(cls, config: TrainConfig, num_batches: int) -> Plan:
+        """``num_batches``: micro-batches per epoch on this process.
+
+        Raises:
+            EffitrainError: the training set yields no optimizer step.
+        """
+        per_epoch = steps_per_epoch(num_batches, config.grad_accum)
+        if per_epoch == 0:
+            raise EffitrainError(
+                "the training set yields no batches; check --batch-size and the data"
+            )
+        total = config.max_steps or per_epoch * config.epochs
+        warmup = (
+            config.warmup_steps
+            if config.warmup_steps is not None
+            else math.ceil(total * config.warmup_ratio)
+        )
+        return cls(per_epoch, total, math.ceil(total / per_epoch), warmup)
+
+
+@dataclass
+class Run:
+    """The prepared components of one run, and what describes it."""
+
+    config: TrainConfig
+    accelerator: Accelerator
+    model: Any
+    optimizer: Any
+    lr_scheduler: Any
+    train_loader: DataLoader
+    eval_loader: DataLoader
+    plan: Plan
+    num_labels: int
+    spec: OptimizerSpec | None = None
+    tokenizer: Any = None
+    info: RunInfo | None = None
+    sharding: distributed.Sharding | None = None
+
+
+def check_outputs(config: TrainConfig) -> None:
+    """Fail before training, not after it, when results could not be written or would mix
+    with an earlier run's checkpoints."""
+    if config.metrics_json:
+        parent = Path(config.metrics_json).expanduser().resolve().parent
+        existing = next(p for p in (parent, *parent.parents) if p.exists())
+        if not existing.is_dir():
+            raise EffitrainError(
+                f"--metrics-json {config.metrics_json}: {existing} is not a folder"
+            )
+    if config.output_dir and not config.resume:
+        latest = checkpoint.find_latest(config.output_dir)
+        if latest is not None:
+            raise EffitrainError(
+                f"{config.output_dir} already holds checkpoints (newest: {latest.name}); "
+                "continue that run with --resume latest, or choose another --output-dir"
+            )
+
+
+def build_accelerator(config: TrainConfig) -> Accelerator:
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+
+    try:
+        return Accelerator(
+            # Several launched processes and no GPU: CPU processes over gloo (see distributed.py).
+            cpu=distributed.cpu_for_launch(),
+            mixed_precision=config.mixed_precision,
+            gradient_accumulation_steps=config.grad_accum,
+            # A seedable sampler makes data order depend only on (seed, epoch), on every rank.
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        )
+    except (ValueError, RuntimeError) as exc:
+        raise EffitrainError(
+            f"--mixed-precision {config.mixed_precision} is not available here: {exc}"
+        ) from exc
+
+
+def build_run(config: TrainConfig, reporter: Reporter) -> Run:
+    """Build and prepare everything, in order; refuse what cannot work before it is built.
+
+    Raises:
+        EffitrainError: a user-fixable problem (data, model, optimizer, options, launch).
+    """
+    import torch
+    from accelerate.utils import set_seed
+
+    accelerator = build_accelerator(config)
+    reporter.enabled = accelerator.is_main_process
+    set_seed(config.seed)
+    if accelerator.num_processes == 1 and torch.cuda.device_count() > 1:
+        reporter.note(
+            f"{torch.cuda.device_count()} GPUs are visible but this run uses one; to use them all: "
+            "accelerate launch --multi_gpu -m effitrain train ..."
+        )
+
+    # The main process goes first so it alone fills the datasets cache.
+    with accelerator.main_process_first():
+        data = load_data(config)
+    tokenizer = load_tokenizer(config.model)
+    model = load_model(config.model, data.num_labels, data.label_names, tokenizer)
+    with accelerator.main_process_first():
+        train_loader, eval_loader = build_dataloaders(
+            data,
+            tokenizer,
+            config,
+            pad_to_multiple_of=8 if config.mixed_precision != "no" else None,
+        )
+    train_loader, eval_loader = accelerator.prepare(train_loader, eval_loader)
+    plan = Plan.from_config(config, len(train_loader))
+
+    # What FSDP/DeepSpeed would do to this optimizer: refuse or note it before anything is built.
+    spec = get_spec(config.optim)
+    for note in distributed.optimizer_notes(accelerator.state, spec.name):
+        reporter.note(note)
+    sharding = distributed.detect_sharding(accelerator.state)
+    if sharding.kind == "deepspeed":
+        distributed.configure_deepspeed(accelerator.state, config.batch_size, config.grad_accum)
+
+    optimizer = build_optimizer(model, spec.name, config.effective_lr, config.weight_decay)
+    # Accelerate's prepared scheduler steps once per process on every optimizer step, so its
+    # lengths are counted in process-steps.
+    n = accelerator.num_processes
+    lr_scheduler = build_scheduler(
+        optimizer, config.scheduler, plan.total_steps * n, plan.warmup_steps * n
+    )
+    model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
+
+    return Run(
+        config=config,
+        accelerator=accelerator,
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        train_loader=train_loader,
+        eval_loader=eval_loader,
+        plan=plan,
+        num_labels=data.num_labels,
+        spec=spec,
+        tokenizer=tokenizer,
+        info=describe(config, accelerator, model, data, plan),
+        sharding=sharding,
+    )
+
+
+def describe(
+    config: TrainConfig, accelerator: Accelerator, model: Any, data: LoadedData, plan: Plan
+) -> RunInfo:
+    """What the run is about to do, for the banner."""
+    spec = get_spec(config.optim)
+    n = accelerator.num_processes
+    return RunInfo(
+        model=config.model,
+        model_class=type(accelerator.unwrap_model(model)).__name__,
+        parameters=memory.trainable_parameter_count(model),
+        dataset=data.source,
+        train_examples=len(data.train),
+        validation_examples=len(data.validation),
+        validation_source=data.validation_source,
+        text_columns=data.text_columns,
+        label_column=data.label_column,
+        num_labels=data.num_labels,
+        optimizer=spec.name,
+        optimizer_class=spec.class_path,
+        lr=config.effective_lr,
+        total_steps=plan.total_steps,
+        epochs=plan.epochs,
+        steps_per_epoch=plan.steps_per_epoch,
+        global_batch_size=config.batch_size * config.grad_accum * n,
+        device=str(accelerator.device),
+        num_processes=n,
+        mixed_precision=accelerator.mixed_precision,
+    )

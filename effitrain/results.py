@@ -1,0 +1,95 @@
+"""The records a run produces: what it is about to do, each log line, and what it measured.
+
+A leaf module: plain dataclasses that training fills in and :mod:`effitrain.report` renders.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from effitrain.memory import OptimizerStateLedger
+
+
+@dataclass
+class RunInfo:
+    """What a run is about to do, for the banner."""
+
+    model: str
+    model_class: str
+    parameters: int
+    dataset: str
+    train_examples: int
+    validation_examples: int
+    validation_source: str
+    text_columns: tuple[str, ...]
+    label_column: str
+    num_labels: int
+    optimizer: str
+    optimizer_class: str
+    lr: float
+    total_steps: int
+    epochs: int
+    steps_per_epoch: int
+    global_batch_size: int
+    device: str
+    num_processes: int
+    mixed_precision: str
+
+
+@dataclass
+class StepLog:
+    """One periodic training log line (numbers averaged over the window since the last one)."""
+
+    step: int
+    total_steps: int
+    epoch: int
+    loss: float
+    lr: float
+    samples_per_second: float
+    eta_seconds: float
+
+
+@dataclass
+class TrainResult:
+    """What a run measured; ``to_dict`` is the ``--metrics-json`` object."""
+
+    optimizer: str
+    optimizer_class: str
+    lr: float
+    global_steps: int
+    epochs: int
+    train_loss: float
+    eval: dict[str, float]
+    eval_history: list[dict[str, float]]
+    optimizer_state: OptimizerStateLedger
+    parameter_bytes: int
+    trainable_parameters: int
+    gradient_bytes: int
+    adamw_equivalent_bytes: int
+    adamw_equivalent_elements: int
+    peak_memory_bytes: int
+    peak_memory_kind: str
+    seconds_per_step: float
+    samples_per_second: float
+    train_seconds: float
+    num_processes: int
+    mixed_precision: str
+    device: str
+    config: dict[str, Any] = field(default_factory=dict)
+    last_checkpoint: str | None = None
+    """The newest checkpoint this run wrote (None when it wrote none)."""
+    final_model_dir: str | None = None
+    """Where save_pretrained wrote the model and tokenizer (``--output-dir``/final)."""
+    sharding: dict[str, Any] = field(default_factory=dict)
+    """How Accelerate distributed the run (``distributed.Sharding``)."""
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    """Per process: rank, optimizer_state_bytes, parameter_bytes, peak memory, checksum."""
+    ranks_total: dict[str, int] = field(default_factory=dict)
+    """The per-rank byte counts summed over all processes."""
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["optimizer_state"] = self.optimizer_state.to_dict()
+        return data
