@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import csv
-import os
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -69,24 +67,6 @@ def train_args(data: tuple[Path, Path, Path], out: Path, *extra: str) -> list[st
         str(out),
         *extra,
     ]
-
-
-def signal_self_at_step(monkeypatch: Any, step: int, signum: int = signal.SIGTERM) -> None:
-    """Send ``signum`` to this process when the loop reports optimizer step ``step``.
-
-    The loop looks at the flag before each update, so the run completes step ``step + 1``,
-    saves ``checkpoint-<step + 1>`` and stops.
-    """
-    from effitrain.report import Reporter
-
-    original = Reporter.step_done
-
-    def step_done(self, done: int) -> None:
-        original(self, done)
-        if done == step:
-            os.kill(os.getpid(), signum)
-
-    monkeypatch.setattr(Reporter, "step_done", step_done)
 
 
 def load_tensors(folder: Path) -> dict[str, Any]:

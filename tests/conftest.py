@@ -63,8 +63,7 @@ def _reset_accelerate() -> None:
     PartialState._reset_state()
 
 
-@pytest.fixture
-def train_cli():
+def train_in_process(*args: str) -> InProcessResult:
     """Run ``effitrain ARGS`` inside this process (fast: torch is imported once per session).
 
     Accelerate keeps process-wide singletons; they are reset around each run so runs with
@@ -74,15 +73,17 @@ def train_cli():
 
     from effitrain.cli import app
 
-    def invoke(*args: str) -> InProcessResult:
-        _reset_accelerate()
-        result = CliRunner().invoke(app, list(args), env={"COLUMNS": "200", **OFFLINE})
-        _reset_accelerate()
-        if result.exception is not None and not isinstance(result.exception, SystemExit):
-            raise result.exception
-        return InProcessResult(result.exit_code, result.stdout, result.stderr)
+    _reset_accelerate()
+    result = CliRunner().invoke(app, list(args), env={"COLUMNS": "200", **OFFLINE})
+    _reset_accelerate()
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return InProcessResult(result.exit_code, result.stdout, result.stderr)
 
-    return invoke
+
+@pytest.fixture
+def train_cli():
+    return train_in_process
 
 
 @pytest.fixture(scope="session")

@@ -18,10 +18,21 @@ def data(tmp_path):
     return write_data(tmp_path / "data")
 
 
-def test_layout_metadata_and_final_model(train_cli, data, tmp_path):
-    out = tmp_path / "out"
-    proc = train_cli(*train_args(data, out, "--max-steps", "4", "--save-every", "3"))
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """One 4-step run saving at step 3 (and at the end), shared read-only by several tests."""
+    from tests.conftest import train_in_process
+
+    folder = tmp_path_factory.mktemp("saved")
+    data = write_data(folder / "data")
+    out = folder / "out"
+    proc = train_in_process(*train_args(data, out, "--max-steps", "4", "--save-every", "3"))
     assert proc.returncode == 0, proc.stderr
+    return data, out, proc
+
+
+def test_layout_metadata_and_final_model(saved_run):
+    _, out, proc = saved_run
     assert f"checkpoint saved: {out / 'checkpoint-3'}" in proc.stdout
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-3", "checkpoint-4", "final"]
     assert {p.name for p in (out / "checkpoint-3").iterdir()} == {
@@ -53,20 +64,18 @@ def test_layout_metadata_and_final_model(train_cli, data, tmp_path):
     assert len(meta["optimizer"]["param_names"]) == 40
 
 
-def test_final_folder_loads_with_plain_transformers(train_cli, data, tmp_path):
+def test_final_folder_loads_with_plain_transformers(saved_run):
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    out = tmp_path / "out"
-    proc = train_cli(*train_args(data, out, "--max-steps", "2", "--save-every", "2"))
-    assert proc.returncode == 0, proc.stderr
+    out = saved_run[1]
     final = out / "final"
     assert (final / "model.safetensors").is_file()
     assert not (final / "pytorch_model.bin").exists()
     model = AutoModelForSequenceClassification.from_pretrained(final)
     tokenizer = AutoTokenizer.from_pretrained(final)
-    trained = load_file(out / "checkpoint-2" / "model.safetensors")
+    trained = load_file(out / "checkpoint-4" / "model.safetensors")
     for name, tensor in model.state_dict().items():
         if name in trained:
             assert torch.equal(tensor, trained[name]), name
@@ -158,11 +167,11 @@ def test_rotate_never_deletes_the_one_just_written(tmp_path):
     assert newest.exists() and not old_high.exists()
 
 
-def test_new_run_refuses_a_folder_with_checkpoints(train_cli, data, tmp_path):
-    out = tmp_path / "out"
-    args = train_args(data, out, "--max-steps", "2", "--save-every", "2")
-    assert train_cli(*args).returncode == 0
+def test_new_run_refuses_a_folder_with_checkpoints(train_cli, saved_run):
+    data, out, _ = saved_run
+    args = train_args(data, out, "--max-steps", "4", "--save-every", "3")
     assert_clean_error(train_cli(*args), "already holds checkpoints", "--resume latest")
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-3", "checkpoint-4", "final"]
 
 
 @pytest.mark.parametrize(

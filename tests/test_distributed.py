@@ -404,28 +404,27 @@ def test_deepspeed_optimizer_offload_is_refused_unless_forced():
     assert "offloads the optimizer to cpu" in note
 
 
-def test_check_sharding_readies_deepspeed_for_a_client_optimizer():
+def test_configure_deepspeed_readies_a_client_optimizer():
     state = deepspeed(2, train_micro_batch_size_per_gpu="auto", train_batch_size="auto")
-    accelerator = SimpleNamespace(state=state)
-    config = SimpleNamespace(optim="adamw-8bit", batch_size=8, grad_accum=2)
-    notes: list[str] = []
-    reporter = SimpleNamespace(note=notes.append)
-    sharding = distributed.check_sharding(accelerator, config, reporter)
+    assert distributed.optimizer_notes(state, "adamw-8bit") == []
+    distributed.configure_deepspeed(state, batch_size=8, grad_accum=2)
     ds_config = state.deepspeed_plugin.deepspeed_config
-    assert sharding.kind == "deepspeed" and notes == []
     assert ds_config["zero_allow_untested_optimizer"] is True
     assert ds_config["train_micro_batch_size_per_gpu"] == 8
     assert ds_config["train_batch_size"] == 8 * 2 * 2
 
 
-def test_check_sharding_prints_the_note_through_the_reporter():
-    notes: list[str] = []
-    distributed.check_sharding(
-        SimpleNamespace(state=fsdp(1)),
-        SimpleNamespace(optim="adafactor", batch_size=8, grad_accum=1),
-        SimpleNamespace(note=notes.append),
-    )
-    assert len(notes) == 1 and "full second moment" in notes[0]
+def test_configure_deepspeed_keeps_explicit_batch_sizes():
+    state = deepspeed(2, train_micro_batch_size_per_gpu=4, train_batch_size=16)
+    distributed.configure_deepspeed(state, batch_size=8, grad_accum=2)
+    ds_config = state.deepspeed_plugin.deepspeed_config
+    assert (ds_config["train_micro_batch_size_per_gpu"], ds_config["train_batch_size"]) == (4, 16)
+
+
+def test_optimizer_notes_do_not_touch_the_config():
+    state = deepspeed(2, train_micro_batch_size_per_gpu="auto")
+    distributed.optimizer_notes(state, "adamw")
+    assert "zero_allow_untested_optimizer" not in state.deepspeed_plugin.deepspeed_config
 
 
 def test_processes_that_would_train_alone_are_refused(monkeypatch):
