@@ -174,6 +174,11 @@ def fit(
                 break
         with timer.paused():
             end_epoch(run, progress, checkpointer, reporter)
+        if progress.step_in_epoch and not _finished(run, progress):  # never loop on one epoch
+            raise EffitrainError(
+                f"epoch {progress.epoch + 1} yielded {progress.step_in_epoch} of "
+                f"{run.plan.steps_per_epoch} steps: did the training data change size?"
+            )
     reporter.progress_finished()
     return timer
 

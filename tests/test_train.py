@@ -212,15 +212,6 @@ def test_held_out_split_when_no_validation(train_cli, tmp_path):
     assert "10% held out of train" in proc.stdout
 
 
-@pytest.mark.slow
-def test_python_dash_m_runs(cli, tmp_path):
-    out = tmp_path / "m.json"
-    proc = cli("train", "--max-steps", "2", "--batch-size", "8", "--metrics-json", str(out))
-    assert proc.returncode == 0, proc.stderr
-    assert metrics(out)["global_steps"] == 2
-    assert "Traceback" not in proc.stderr
-
-
 # --- bad inputs that need data or models ---------------------------------------------------------
 
 
