@@ -97,3 +97,20 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def saved_run(tmp_path_factory):
+    """One finished 4-step adamw run on the checkpoint tests' data, saving at step 3 and at the
+    end; shared read-only (copy ``out`` to change it). Fields: data, out, options, proc."""
+    from types import SimpleNamespace
+
+    from tests.checkpoint_helpers import train_args, write_data
+
+    folder = tmp_path_factory.mktemp("saved")
+    data = write_data(folder / "data")
+    out = folder / "out"
+    options = ("--max-steps", "4", "--save-every", "3")
+    proc = train_in_process(*train_args(data, out, *options))
+    assert proc.returncode == 0, proc.stderr
+    return SimpleNamespace(data=data, out=out, options=options, proc=proc)

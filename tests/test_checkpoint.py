@@ -18,21 +18,8 @@ def data(tmp_path):
     return write_data(tmp_path / "data")
 
 
-@pytest.fixture(scope="module")
-def saved_run(tmp_path_factory):
-    """One 4-step run saving at step 3 (and at the end), shared read-only by several tests."""
-    from tests.conftest import train_in_process
-
-    folder = tmp_path_factory.mktemp("saved")
-    data = write_data(folder / "data")
-    out = folder / "out"
-    proc = train_in_process(*train_args(data, out, "--max-steps", "4", "--save-every", "3"))
-    assert proc.returncode == 0, proc.stderr
-    return data, out, proc
-
-
 def test_layout_metadata_and_final_model(saved_run):
-    _, out, proc = saved_run
+    out, proc = saved_run.out, saved_run.proc
     assert f"checkpoint saved: {out / 'checkpoint-3'}" in proc.stdout
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-3", "checkpoint-4", "final"]
     assert {p.name for p in (out / "checkpoint-3").iterdir()} == {
@@ -69,7 +56,7 @@ def test_final_folder_loads_with_plain_transformers(saved_run):
     from safetensors.torch import load_file
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    out = saved_run[1]
+    out = saved_run.out
     final = out / "final"
     assert (final / "model.safetensors").is_file()
     assert not (final / "pytorch_model.bin").exists()
@@ -168,8 +155,8 @@ def test_rotate_never_deletes_the_one_just_written(tmp_path):
 
 
 def test_new_run_refuses_a_folder_with_checkpoints(train_cli, saved_run):
-    data, out, _ = saved_run
-    args = train_args(data, out, "--max-steps", "4", "--save-every", "3")
+    out = saved_run.out
+    args = train_args(saved_run.data, out, *saved_run.options)
     assert_clean_error(train_cli(*args), "already holds checkpoints", "--resume latest")
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-3", "checkpoint-4", "final"]
 

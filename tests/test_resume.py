@@ -141,24 +141,11 @@ def test_sigterm_in_a_real_subprocess_then_resume_continues_exactly(train_cli, d
     assert_identical(load_tensors(straight / "final"), load_tensors(stopped / "final"))
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    """One finished 2-step adamw run with checkpoint-2, shared (read-only) by the tests below."""
-    from tests.conftest import train_in_process
-
-    folder = tmp_path_factory.mktemp("finished")
-    data = write_data(folder / "data")
-    out = folder / "run"
-    proc = train_in_process(*train_args(data, out, "--max-steps", "2", "--save-every", "2"))
-    assert proc.returncode == 0, proc.stderr
-    return data, out
-
-
 @pytest.fixture
-def adamw_checkpoint(finished_run, tmp_path):
-    """A copy of the finished run's output folder that a test may change."""
+def adamw_checkpoint(saved_run, tmp_path):
+    """A copy of the shared finished run's output folder that a test may change."""
     copy = tmp_path / "run"
-    shutil.copytree(finished_run[1], copy)
+    shutil.copytree(saved_run.out, copy)
     return copy
 
 
@@ -171,16 +158,15 @@ def adamw_checkpoint(finished_run, tmp_path):
     ],
     ids=["optimizer", "model-shape", "hyperparameter"],
 )
-def test_resume_mismatch_fails_before_loading(train_cli, finished_run, options, fragments):
-    data, out = finished_run
-    args = train_args(data, out, "--max-steps", "4", *options, "--resume", "latest")
-    assert_clean_error(train_cli(*args), *fragments)
+def test_resume_mismatch_fails_before_loading(train_cli, saved_run, options, fragments):
+    args = train_args(saved_run.data, saved_run.out, *saved_run.options, *options)
+    assert_clean_error(train_cli(*args, "--resume", "latest"), *fragments)
 
 
-def test_resume_from_incomplete_or_corrupt_checkpoint(train_cli, finished_run, adamw_checkpoint):
-    data = finished_run[0]
-    checkpoint = adamw_checkpoint / "checkpoint-2"
-    args = train_args(data, adamw_checkpoint, "--max-steps", "4", "--resume")
+def test_resume_from_incomplete_or_corrupt_checkpoint(train_cli, saved_run, adamw_checkpoint):
+    shutil.rmtree(adamw_checkpoint / "checkpoint-3")
+    checkpoint = adamw_checkpoint / "checkpoint-4"
+    args = train_args(saved_run.data, adamw_checkpoint, *saved_run.options, "--resume")
 
     optimizer_file = checkpoint / "optimizer.bin"
     good = optimizer_file.read_bytes()
@@ -199,9 +185,9 @@ def test_resume_from_incomplete_or_corrupt_checkpoint(train_cli, finished_run, a
     assert_clean_error(train_cli(*args, str(checkpoint.parent / "nope")), "checkpoint not found")
 
 
-def test_resuming_a_finished_run_only_reports(train_cli, finished_run, adamw_checkpoint):
-    data = finished_run[0]
-    args = train_args(data, adamw_checkpoint, "--max-steps", "2", "--save-every", "2")
+def test_resuming_a_finished_run_only_reports(train_cli, saved_run, adamw_checkpoint):
+    args = train_args(saved_run.data, adamw_checkpoint, *saved_run.options)
     proc = train_cli(*args, "--resume", "latest")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "already at step 2 of 2" in proc.stdout and "done · 2 steps" in proc.stdout
+    assert "already at step 4 of 4" in proc.stdout and "done · 4 steps" in proc.stdout
+    assert "eval (" not in proc.stdout  # its last evaluation came from the checkpoint
