@@ -60,14 +60,15 @@ def train_step(
     with accelerator.accumulate(model):
         loss = model(**batch).loss
         accelerator.backward(loss)
-        progress.add_micro_batch(loss, len(batch["labels"]))
+        progress.add_micro_batch(loss, len(batch["labels"]))  # summed on the device: no sync
         if accelerator.sync_gradients:
-            progress.measure_gradients(model)
+            progress.measure_gradients(model)  # once, at the first step
             grad_norm = None
             if run.config.max_grad_norm > 0:
                 grad_norm = accelerator.clip_grad_norm_(
                     model.parameters(), run.config.max_grad_norm
                 )
+            # Before the update: one host sync; a non-finite loss or gradient raises here.
             stop = guard.check(loss, grad_norm, progress)
         optimizer.step()
         lr_scheduler.step()
