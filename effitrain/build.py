@@ -51,7 +51,7 @@ class Plan:
         warmup = (
             config.warmup_steps
             if config.warmup_steps is not None
-            else math.ceil(total * config.warmup_ratio)
+            else math.ceil(total * config.effective_warmup_ratio)
         )
         return cls(per_epoch, total, math.ceil(total / per_epoch), warmup)
 
@@ -159,7 +159,7 @@ def build_run(config: TrainConfig, reporter: Reporter) -> Run:
     # lengths are counted in process-steps.
     n = accelerator.num_processes
     lr_scheduler = build_scheduler(
-        optimizer, config.scheduler, plan.total_steps * n, plan.warmup_steps * n
+        optimizer, config.effective_scheduler, plan.total_steps * n, plan.warmup_steps * n
     )
     model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
 
@@ -200,6 +200,13 @@ def describe(
         optimizer=spec.name,
         optimizer_class=spec.class_path,
         lr=config.effective_lr,
+        lr_note=config.default_note("lr"),
+        scheduler=config.effective_scheduler,
+        warmup_steps=plan.warmup_steps,
+        # Named only when neither the schedule nor the warmup was given.
+        schedule_note=config.default_note("scheduler")
+        if config.scheduler is None and config.warmup_ratio is None and config.warmup_steps is None
+        else "",
         total_steps=plan.total_steps,
         epochs=plan.epochs,
         steps_per_epoch=plan.steps_per_epoch,

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from effitrain.errors import EffitrainError
-from effitrain.optim import get_spec
+from effitrain.models import PRESETS
+from effitrain.optim import FINE_TUNE, SCRATCH, Defaults, get_spec
 
 SCHEDULERS = ("linear", "cosine", "constant")
 MIXED_PRECISION = ("no", "fp16", "bf16")
@@ -29,6 +30,11 @@ SAVE_STRATEGIES = ("steps", "epoch", "no")
 def _opt(default: Any, help: str) -> Any:
     """A config field with its one-line doc, which is also the CLI option's help text."""
     return field(default=default, metadata={"help": help})
+
+
+def default_for(name: str) -> Any:
+    """The default value of a config field."""
+    return next(f.default for f in dataclasses.fields(TrainConfig) if f.name == name)
 
 
 def help_for(name: str) -> str:
@@ -65,16 +71,22 @@ class TrainConfig:
     # --- optimizer and schedule ---
     optim: str = _opt("adamw", "Optimizer name from `effitrain optimizers`.")
     lr: float | None = _opt(
-        None, "Learning rate; default depends on the optimizer (see `effitrain optimizers`)."
+        None,
+        "Learning rate. Default: the optimizer's, for fine-tuning (a hub id or folder) or for "
+        "training a preset from scratch (see `effitrain optimizers`).",
     )
     weight_decay: float = _opt(
         0.01, "Decoupled weight decay for >=2-D weights (biases and norms get none)."
     )
-    scheduler: str = _opt(
-        "linear", "Learning-rate schedule after warmup: linear, cosine or constant."
+    scheduler: str | None = _opt(
+        None,
+        "Learning-rate schedule after warmup: linear, cosine or constant. Default: the "
+        "optimizer's, like --lr.",
     )
-    warmup_ratio: float = _opt(
-        0.06, "Fraction of optimizer steps spent warming up (ignored if warmup_steps is set)."
+    warmup_ratio: float | None = _opt(
+        None,
+        "Fraction of optimizer steps spent warming up (ignored if warmup_steps is set). "
+        "Default: the optimizer's, like --lr.",
     )
     warmup_steps: int | None = _opt(None, "Number of warmup steps (overrides warmup_ratio).")
     max_grad_norm: float = _opt(
@@ -133,15 +145,15 @@ class TrainConfig:
             if not value > 0:
                 raise EffitrainError(f"{option(name)} must be greater than 0 (got {value})")
         for name in ("weight_decay", "max_grad_norm", "warmup_ratio"):
-            if getattr(self, name) < 0:
+            if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise EffitrainError(
                     f"{option(name)} must be 0 or more (got {getattr(self, name)})"
                 )
         if self.warmup_steps is not None and self.warmup_steps < 0:
             raise EffitrainError(f"--warmup-steps must be 0 or more (got {self.warmup_steps})")
-        if self.warmup_ratio >= 1:
+        if self.warmup_ratio is not None and self.warmup_ratio >= 1:
             raise EffitrainError(f"--warmup-ratio must be below 1 (got {self.warmup_ratio})")
-        if self.scheduler not in SCHEDULERS:
+        if self.scheduler is not None and self.scheduler not in SCHEDULERS:
             raise EffitrainError(
                 f"unknown --scheduler '{self.scheduler}'; choose one of: {', '.join(SCHEDULERS)}"
             )
@@ -188,9 +200,35 @@ class TrainConfig:
         return bool(self.output_dir) and self.wants_periodic_checkpoints
 
     @property
+    def regime(self) -> str:
+        """``SCRATCH`` for a built-in preset (random init), else ``FINE_TUNE`` (pretrained)."""
+        return SCRATCH if self.model in PRESETS else FINE_TUNE
+
+    @property
+    def optimizer_defaults(self) -> Defaults:
+        """The optimizer's defaults for this run's regime."""
+        return get_spec(self.optim).defaults(self.regime)
+
+    @property
     def effective_lr(self) -> float:
         """The learning rate actually used: the explicit one, else the optimizer's default."""
-        return self.lr if self.lr is not None else get_spec(self.optim).default_lr
+        return self.lr if self.lr is not None else self.optimizer_defaults.lr
+
+    @property
+    def effective_scheduler(self) -> str:
+        return self.scheduler if self.scheduler is not None else self.optimizer_defaults.scheduler
+
+    @property
+    def effective_warmup_ratio(self) -> float:
+        if self.warmup_ratio is not None:
+            return self.warmup_ratio
+        return self.optimizer_defaults.warmup_ratio
+
+    def default_note(self, name: str) -> str:
+        """Why ``name`` (lr, scheduler, warmup_ratio) has its value: '' when it was given."""
+        if getattr(self, name) is not None:
+            return ""
+        return f"{self.optim} default for {self.regime}"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

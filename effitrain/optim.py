@@ -20,6 +20,19 @@ if TYPE_CHECKING:
 
 ParamGroups = list[dict[str, Any]]
 
+SCRATCH, FINE_TUNE = "training from scratch", "fine-tuning"
+"""The two regimes with their own defaults: a built-in preset (random init) or pretrained weights
+(a hub id or a folder saved with save_pretrained)."""
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """What a run uses when the options leave lr, warmup or schedule open."""
+
+    lr: float
+    warmup_ratio: float
+    scheduler: str
+
 
 @dataclass(frozen=True)
 class OptimizerSpec:
@@ -32,16 +45,25 @@ class OptimizerSpec:
     """Module that must be importable for this optimizer."""
     install: str
     """What to install when ``module`` is missing."""
-    default_lr: float
+    scratch: Defaults
+    """Defaults for the built-in presets, trained from random init."""
+    fine_tune: Defaults
+    """Defaults for pretrained weights, checked on real checkpoints (README, fine-tuning)."""
     description: str
     state: str
     """The state it keeps per parameter tensor."""
     bytes_per_param: str
     """Optimizer-state bytes per fp32 parameter for a large 2-D weight."""
     factory: Callable[[ParamGroups, float], torch.optim.Optimizer]
+    caveat: str = ""
+    """Where its defaults are known not to learn (shown by ``effitrain optimizers``)."""
 
     def is_available(self) -> bool:
         return importlib.util.find_spec(self.module) is not None
+
+    def defaults(self, regime: str) -> Defaults:
+        """The defaults for ``SCRATCH`` or ``FINE_TUNE``."""
+        return self.scratch if regime == SCRATCH else self.fine_tune
 
 
 def _adamw(groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
@@ -87,7 +109,8 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             class_path="torch.optim.AdamW",
             module="torch",
             install="pip install torch",
-            default_lr=1e-3,
+            scratch=Defaults(1e-3, 0.06, "linear"),
+            fine_tune=Defaults(1e-4, 0.1, "linear"),
             description="Adam with decoupled weight decay; the reference everything is compared to",
             state="step, exp_avg, exp_avg_sq",
             bytes_per_param="8",
@@ -98,7 +121,8 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             class_path="torch.optim.Adafactor",
             module="torch",
             install="pip install 'torch>=2.5'",
-            default_lr=3e-2,
+            scratch=Defaults(3e-2, 0.06, "linear"),
+            fine_tune=Defaults(1e-3, 0.1, "linear"),
             description="factored second moment (row + column sums); lr caps a relative step",
             state="step, row_var + col_var (>=2-D), variance (1-D)",
             bytes_per_param="~4(m+n)/(mn), ~0",
@@ -109,7 +133,8 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             class_path="transformers.optimization.Adafactor",
             module="transformers",
             install="pip install transformers",
-            default_lr=1e-3,
+            scratch=Defaults(1e-3, 0.06, "linear"),
+            fine_tune=Defaults(1e-4, 0.1, "linear"),
             description="transformers' Adafactor as the Trainer uses it (no relative step)",
             state="step, exp_avg_sq_row/col (>=2-D) or exp_avg_sq, RMS",
             bytes_per_param="~0 (fp32 state)",
@@ -120,7 +145,8 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             class_path="bitsandbytes.optim.AdamW8bit",
             module="bitsandbytes",
             install="pip install 'effitrain[8bit]'  (bitsandbytes)",
-            default_lr=7e-4,
+            scratch=Defaults(7e-4, 0.06, "linear"),
+            fine_tune=Defaults(1e-4, 0.1, "linear"),
             description="AdamW with block-wise 8-bit quantized moments",
             state="state1, state2 (uint8), absmax1/2, qmap1/2 (shared)",
             bytes_per_param="~2 (tensors < 4096 elements stay fp32: 8)",
@@ -131,11 +157,13 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             class_path="torch.optim.SGD",
             module="torch",
             install="pip install torch",
-            default_lr=5e-2,
+            scratch=Defaults(5e-2, 0.06, "linear"),
+            fine_tune=Defaults(1e-2, 0.1, "linear"),
             description="SGD with momentum 0.9",
             state="momentum_buffer",
             bytes_per_param="4",
             factory=_sgd,
+            caveat="does not learn the built-in demo from scratch with its defaults",
         ),
     )
 }

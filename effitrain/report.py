@@ -82,12 +82,16 @@ class Reporter:
             f"{info.validation_examples:,} validation ({info.validation_source}); "
             f"text {columns}, label {info.label_column} ({info.num_labels} classes)"
         )
+        lr_note = f" ({info.lr_note})" if info.lr_note else ""
         self._line(
-            f"  optimizer [cyan]{info.optimizer}[/] ({info.optimizer_class}), lr {info.lr:g}"
+            f"  optimizer [cyan]{info.optimizer}[/] ({info.optimizer_class}), "
+            f"lr {info.lr:g}{lr_note}"
         )
+        schedule_note = f" ({info.schedule_note})" if info.schedule_note else ""
         self._line(
             f"  schedule  {info.total_steps} steps ({info.epochs} epoch(s) × "
-            f"{info.steps_per_epoch} steps), global batch {info.global_batch_size}"
+            f"{info.steps_per_epoch} steps), {info.warmup_steps} warmup then {info.scheduler}"
+            f"{schedule_note}, global batch {info.global_batch_size}"
         )
         self._line(
             f"  device    {info.device} × {info.num_processes} process(es), "

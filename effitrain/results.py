@@ -29,6 +29,11 @@ class RunInfo:
     optimizer: str
     optimizer_class: str
     lr: float
+    lr_note: str
+    """Why this lr, when it was not given (e.g. 'adafactor default for fine-tuning')."""
+    scheduler: str
+    warmup_steps: int
+    schedule_note: str
     total_steps: int
     epochs: int
     steps_per_epoch: int

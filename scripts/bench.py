@@ -44,7 +44,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from effitrain.optim import get_spec
 
-    lr = args.lr if args.lr is not None else get_spec(args.optim).default_lr
+    lr = args.lr if args.lr is not None else get_spec(args.optim).scratch.lr
     common = [
         "--optim",
         args.optim,

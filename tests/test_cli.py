@@ -50,6 +50,12 @@ def test_help_lists_commands_options_and_presets(cli):
         assert option in train_help.stdout
     for preset in ("tiny", "distilbert-base"):
         assert preset in train_help.stdout
+    # Every option with a fixed default shows it; the per-optimizer ones say where to look.
+    text = " ".join(train_help.stdout.split())
+    for default in ("[default: 5]", "[default: 16]", "[default: adamw]", "[default: tiny]"):
+        assert default in text, default
+    assert text.count("per optimizer, see effitrain optimizers") == 3  # lr, scheduler, warmup
+    assert "<bool>" not in text.replace("--help -h <bool>", "")  # flags take no value
 
 
 def test_version(cli):
@@ -75,7 +81,14 @@ def test_optimizers_table_and_json(cli):
     by_name = {row["name"]: row for row in rows}
     assert by_name["adamw"]["available"] is True
     assert by_name["adamw-8bit"]["class"] == "bitsandbytes.optim.AdamW8bit"
-    assert by_name["adafactor"]["default_lr"] > by_name["adamw"]["default_lr"]
+    scratch, tune = "training from scratch", "fine-tuning"
+    assert by_name["adafactor"]["defaults"][scratch]["lr"] == 3e-2
+    assert by_name["adafactor"]["defaults"][tune]["lr"] == 1e-3
+    assert by_name["sgd"]["caveat"] and not by_name["adamw"]["caveat"]
+    # Readable in an 80-column terminal: no line wraps, each optimizer in its own block.
+    assert max(len(line) for line in table.stdout.splitlines()) <= 80
+    assert "fine-tuning   lr 1e-3, 10% warmup, then linear" in table.stdout
+    assert "note: does not learn the built-in demo" in table.stdout
 
 
 # --- bad input: each gives one line, a non-zero exit and no traceback ---------------------------

@@ -6,7 +6,7 @@ import pytest
 
 from effitrain.config import TrainConfig, build_config, option
 from effitrain.errors import EffitrainError
-from effitrain.optim import get_spec
+from effitrain.optim import OPTIMIZERS, get_spec
 
 
 def write(tmp_path, text: str):
@@ -117,8 +117,29 @@ def test_unknown_optimizer_lists_valid_ones():
 
 
 def test_effective_lr_is_the_explicit_one_else_the_optimizers_default():
-    assert TrainConfig(optim="adafactor").effective_lr == get_spec("adafactor").default_lr
+    assert TrainConfig(optim="adafactor").effective_lr == get_spec("adafactor").scratch.lr
     assert TrainConfig(optim="adafactor", lr=0.5).effective_lr == 0.5
+
+
+@pytest.mark.parametrize(("model", "regime"), [("tiny", "scratch"), ("./my-model", "fine_tune")])
+def test_defaults_depend_on_optimizer_and_regime(model, regime):
+    """A preset trains from random init; a hub id or folder holds pretrained weights."""
+    for name in ("adamw", "adafactor", "adafactor-hf", "adamw-8bit", "sgd"):
+        config = TrainConfig(model=model, optim=name)
+        expected = getattr(get_spec(name), regime)
+        assert config.effective_lr == expected.lr
+        assert config.effective_warmup_ratio == expected.warmup_ratio
+        assert config.effective_scheduler == expected.scheduler
+        assert config.default_note("lr") == f"{name} default for {config.regime}"
+    explicit = TrainConfig(model=model, lr=0.5, scheduler="cosine", warmup_ratio=0.2)
+    assert (explicit.effective_lr, explicit.effective_scheduler) == (0.5, "cosine")
+    assert explicit.effective_warmup_ratio == 0.2 and explicit.default_note("lr") == ""
+
+
+def test_fine_tuning_defaults_are_gentler_than_scratch():
+    """Defaults tuned on the demo's random-init model wiped pretrained weights (issue 8)."""
+    for spec in OPTIMIZERS.values():
+        assert spec.fine_tune.lr < spec.scratch.lr, spec.name
 
 
 @pytest.mark.parametrize(

@@ -98,7 +98,9 @@ def tiny_run(config: TrainConfig | None = None, **model_options):
     model = TinyClassifier.build(**model_options)
     plan = Plan.from_config(config, len(train_loader))
     optimizer = build_optimizer(model, config.optim, config.effective_lr, config.weight_decay)
-    scheduler = build_scheduler(optimizer, config.scheduler, plan.total_steps, plan.warmup_steps)
+    scheduler = build_scheduler(
+        optimizer, config.effective_scheduler, plan.total_steps, plan.warmup_steps
+    )
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     return Run(
         config=config,

@@ -1,26 +1,42 @@
-"""``effitrain optimizers``: the registry as a table."""
+"""``effitrain optimizers``: the registry, one short block per optimizer (fits 80 columns)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
+
+
+def _defaults(defaults: Any) -> dict[str, Any]:
+    return {
+        "lr": defaults.lr,
+        "warmup_ratio": defaults.warmup_ratio,
+        "scheduler": defaults.scheduler,
+    }
+
+
+def _short(value: float) -> str:
+    """``1e-4`` rather than ``0.0001``."""
+    return f"{value:.0e}".replace("e-0", "e-").replace("e+00", "")
 
 
 def optimizers(
     as_json: bool = typer.Option(False, "--json", help="Print the registry as JSON."),
 ) -> None:
-    """List the optimizers: library, default lr, state kept, bytes per parameter, availability."""
-    from effitrain.optim import OPTIMIZERS
+    """List the optimizers: library, defaults, state kept, bytes per parameter, availability."""
+    from effitrain.optim import FINE_TUNE, OPTIMIZERS, SCRATCH
 
     rows = [
         {
             "name": spec.name,
             "class": spec.class_path,
-            "default_lr": spec.default_lr,
+            "defaults": {FINE_TUNE: _defaults(spec.fine_tune), SCRATCH: _defaults(spec.scratch)},
             "state": spec.state,
             "bytes_per_param": spec.bytes_per_param,
             "available": spec.is_available(),
             "install": spec.install,
             "description": spec.description,
+            "caveat": spec.caveat,
         }
         for spec in OPTIMIZERS.values()
     ]
@@ -30,21 +46,28 @@ def optimizers(
         typer.echo(json.dumps(rows, indent=2))
         return
     from rich.console import Console
-    from rich.table import Table
 
-    table = Table(title="Optimizers (--optim NAME)", title_justify="left")
-    for column in ("name", "class", "default lr", "state kept", "bytes/param", "available"):
-        table.add_column(column, justify="right" if column == "default lr" else "left")
-    for row in rows:
-        available = "[green]yes[/]" if row["available"] else f"[red]no[/]: {row['install']}"
-        table.add_row(
-            row["name"],
-            row["class"],
-            f"{row['default_lr']:g}",
-            row["state"],
-            row["bytes_per_param"],
-            available,
-        )
     console = Console(highlight=False)
-    console.print(table)
-    console.print("bytes/param: optimizer-state bytes per fp32 parameter of a large 2-D weight.")
+
+    def line(text: str) -> None:
+        console.print(text, soft_wrap=False)
+
+    line("[bold]Optimizers[/] (--optim NAME), with their defaults for fine-tuning")
+    line("(a hub id or a folder) and for training a built-in preset from scratch.")
+    for row in rows:
+        tune, scratch = row["defaults"][FINE_TUNE], row["defaults"][SCRATCH]
+        available = "" if row["available"] else f"  [red]not installed[/]: {row['install']}"
+        line("")
+        line(f"[bold cyan]{row['name']}[/]  {row['class']}{available}")
+        line(f"  {row['description']}")
+        for label, defaults in (("fine-tuning ", tune), ("from scratch", scratch)):
+            line(
+                f"  {label}  lr {_short(defaults['lr'])}, "
+                f"{defaults['warmup_ratio']:.0%} warmup, then {defaults['scheduler']}"
+            )
+        line(f"  state: {row['state']}")
+        line(f"  bytes/param: {row['bytes_per_param']}")
+        if row["caveat"]:
+            line(f"  [yellow]note:[/] {row['caveat']}")
+    line("")
+    line("bytes/param: optimizer-state bytes per fp32 parameter of a large 2-D weight.")

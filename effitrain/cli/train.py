@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from effitrain.cli.errors import user_errors
+from effitrain.config import default_for as D
 from effitrain.config import help_for, option
 from effitrain.models import PRESETS
 
@@ -19,12 +20,45 @@ _PRESETS_HELP = "; ".join(f"[bold]{name}[/]: {desc}" for name, (desc, _) in PRES
 MODEL, DATA, OPTIM, LOOP, OUT = "Model and data", "Data", "Optimizer", "Loop", "Output"
 
 
+PER_OPTIMIZER = ("lr", "scheduler", "warmup_ratio")
+"""Options whose default depends on the optimizer and on fine-tuning versus training from scratch."""
+
+METAVARS = {
+    "model": "NAME|DIR",
+    "dataset": "NAME|PATH",
+    "dataset_config": "NAME",
+    "train_file": "FILE",
+    "validation_file": "FILE",
+    "text_columns": "COL[,COL]",
+    "label_column": "COL",
+    "optim": "NAME",
+    "scheduler": "linear|cosine|constant",
+    "mixed_precision": "no|fp16|bf16",
+    "output_dir": "DIR",
+    "save_strategy": "steps|epoch|no",
+    "resume": "latest|DIR",
+    "metrics_json": "FILE",
+}
+"""What a value looks like, where the type alone (``<str>``) says little."""
+
+
 def _opt(name: str, panel: str, extra: str = "", **kwargs: object) -> typer.models.OptionInfo:
-    """The option for config field ``name``: its flag and help text come from the config."""
-    return typer.Option(option(name), help=help_for(name) + extra, rich_help_panel=panel, **kwargs)
+    """The option for config field ``name``: its flag and help text come from the config; the
+    parameter's default (``D(name)``) is the config's, so --help shows it."""
+    per_optimizer = "per optimizer, see effitrain optimizers" if name in PER_OPTIMIZER else None
+    return typer.Option(
+        option(name),
+        help=help_for(name) + extra,
+        rich_help_panel=panel,
+        show_default=per_optimizer or True,
+        # A flag takes no value: no type tag.
+        metavar="" if isinstance(D(name), bool) else METAVARS.get(name),
+        **kwargs,
+    )
 
 
 def train(
+    ctx: typer.Context,
     config_file: Annotated[
         Path | None,
         typer.Option(
@@ -34,8 +68,8 @@ def train(
             rich_help_panel=OUT,
         ),
     ] = None,
-    model: Annotated[str | None, _opt("model", MODEL, f" Presets: {_PRESETS_HELP}.")] = None,
-    dataset: Annotated[str | None, _opt("dataset", MODEL)] = None,
+    model: Annotated[str, _opt("model", MODEL, f" Presets: {_PRESETS_HELP}.")] = D("model"),
+    dataset: Annotated[str, _opt("dataset", MODEL)] = D("dataset"),
     dataset_config: Annotated[str | None, _opt("dataset_config", MODEL)] = None,
     train_file: Annotated[str | None, _opt("train_file", MODEL)] = None,
     validation_file: Annotated[str | None, _opt("validation_file", MODEL)] = None,
@@ -43,38 +77,42 @@ def train(
         str | None, _opt("text_columns", MODEL, " Comma-separated: sentence1,sentence2.")
     ] = None,
     label_column: Annotated[str | None, _opt("label_column", MODEL)] = None,
-    max_length: Annotated[int | None, _opt("max_length", MODEL)] = None,
-    optim: Annotated[str | None, _opt("optim", OPTIM)] = None,
+    max_length: Annotated[int, _opt("max_length", MODEL)] = D("max_length"),
+    optim: Annotated[str, _opt("optim", OPTIM)] = D("optim"),
     lr: Annotated[float | None, _opt("lr", OPTIM)] = None,
-    weight_decay: Annotated[float | None, _opt("weight_decay", OPTIM)] = None,
+    weight_decay: Annotated[float, _opt("weight_decay", OPTIM)] = D("weight_decay"),
     scheduler: Annotated[str | None, _opt("scheduler", OPTIM)] = None,
     warmup_ratio: Annotated[float | None, _opt("warmup_ratio", OPTIM)] = None,
     warmup_steps: Annotated[int | None, _opt("warmup_steps", OPTIM)] = None,
-    max_grad_norm: Annotated[float | None, _opt("max_grad_norm", OPTIM)] = None,
-    epochs: Annotated[int | None, _opt("epochs", LOOP)] = None,
+    max_grad_norm: Annotated[float, _opt("max_grad_norm", OPTIM)] = D("max_grad_norm"),
+    epochs: Annotated[int, _opt("epochs", LOOP)] = D("epochs"),
     max_steps: Annotated[int | None, _opt("max_steps", LOOP)] = None,
-    batch_size: Annotated[int | None, _opt("batch_size", LOOP)] = None,
+    batch_size: Annotated[int, _opt("batch_size", LOOP)] = D("batch_size"),
     eval_batch_size: Annotated[int | None, _opt("eval_batch_size", LOOP)] = None,
-    grad_accum: Annotated[int | None, _opt("grad_accum", LOOP)] = None,
-    mixed_precision: Annotated[str | None, _opt("mixed_precision", LOOP)] = None,
-    seed: Annotated[int | None, _opt("seed", LOOP)] = None,
-    log_every: Annotated[int | None, _opt("log_every", LOOP)] = None,
+    grad_accum: Annotated[int, _opt("grad_accum", LOOP)] = D("grad_accum"),
+    mixed_precision: Annotated[str, _opt("mixed_precision", LOOP)] = D("mixed_precision"),
+    seed: Annotated[int, _opt("seed", LOOP)] = D("seed"),
+    log_every: Annotated[int, _opt("log_every", LOOP)] = D("log_every"),
     output_dir: Annotated[str | None, _opt("output_dir", OUT)] = None,
     save_every: Annotated[int | None, _opt("save_every", OUT)] = None,
-    save_strategy: Annotated[str | None, _opt("save_strategy", OUT)] = None,
+    save_strategy: Annotated[str, _opt("save_strategy", OUT)] = D("save_strategy"),
     save_total_limit: Annotated[int | None, _opt("save_total_limit", OUT)] = None,
     resume: Annotated[str | None, _opt("resume", OUT)] = None,
     metrics_json: Annotated[str | None, _opt("metrics_json", OUT)] = None,
-    quiet: Annotated[bool | None, _opt("quiet", OUT)] = None,
+    quiet: Annotated[bool, _opt("quiet", OUT)] = D("quiet"),
 ) -> None:
     """Train a classifier and report what the optimizer state really costs.
 
     With no options: the built-in tiny model on the built-in demo data, offline, in under a minute.
     """
+    # Only options given on the command line override the YAML file; the parameters' defaults
+    # are TrainConfig's own (shown by --help).
+    # (By name: typer bundles its own click, whose ParameterSource is not click's.)
+    given = ("COMMANDLINE", "ENVIRONMENT")
     overrides = {
         name: value
-        for name, value in locals().items()
-        if name != "config_file" and value is not None
+        for name, value in ctx.params.items()
+        if name != "config_file" and getattr(ctx.get_parameter_source(name), "name", "") in given
     }
     with user_errors():
         from effitrain.config import build_config
