@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from effitrain import checkpoint, distributed, memory
+import effitrain.checkpoint as checkpoint
+import effitrain.distributed as distributed
+import effitrain.memory as memory
 from effitrain.config import TrainConfig
 from effitrain.data import LoadedData, build_dataloaders, load_data, steps_per_epoch
 from effitrain.errors import EffitrainError
@@ -95,9 +97,23 @@ def check_outputs(config: TrainConfig) -> None:
 
 
 def build_accelerator(config: TrainConfig) -> Accelerator:
-    from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration
+    import time
 
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
+
+    tracking: dict[str, Any] = {}
+    if config.trackers:
+        # --report-to: Accelerate's trackers; the ones that write files locally write here.
+        logging_dir = (
+            Path(config.output_dir, "runs")
+            if config.output_dir
+            else Path("runs", time.strftime("%Y%m%d-%H%M%S"))
+        )
+        tracking = {
+            "log_with": config.trackers,
+            "project_config": ProjectConfiguration(logging_dir=str(logging_dir)),
+        }
     try:
         return Accelerator(
             # Several launched processes and no GPU: CPU processes over gloo (see distributed.py).
@@ -106,6 +122,7 @@ def build_accelerator(config: TrainConfig) -> Accelerator:
             gradient_accumulation_steps=config.grad_accum,
             # A seedable sampler makes data order depend only on (seed, epoch), on every rank.
             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+            **tracking,
         )
     except (ValueError, RuntimeError) as exc:
         raise EffitrainError(

@@ -64,6 +64,7 @@ RUN_ONLY_OPTIONS = frozenset(
         "save_total_limit",
         "resume",
         "eval_batch_size",
+        "report_to",
     }
 )
 

@@ -25,6 +25,18 @@ from effitrain.optim import FINE_TUNE, SCRATCH, Defaults, get_spec
 SCHEDULERS = ("linear", "cosine", "constant")
 MIXED_PRECISION = ("no", "fp16", "bf16")
 SAVE_STRATEGIES = ("steps", "epoch", "no")
+TRACKERS = (
+    "tensorboard",
+    "wandb",
+    "mlflow",
+    "trackio",
+    "comet_ml",
+    "aim",
+    "clearml",
+    "dvclive",
+    "swanlab",
+)
+"""Accelerate's experiment trackers (``accelerate.utils.LoggerType``), for ``--report-to``."""
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -127,6 +139,11 @@ class TrainConfig:
     metrics_json: str | None = _opt(
         None, "Write the run's metrics as one JSON object to this file."
     )
+    report_to: list[str] | None = _opt(
+        None,
+        "Experiment trackers to log to, through Accelerate: none, all (every installed one), or "
+        f"{', '.join(TRACKERS)}. TensorBoard writes to --output-dir/runs (else ./runs/<time>).",
+    )
     quiet: bool = _opt(False, "Only print the final results (no progress, no per-epoch lines).")
 
     def validate(self) -> TrainConfig:
@@ -167,8 +184,22 @@ class TrainConfig:
                 f"--text-columns takes one or two column names (got {len(self.text_columns)})"
             )
         self._validate_checkpointing()
+        self._validate_report_to()
         get_spec(self.optim)
         return self
+
+    def _validate_report_to(self) -> None:
+        names = self.report_to or []
+        for name in names:
+            if name not in ("none", "all", *TRACKERS):
+                raise EffitrainError(
+                    f"unknown --report-to '{name}'; choose from: none, all, {', '.join(TRACKERS)}"
+                )
+        if "none" in names and len(names) > 1:
+            raise EffitrainError(
+                f"--report-to none contradicts {','.join(n for n in names if n != 'none')}; "
+                "drop one of them"
+            )
 
     def _validate_checkpointing(self) -> None:
         if self.save_strategy not in SAVE_STRATEGIES:
@@ -198,6 +229,11 @@ class TrainConfig:
     def saves_checkpoints(self) -> bool:
         """Whether periodic checkpoints are on (a signal saves one whenever --output-dir is set)."""
         return bool(self.output_dir) and self.wants_periodic_checkpoints
+
+    @property
+    def trackers(self) -> list[str]:
+        """The trackers ``--report-to`` names, for Accelerate's ``log_with`` ([] for none)."""
+        return [name for name in self.report_to or [] if name != "none"]
 
     @property
     def regime(self) -> str:

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from effitrain import memory
+import effitrain.memory as memory
 from effitrain.errors import EffitrainError
 
 if TYPE_CHECKING:

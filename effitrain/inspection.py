@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from effitrain import memory
+import effitrain.memory as memory
 from effitrain.checkpoint import (
     METADATA_FILE,
     list_checkpoints,

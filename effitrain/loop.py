@@ -23,7 +23,8 @@ import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from effitrain import checkpoint
+import effitrain.checkpoint as checkpoint
+import effitrain.tracking as tracking
 from effitrain.errors import EffitrainError
 from effitrain.progress import Stopwatch, TrainingProgress
 from effitrain.results import StepLog
@@ -201,11 +202,12 @@ def epoch_batches(run: Run, progress: TrainingProgress) -> Iterable[dict[str, An
 
 
 def log_line(run: Run, progress: TrainingProgress, timer: Stopwatch) -> StepLog:
-    """The loss, lr and speed since the last log line, summed over processes (one sync)."""
+    """The loss, lr and speed since the last log line, summed over processes (one sync); also
+    sent to the ``--report-to`` trackers."""
     loss_sum, batches, samples = progress.flush_window()
     elapsed = timer.window_seconds()
     remaining = run.plan.total_steps - progress.global_step
-    return StepLog(
+    log = StepLog(
         step=progress.global_step,
         total_steps=run.plan.total_steps,
         epoch=progress.epoch + 1,
@@ -214,6 +216,8 @@ def log_line(run: Run, progress: TrainingProgress, timer: Stopwatch) -> StepLog:
         samples_per_second=samples / elapsed if elapsed > 0 else 0.0,
         eta_seconds=remaining * timer.recent_mean(run.config.log_every),
     )
+    tracking.log_train(run, log)
+    return log
 
 
 def end_epoch(
@@ -226,6 +230,7 @@ def end_epoch(
     metrics = evaluate(run)
     epoch_complete = progress.step_in_epoch >= run.plan.steps_per_epoch
     reporter.evaluated(progress.epoch_number, metrics, final=not epoch_complete)
+    tracking.log_evaluation(run, metrics, progress.global_step)
     progress.record_evaluation(metrics, epoch_complete)
     _report_saved(reporter, checkpointer.after_evaluation(progress), progress)
 

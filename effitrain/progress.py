@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from effitrain import memory
+import effitrain.memory as memory
 
 if TYPE_CHECKING:
     import torch

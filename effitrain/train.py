@@ -6,6 +6,8 @@
     progress = TrainingProgress(...)           # counters; loaded from a checkpoint on --resume
     fit(run, progress, checkpointer, ...)      # the loop (effitrain.loop)
     result = summarize(run, progress, ...)     # what it cost, measured from real storage
+
+With ``--report-to``, Accelerate's trackers follow along (:mod:`effitrain.tracking`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from effitrain import checkpoint, distributed, memory
+import effitrain.checkpoint as checkpoint
+import effitrain.distributed as distributed
+import effitrain.memory as memory
+import effitrain.tracking as tracking
 from effitrain.build import Run, build_run, check_outputs
 from effitrain.config import TrainConfig
 from effitrain.loop import evaluate, fit
@@ -33,24 +38,30 @@ def train(config: TrainConfig, reporter: Reporter) -> TrainResult:
         TrainingStopped: SIGINT/SIGTERM stopped it after a complete (and saved) step.
     """
     check_outputs(config)
+    tracking.check(config)
     run = build_run(config, reporter)
     reporter.run_started(run.info)
     progress = TrainingProgress.for_accelerator(run.accelerator)
     checkpointer = make_checkpointer(run)
     if config.resume:
         resume(run, progress, checkpointer, reporter)
+    tracking.start(run, progress, reporter)
     with stop_on_signals() as stop:
         timer = fit(run, progress, checkpointer, reporter, stop)
     if not progress.eval_history or progress.eval_history[-1]["step"] != progress.global_step:
         # Resumed from a checkpoint saved at the last step but before its evaluation.
-        progress.record_evaluation(evaluate(run), epoch_complete=False)
+        metrics = evaluate(run)
+        tracking.log_evaluation(run, metrics, progress.global_step)
+        progress.record_evaluation(metrics, epoch_complete=False)
     final_model_dir = None
     if config.output_dir:
         final_model_dir = checkpoint.save_final(
             run.accelerator, run.model, run.tokenizer, config.output_dir
         )
         reporter.saved_final(str(final_model_dir))
-    return summarize(run, progress, timer, checkpointer.last_path, final_model_dir)
+    result = summarize(run, progress, timer, checkpointer.last_path, final_model_dir)
+    tracking.finish(run, result)
+    return result
 
 
 def make_checkpointer(run: Run) -> checkpoint.Checkpointer:

@@ -38,6 +38,7 @@ METAVARS = {
     "save_strategy": "steps|epoch|no",
     "resume": "latest|DIR",
     "metrics_json": "FILE",
+    "report_to": "NAME[,NAME]",
 }
 """What a value looks like, where the type alone (``<str>``) says little."""
 
@@ -99,6 +100,9 @@ def train(
     save_total_limit: Annotated[int | None, _opt("save_total_limit", OUT)] = None,
     resume: Annotated[str | None, _opt("resume", OUT)] = None,
     metrics_json: Annotated[str | None, _opt("metrics_json", OUT)] = None,
+    report_to: Annotated[
+        str | None, _opt("report_to", OUT, " Comma-separated: tensorboard,wandb.")
+    ] = None,
     quiet: Annotated[bool, _opt("quiet", OUT)] = D("quiet"),
 ) -> None:
     """Train a classifier and report what the optimizer state really costs.
