@@ -11,8 +11,8 @@ Tasks (``OUT/<task>/{train,dev}.csv``, deterministic for a seed):
 task               what                                                classes   words
 =================  ==================================================  ========  =======
 ``pl-sentences``   Rotten Tomatoes sentence polarity (Pang & Lee)      2         ~21
-``vader-pairs``    does sentence2 follow sentence1 in the same NYT     2 (pair)  ~34
-                   editorial or Amazon review, or come from another?
+``vader-pairs``    are two snippets the same kind of text (tweet,      2 (pair)  ~33
+                   movie review, product review, NYT editorial)?
 ``vader-sent3``    VADER's mean human rating (-4..4) in three bands    3         ~17
 ``pl-reviews``     whole movie reviews (Pang & Lee polarity v2.0)      2         ~750
 =================  ==================================================  ========  =======
@@ -111,25 +111,23 @@ def sentiment_bands(snippets: dict, rng: random.Random) -> list[dict[str, str]]:
     return [row for band in sorted(bands) for row in rng.sample(bands[band], n)]
 
 
-def next_sentence_pairs(snippets: dict, rng: random.Random) -> list[dict[str, str]]:
+def same_source_pairs(snippets: dict, rng: random.Random) -> list[dict[str, str]]:
+    """Two snippets: from the same kind of text (tweet, movie review, product review, NYT
+    editorial), or from two different kinds? Half and half; the model must compare them."""
+    sources = sorted(snippets)
+    texts = {source: [text for _, _, text in snippets[source]] for source in sources}
     rows = []
-    for source in ("nytEditorialSnippets", "amazonReviewSnippets"):
-        documents = defaultdict(list)
-        for snippet_id, _, text in snippets[source]:
-            document, index = snippet_id.split("_")
-            documents[document].append((int(index), text))
-        names = sorted(documents)
-        for document in names:
-            sentences = [text for _, text in sorted(documents[document])]
-            for first, second in zip(sentences, sentences[1:], strict=False):
-                if rng.random() < 0.5:
-                    rows.append({"sentence1": first, "sentence2": second, "label": "next"})
-                else:
-                    other = rng.choice([name for name in names if name != document])
-                    random_sentence = rng.choice(documents[other])[1]
-                    rows.append(
-                        {"sentence1": first, "sentence2": random_sentence, "label": "other"}
-                    )
+    for _ in range(4000):
+        first = rng.choice(sources)
+        second = first if rng.random() < 0.5 else rng.choice([s for s in sources if s != first])
+        label = "same" if first == second else "different"
+        rows.append(
+            {
+                "sentence1": rng.choice(texts[first]),
+                "sentence2": rng.choice(texts[second]),
+                "label": label,
+            }
+        )
     return rows
 
 
@@ -150,7 +148,7 @@ def build(out: Path, sdist_dir: Path, train: int, dev: int, seed: int = 0) -> li
     snippets = vader_snippets(archives["vader"])
     makers = {
         "pl-sentences": lambda rng: polarity(archives["pattern"], "polarity-en-pang&lee2.csv"),
-        "vader-pairs": lambda rng: next_sentence_pairs(snippets, rng),
+        "vader-pairs": lambda rng: same_source_pairs(snippets, rng),
         "vader-sent3": lambda rng: sentiment_bands(snippets, rng),
         "pl-reviews": lambda rng: polarity(archives["pattern"], "polarity-en-pang&lee1.csv"),
     }

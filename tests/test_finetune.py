@@ -52,7 +52,7 @@ def test_adafactor_defaults_fine_tune_a_pretrained_checkpoint(cli, tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "lr 0.001 (adafactor default for fine-tuning)" in proc.stdout
+    assert "lr 0.003 (adafactor default for fine-tuning)" in proc.stdout
     metrics = json.loads(out.read_text())
     assert metrics["eval"]["examples"] == 200
     assert metrics["eval"]["accuracy"] >= 0.8, metrics["eval_history"]  # chance is 0.5
