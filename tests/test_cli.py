@@ -88,7 +88,7 @@ def test_optimizers_table_and_json(cli):
     # Readable in an 80-column terminal: no line wraps, each optimizer in its own block.
     assert max(len(line) for line in table.stdout.splitlines()) <= 80
     assert "fine-tuning   lr 3e-3, 10% warmup, then linear" in table.stdout
-    assert "note: does not learn the built-in demo" in table.stdout
+    assert "note: its defaults fail the demo from scratch and long texts" in table.stdout
 
 
 # --- bad input: each gives one line, a non-zero exit and no traceback ---------------------------
