@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import effitrain.checkpoint as checkpoint
 import effitrain.distributed as distributed
+import effitrain.levers as levers
 import effitrain.memory as memory
 from effitrain.config import TrainConfig
 from effitrain.data import LoadedData, build_dataloaders, load_data, steps_per_epoch
@@ -148,11 +149,13 @@ def build_run(config: TrainConfig, reporter: Reporter) -> Run:
             "accelerate launch --multi_gpu -m effitrain train ..."
         )
 
+    levers.check_launch(config, accelerator.state)
     # The main process goes first so it alone fills the datasets cache.
     with accelerator.main_process_first():
         data = load_data(config)
     tokenizer = load_tokenizer(config.model)
     model = load_model(config.model, data.num_labels, data.label_names, tokenizer)
+    model = levers.apply_to_model(model, config, reporter)
     with accelerator.main_process_first():
         train_loader, eval_loader = build_dataloaders(
             data,

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import effitrain.levers as levers
 from effitrain.errors import EffitrainError
 from effitrain.models import PRESETS
 from effitrain.optim import FINE_TUNE, SCRATCH, Defaults, get_spec
@@ -117,6 +118,34 @@ class TrainConfig:
     seed: int = _opt(42, "Seed for model init, data order and dropout.")
     log_every: int = _opt(10, "Update the shown loss every this many optimizer steps.")
 
+    # --- memory levers (effitrain.levers) ---
+    gradient_checkpointing: bool = _opt(
+        False,
+        "Recompute activations in backward instead of keeping them (the model's own "
+        "gradient_checkpointing_enable, non-reentrant).",
+    )
+    optimizer_in_backward: bool = _opt(
+        False,
+        "Update each parameter as soon as its gradient is ready and free that gradient, so the "
+        "full set of gradients never exists.",
+    )
+    weights_dtype: str = _opt(
+        "fp32",
+        "fp32 or bf16: keep the weights (and gradients, and the optimizer state where it can) "
+        "in this dtype. Not autocast: see --mixed-precision.",
+    )
+    lora_rank: int | None = _opt(
+        None, "Train LoRA adapters of this rank (peft) instead of the whole model."
+    )
+    lora_alpha: float | None = _opt(None, "LoRA scaling alpha (default: 2 x rank).")
+    lora_dropout: float = _opt(0.05, "Dropout on the LoRA adapters' inputs.")
+    lora_target_modules: list[str] | None = _opt(
+        None, "Modules that get adapters; default: peft's choice for the architecture."
+    )
+    lora_merge: bool = _opt(
+        False, "The final save also writes the base model with the adapters merged in."
+    )
+
     # --- outputs ---
     output_dir: str | None = _opt(
         None, "Folder for checkpoints (checkpoint-<step>/) and the final model (final/)."
@@ -186,6 +215,7 @@ class TrainConfig:
         self._validate_checkpointing()
         self._validate_report_to()
         get_spec(self.optim)
+        levers.validate(self)
         return self
 
     def _validate_report_to(self) -> None:

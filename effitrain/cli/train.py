@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 _PRESETS_HELP = "; ".join(f"[bold]{name}[/]: {desc}" for name, (desc, _) in PRESETS.items())
 
 MODEL, DATA, OPTIM, LOOP, OUT = "Model and data", "Data", "Optimizer", "Loop", "Output"
+LEVERS = "Memory levers"
 
 
 PER_OPTIMIZER = ("lr", "scheduler", "warmup_ratio")
@@ -39,6 +40,8 @@ METAVARS = {
     "resume": "latest|DIR",
     "metrics_json": "FILE",
     "report_to": "NAME[,NAME]",
+    "weights_dtype": "fp32|bf16",
+    "lora_target_modules": "NAME[,NAME]",
 }
 """What a value looks like, where the type alone (``<str>``) says little."""
 
@@ -94,6 +97,20 @@ def train(
     mixed_precision: Annotated[str, _opt("mixed_precision", LOOP)] = D("mixed_precision"),
     seed: Annotated[int, _opt("seed", LOOP)] = D("seed"),
     log_every: Annotated[int, _opt("log_every", LOOP)] = D("log_every"),
+    gradient_checkpointing: Annotated[bool, _opt("gradient_checkpointing", LEVERS)] = D(
+        "gradient_checkpointing"
+    ),
+    optimizer_in_backward: Annotated[bool, _opt("optimizer_in_backward", LEVERS)] = D(
+        "optimizer_in_backward"
+    ),
+    weights_dtype: Annotated[str, _opt("weights_dtype", LEVERS)] = D("weights_dtype"),
+    lora_rank: Annotated[int | None, _opt("lora_rank", LEVERS)] = None,
+    lora_alpha: Annotated[float | None, _opt("lora_alpha", LEVERS)] = None,
+    lora_dropout: Annotated[float, _opt("lora_dropout", LEVERS)] = D("lora_dropout"),
+    lora_target_modules: Annotated[
+        str | None, _opt("lora_target_modules", LEVERS, " Comma-separated: query,value.")
+    ] = None,
+    lora_merge: Annotated[bool, _opt("lora_merge", LEVERS)] = D("lora_merge"),
     output_dir: Annotated[str | None, _opt("output_dir", OUT)] = None,
     save_every: Annotated[int | None, _opt("save_every", OUT)] = None,
     save_strategy: Annotated[str, _opt("save_strategy", OUT)] = D("save_strategy"),
