@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import effitrain.levers as levers
 from effitrain.errors import EffitrainError
 from effitrain.models import PRESETS
 from effitrain.optim import FINE_TUNE, SCRATCH, Defaults, get_spec
 
 SCHEDULERS = ("linear", "cosine", "constant")
 MIXED_PRECISION = ("no", "fp16", "bf16")
+WEIGHTS_DTYPES = ("fp32", "bf16")
 SAVE_STRATEGIES = ("steps", "epoch", "no")
 TRACKERS = (
     "tensorboard",
@@ -215,8 +215,16 @@ class TrainConfig:
         self._validate_checkpointing()
         self._validate_report_to()
         get_spec(self.optim)
-        levers.validate(self)
+        self._validate_levers()
         return self
+
+    def _validate_levers(self) -> None:
+        """The memory levers' values, and the combinations that cannot work (effitrain.levers)."""
+        if self.weights_dtype not in WEIGHTS_DTYPES:
+            raise EffitrainError(
+                f"unknown --weights-dtype '{self.weights_dtype}'; "
+                f"choose one of: {', '.join(WEIGHTS_DTYPES)}"
+            )
 
     def _validate_report_to(self) -> None:
         names = self.report_to or []

@@ -10,9 +10,8 @@ bf16-weights                 ``--weights-dtype bf16``         half of parameters
 lora                         ``--lora-rank R``                gradients and state of the base model
 ===========================  ===============================  ======================================
 
-:func:`validate` (from ``TrainConfig.validate``, no torch) refuses values and combinations that
-cannot work, one line each; :func:`check_launch` refuses what depends on how the run was
-launched; :func:`apply_to_model` turns the model-side levers on, between loading the model and
+``TrainConfig.validate`` refuses lever values and combinations that cannot work, one line each,
+before anything is built; :func:`check_launch` refuses what depends on how the run was launched; :func:`apply_to_model` turns the model-side levers on, between loading the model and
 building the optimizer.
 """
 
@@ -24,8 +23,6 @@ from effitrain.errors import EffitrainError
 
 if TYPE_CHECKING:
     from effitrain.config import TrainConfig
-
-WEIGHTS_DTYPES = ("fp32", "bf16")
 
 
 def active(config: TrainConfig) -> list[str]:
@@ -40,19 +37,6 @@ def active(config: TrainConfig) -> list[str]:
     if config.lora_rank is not None:
         names.append("lora")
     return names
-
-
-def validate(config: TrainConfig) -> None:
-    """Refuse lever values and combinations that cannot work; needs nothing but the config.
-
-    Raises:
-        EffitrainError: one line naming the options and what to do instead.
-    """
-    if config.weights_dtype not in WEIGHTS_DTYPES:
-        raise EffitrainError(
-            f"unknown --weights-dtype '{config.weights_dtype}'; "
-            f"choose one of: {', '.join(WEIGHTS_DTYPES)}"
-        )
 
 
 def check_launch(config: TrainConfig, state: Any) -> None:
