@@ -29,6 +29,7 @@ from effitrain.errors import EffitrainError
 from effitrain.progress import Stopwatch, TrainingProgress
 from effitrain.results import StepLog
 from effitrain.signals import StopRequest, TrainingStopped
+from effitrain.step_memory import StepMemoryProbe
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -158,31 +159,50 @@ def fit(
     timer = Stopwatch()
     reporter.progress_started(plan.total_steps, completed=progress.global_step)
     run.model.train()
-    while progress.global_step < plan.total_steps:
-        for batch in epoch_batches(run, progress):
-            outcome = train_step(run, batch, progress, guard)
-            if not outcome.stepped:
-                continue
-            progress.step_done()
-            timer.lap()
-            reporter.step_done(progress.global_step)
-            if progress.global_step % config.log_every == 0 or _finished(run, progress):
-                reporter.logged(log_line(run, progress, timer))
-            if outcome.stop:
-                _stop(run, progress, checkpointer, reporter, stop)
+    # One optimizer step is measured by kind (effitrain.step_memory): the second, where the
+    # optimizer state already exists, as in every later step (the first, in a one-step run).
+    probe = StepMemoryProbe(run.model, run.optimizer, run.accelerator.device)
+    group_start = True  # the next micro-batch starts an optimizer step
+    with probe:  # an error mid-step leaves no tracker behind
+        while progress.global_step < plan.total_steps:
+            for batch in epoch_batches(run, progress):
+                if group_start and _measure_now(run, progress, probe):
+                    probe.start()
+                elif probe.running:
+                    probe.next_micro_batch()
+                outcome = train_step(run, batch, progress, guard)
+                group_start = outcome.stepped
+                if not outcome.stepped:
+                    continue
+                if probe.running:
+                    progress.step_memory = probe.stop()
+                progress.step_done()
+                timer.lap()
+                reporter.step_done(progress.global_step)
+                if progress.global_step % config.log_every == 0 or _finished(run, progress):
+                    reporter.logged(log_line(run, progress, timer))
+                if outcome.stop:
+                    _stop(run, progress, checkpointer, reporter, stop)
+                with timer.paused():
+                    _report_saved(reporter, checkpointer.after_step(progress), progress)
+                if _finished(run, progress):
+                    break
             with timer.paused():
-                _report_saved(reporter, checkpointer.after_step(progress), progress)
-            if _finished(run, progress):
-                break
-        with timer.paused():
-            end_epoch(run, progress, checkpointer, reporter)
-        if progress.step_in_epoch and not _finished(run, progress):  # never loop on one epoch
-            raise EffitrainError(
-                f"epoch {progress.epoch + 1} yielded {progress.step_in_epoch} of "
-                f"{run.plan.steps_per_epoch} steps: did the training data change size?"
-            )
+                end_epoch(run, progress, checkpointer, reporter)
+            if progress.step_in_epoch and not _finished(run, progress):  # never loop on one epoch
+                raise EffitrainError(
+                    f"epoch {progress.epoch + 1} yielded {progress.step_in_epoch} of "
+                    f"{run.plan.steps_per_epoch} steps: did the training data change size?"
+                )
     reporter.progress_finished()
     return timer
+
+
+def _measure_now(run: Run, progress: TrainingProgress, probe: StepMemoryProbe) -> bool:
+    """Whether the optimizer step about to start is the one to measure by kind."""
+    if progress.step_memory or probe.done:
+        return False
+    return progress.global_step >= 1 or run.plan.total_steps == 1
 
 
 def _finished(run: Run, progress: TrainingProgress) -> bool:

@@ -33,11 +33,13 @@ __all__ = [
     "adamw_equivalent_elements",
     "adamw_state_size",
     "format_bytes",
+    "fp32_adamw_baseline",
     "gradient_bytes",
     "optimizer_state_ledger",
     "parameter_bytes",
     "peak_memory_bytes",
     "tensor_storage",
+    "trainable_parameter_bytes",
     "trainable_parameter_count",
 ]
 
@@ -448,6 +450,22 @@ def adamw_equivalent_elements(model_or_params: Any) -> int:
 def adamw_equivalent_bytes(model_or_params: Any) -> int:
     """Bytes fp32 AdamW would keep for these trainable parameters (:func:`adamw_state_size`)."""
     return adamw_state_size(_trainable_local_numels(model_or_params))[1]
+
+
+def trainable_parameter_bytes(model: Any) -> int:
+    """Bytes of the real storages behind the parameters that train (``requires_grad``)."""
+    return _storage_bytes(p for p in _parameters(model) if p.requires_grad)
+
+
+def fp32_adamw_baseline(model: Any) -> dict[str, int]:
+    """What the same model would hold trained whole, in fp32, with fp32 AdamW and no levers:
+    every parameter 4 bytes, a gradient for each, and AdamW's state for each (local shards)."""
+    numels = [_local(p).numel() for p in _parameters(model)]
+    return {
+        "parameter_bytes": 4 * sum(numels),
+        "gradient_bytes": 4 * sum(numels),
+        "optimizer_state_bytes": adamw_state_size(numels)[1],
+    }
 
 
 # --------------------------------------------------------------------------------------------

@@ -47,6 +47,9 @@ class TrainingProgress:
     eval_history: list[dict[str, float]] = field(default_factory=list)
     gradient_bytes: int = 0
     """Bytes of the gradients, measured once, at the first optimizer step."""
+    step_memory: dict[str, Any] = field(default_factory=dict)
+    """The first optimizer step's tensor memory by kind (``StepMemory.to_dict()``; empty when
+    not measured)."""
 
     def __init__(
         self,

@@ -251,40 +251,110 @@ def ledger_table(ledger: OptimizerStateLedger, title: str) -> Any:
 
 
 def memory_table(result: TrainResult) -> Any:
-    """Optimizer state next to AdamW's, parameters, gradients and the process peak."""
+    """The memory breakdown of this process. Per part: its own peak in one optimizer step, its
+    share of the step's peak tensor memory, and what the same model would hold trained whole in
+    fp32 with fp32 AdamW and no levers. Then the peaks."""
     from rich.table import Table
 
-    table = Table(title="Memory", title_justify="left")
+    step = result.step_memory
+    at_peak = step.get("at_peak", {})
+    base = result.baseline
+    table = Table(title=f"Memory ({', '.join(result.levers) or 'no levers'})", title_justify="left")
     table.add_column("what")
-    table.add_column("bytes", justify="right")
-    table.add_column("note")
-    adamw = result.adamw_equivalent_bytes
+    table.add_column("measured", justify="right")
+    table.add_column("at peak", justify="right")
+    table.add_column("fp32 AdamW, no levers", justify="right")
     state = result.optimizer_state.bytes
-    ratio = state / adamw if adamw else float("nan")
-    table.add_row(
-        f"optimizer state ({result.optimizer})",
-        format_bytes(state),
-        f"{ratio:.1%} of AdamW",
+    rows = [
+        ("parameters", result.parameter_bytes, "parameters", "parameter_bytes"),
+        ("gradients", result.gradient_bytes, "gradients", "gradient_bytes"),
+        (
+            f"optimizer state ({result.optimizer})",
+            state,
+            "optimizer_state",
+            "optimizer_state_bytes",
+        ),
+        ("activations", result.activation_bytes, "activations", None),
+        (
+            "backward temporaries",
+            step.get("kind_peaks", {}).get("temporaries"),
+            "temporaries",
+            None,
+        ),
+    ]
+    for label, measured, kind, base_key in rows:
+        if measured is None and not at_peak:
+            continue
+        table.add_row(
+            label,
+            format_bytes(measured) if measured is not None else "—",
+            format_bytes(at_peak[kind]) if kind in at_peak else "—",
+            _versus(measured, base.get(base_key)) if base_key else "—",
+        )
+    other = at_peak.get("buffers", 0) + at_peak.get("other", 0)
+    if other:
+        table.add_row("buffers, other", "", format_bytes(other), "")
+    table.add_section()
+    if result.peak_tensor_bytes is not None:
+        table.add_row(
+            "[bold]peak tensor memory[/]",
+            "",
+            f"[bold]{format_bytes(result.peak_tensor_bytes)}[/]",
+            "—",
+        )
+    if step.get("cuda_max_allocated"):
+        table.add_row("CUDA max allocated", "", format_bytes(step["cuda_max_allocated"]), "")
+    peak_label = {"cuda_peak_allocated": "CUDA peak (run)", "peak_rss": "peak RSS"}.get(
+        result.peak_memory_kind, result.peak_memory_kind
     )
-    table.add_row(
-        "AdamW (fp32) would keep",
-        format_bytes(adamw),
-        f"{result.adamw_equivalent_elements:,} elements; saved {format_bytes(max(adamw - state, 0))}"
-        if state <= adamw
-        else f"{result.adamw_equivalent_elements:,} elements",
-    )
-    table.add_row(
-        "parameters",
-        format_bytes(result.parameter_bytes),
-        f"{result.trainable_parameters:,} trainable",
-    )
-    table.add_row("gradients", format_bytes(result.gradient_bytes), "measured at the first step")
-    peak_note = {
-        "cuda_peak_allocated": "CUDA peak allocated",
-        "peak_rss": "peak RSS of the process",
-    }.get(result.peak_memory_kind, result.peak_memory_kind)
-    table.add_row("peak memory", format_bytes(result.peak_memory_bytes), peak_note)
+    table.add_row(peak_label, format_bytes(result.peak_memory_bytes), "", "")
+    table.caption = _memory_caption(result)
+    table.caption_justify = "left"
     return table
+
+
+def _memory_caption(result: TrainResult) -> str:
+    frozen = result.parameter_bytes - result.trainable_parameter_bytes
+    lines = [f"{result.trainable_parameters:,} trainable parameters"]
+    if frozen > 0:
+        lines[0] += (
+            f" ({format_bytes(result.trainable_parameter_bytes)}); frozen {format_bytes(frozen)}"
+        )
+    adamw = result.adamw_equivalent_bytes
+    if adamw:
+        lines.append(
+            f"optimizer state: {result.optimizer_state.bytes / adamw:.1%} of fp32 AdamW's "
+            f"{format_bytes(adamw)} on the same parameters"
+        )
+    if result.step_memory:
+        lines.append(
+            "measured: each part's own peak in one optimizer step; at peak: the parts when that "
+            "step's live tensors peaked (they add up to it)"
+        )
+    else:
+        lines.append("activations and peak tensor memory not measured (needs torch >= 2.5)")
+    return "\n".join(lines)
+
+
+_KIND_LABELS = {
+    "parameters": "parameters",
+    "buffers": "buffers",
+    "gradients": "gradients",
+    "optimizer_state": "optimizer state",
+    "activations": "activations",
+    "temporaries": "backward temporaries",
+    "other": "other",
+}
+
+
+def _versus(value: int, baseline: int | None) -> str:
+    """The baseline and the saving against it: ``502.0 MiB (−75%)``."""
+    if not baseline:
+        return "—"
+    change = value / baseline - 1
+    if abs(change) < 0.0005:
+        return format_bytes(baseline)
+    return f"{format_bytes(baseline)} ({change:+.0%})".replace("-", "−")
 
 
 def ranks_table(result: TrainResult) -> Any:

@@ -93,6 +93,19 @@ class TrainResult:
     """Per process: rank, optimizer_state_bytes, parameter_bytes, peak memory, checksum."""
     ranks_total: dict[str, int] = field(default_factory=dict)
     """The per-rank byte counts summed over all processes."""
+    trainable_parameter_bytes: int = 0
+    """Bytes of the parameters that train; ``parameter_bytes`` minus this is frozen (LoRA)."""
+    activation_bytes: int | None = None
+    """Peak bytes of what forward allocated and kept (saved for backward), in the first step."""
+    peak_tensor_bytes: int | None = None
+    """Most live tensor bytes at once in the first step (None: not measured, see step_memory)."""
+    step_memory: dict[str, Any] = field(default_factory=dict)
+    """The first step's tensor memory by kind (``effitrain.step_memory.StepMemory``)."""
+    levers: list[str] = field(default_factory=list)
+    """The memory levers that were on (``effitrain.levers.active``)."""
+    baseline: dict[str, int] = field(default_factory=dict)
+    """The same model trained whole in fp32 with fp32 AdamW and no levers (parameters,
+    gradients, optimizer state), for the savings column."""
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -106,6 +106,14 @@ def finish(run: Run, result: TrainResult) -> None:
             "memory/parameter_bytes": result.parameter_bytes,
             "memory/gradient_bytes": result.gradient_bytes,
             "memory/peak_memory_bytes": result.peak_memory_bytes,
+            **{
+                f"memory/{name}": value
+                for name, value in (
+                    ("activation_bytes", result.activation_bytes),
+                    ("peak_tensor_bytes", result.peak_tensor_bytes),
+                )
+                if value is not None
+            },
         },
         step=result.global_steps,
     )

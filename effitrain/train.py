@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import effitrain.checkpoint as checkpoint
 import effitrain.distributed as distributed
+import effitrain.levers as levers
 import effitrain.memory as memory
 import effitrain.tracking as tracking
 from effitrain.build import Run, build_run, check_outputs
@@ -136,6 +137,7 @@ def summarize(
     peak_bytes, peak_kind = memory.peak_memory_bytes(accelerator.device)
     ranks = distributed.gather_rank_memory(accelerator, model, optimizer)
     final_eval: dict[str, Any] = progress.eval_history[-1]
+    step = progress.step_memory
     train_seconds = timer.train_seconds
     return TrainResult(
         optimizer=run.spec.name,
@@ -149,7 +151,9 @@ def summarize(
         optimizer_state=memory.optimizer_state_ledger(optimizer),
         parameter_bytes=memory.parameter_bytes(model),
         trainable_parameters=memory.trainable_parameter_count(model),
-        gradient_bytes=progress.gradient_bytes,
+        # With the step measured by kind: the gradients' own peak (optimizer in backward frees
+        # them one by one); else what existed after the first backward.
+        gradient_bytes=step.get("kind_peaks", {}).get("gradients", progress.gradient_bytes),
         adamw_equivalent_bytes=memory.adamw_equivalent_bytes(model),
         adamw_equivalent_elements=memory.adamw_equivalent_elements(model),
         peak_memory_bytes=peak_bytes,
@@ -166,4 +170,10 @@ def summarize(
         sharding=run.sharding.to_dict(),
         ranks=ranks,
         ranks_total=distributed.rank_totals(ranks),
+        trainable_parameter_bytes=memory.trainable_parameter_bytes(model),
+        activation_bytes=step.get("kind_peaks", {}).get("activations"),
+        peak_tensor_bytes=step.get("peak_tensor_bytes"),
+        step_memory=step,
+        levers=levers.active(run.config),
+        baseline=memory.fp32_adamw_baseline(model),
     )

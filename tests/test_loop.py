@@ -264,6 +264,7 @@ def test_progress_state_dict_round_trip():
     progress.add_micro_batch(torch.tensor(1.0), 2)
     progress.measure_gradients(torch.nn.Linear(3, 2))  # no grads yet: 0, measured later
     progress.record_evaluation({"accuracy": 0.5}, epoch_complete=True)
+    progress.step_memory = {"peak_tensor_bytes": 10, "at_peak": {"activations": 6}}
     state = progress.state_dict()
     assert state == {
         "global_step": 2,
@@ -274,6 +275,7 @@ def test_progress_state_dict_round_trip():
         "total_samples": 8.0,
         "eval_history": [{"accuracy": 0.5, "epoch": 1, "step": 2}],
         "gradient_bytes": 0,
+        "step_memory": {"peak_tensor_bytes": 10, "at_peak": {"activations": 6}},
         "window": [1.0, 1.0, 2.0],
     }
     restored = TrainingProgress()

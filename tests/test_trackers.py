@@ -25,6 +25,8 @@ MEMORY = {
     "memory/parameter_bytes": lambda m: m["parameter_bytes"],
     "memory/gradient_bytes": lambda m: m["gradient_bytes"],
     "memory/peak_memory_bytes": lambda m: m["peak_memory_bytes"],
+    "memory/activation_bytes": lambda m: m["activation_bytes"],
+    "memory/peak_tensor_bytes": lambda m: m["peak_tensor_bytes"],
 }
 LOG_LINE = re.compile(r"^step (\d+)/\d+ · epoch \d+ · loss ([\d.]+) · lr ([\d.e+-]+)", re.M)
 

@@ -75,7 +75,15 @@ def test_demo_run_prints_progress_eval_and_tables(train_cli, tmp_path):
     assert "step 2/4" in text and "step 4/4" in text and "loss" in text
     assert "eval (end)" in text and "accuracy" in text
     assert "Optimizer state: adamw (torch.optim.AdamW)" in text
-    for key in ("exp_avg_sq", "AdamW (fp32) would keep", "peak memory", "gradients"):
+    for key in (
+        "exp_avg_sq",
+        "Memory (no levers)",
+        "fp32 AdamW, no levers",
+        "activations",
+        "peak tensor memory",
+        "peak RSS",
+        "gradients",
+    ):
         assert key in text
     data = metrics(out)
     for field in METRIC_FIELDS:
@@ -90,6 +98,24 @@ def test_demo_run_prints_progress_eval_and_tables(train_cli, tmp_path):
     assert state["bytes"] == data["adamw_equivalent_bytes"]
     assert data["gradient_bytes"] == data["parameter_bytes"]
     assert data["peak_memory_bytes"] > 0 and data["seconds_per_step"] > 0
+    assert_memory_breakdown(data)
+
+
+def assert_memory_breakdown(data):
+    """The tracker's parts agree with effitrain's own true-storage counts, and add up."""
+    step = data["step_memory"]
+    at_peak, peaks = step["at_peak"], step["kind_peaks"]
+    assert data["peak_tensor_bytes"] == step["peak_tensor_bytes"] == sum(at_peak.values())
+    assert data["activation_bytes"] == peaks["activations"] > 0
+    assert at_peak["parameters"] == data["parameter_bytes"]
+    # The second step is measured: the optimizer state exists throughout it.
+    assert at_peak["optimizer_state"] == data["optimizer_state"]["bytes"]
+    assert peaks["gradients"] == data["gradient_bytes"]
+    assert data["levers"] == []
+    whole = data["baseline"]
+    assert whole["parameter_bytes"] == whole["gradient_bytes"] == data["parameter_bytes"]
+    assert whole["optimizer_state_bytes"] == data["adamw_equivalent_bytes"]
+    assert data["trainable_parameter_bytes"] == data["parameter_bytes"]
 
 
 @pytest.mark.parametrize("optim", sorted(EXPECTED_KEYS))

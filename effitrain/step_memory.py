@@ -1,0 +1,201 @@
+"""Tensor memory of one optimizer step, by kind: parameters, gradients, optimizer state,
+activations, temporaries, and their peak.
+
+Measured once per run, over the run's first optimizer step (every micro-batch of it), with
+PyTorch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``, torch >= 2.5). It is a
+``TorchDispatchMode``: it sees every tensor an operator creates, keeps a weak reference to its
+storage, and knows when the storage dies, so it counts live tensor bytes on every device,
+**CPU included**, without the ~300 MiB of libraries that make up most of a CPU process's RSS. It
+files each storage under a kind: parameters and buffers (given to it), gradients (found through
+gradient hooks), optimizer state (created inside ``optimizer.step()``), activations (created in
+forward) and temporaries (created in backward). Storages count once (deduplicated by storage,
+like :mod:`effitrain.memory`).
+
+Why this and not the alternatives: the profiler's memory events give sizes but no kinds and
+miss what existed before profiling; ``saved_tensors_hooks`` see what autograd saves but not
+when backward frees it, nor what gradient checkpointing recomputes; peak RSS mixes everything
+with the library baseline. ``MemTracker`` gives the peak and its parts in one pass.
+
+- ``peak_tensor_bytes``: the most live tensor bytes at any moment of the step; ``at_peak``:
+  what they were, by kind, at that moment (they add up to the peak exactly).
+- ``kind_peaks``: each kind's own maximum during the step; ``activations`` is the peak of what
+  forward allocated and is still alive (saved for backward, plus the outputs), ``gradients``
+  the most gradient bytes alive at once (with the optimizer step in backward: a few tensors).
+- On CUDA, ``torch.cuda.max_memory_allocated`` over the same step is kept beside it, as a check.
+
+Tensors created before the step and not owned by the model or the optimizer (the batch, RNG
+states) are not counted: they are a few KiB.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+KINDS = (
+    "parameters",
+    "buffers",
+    "gradients",
+    "optimizer_state",
+    "activations",
+    "temporaries",
+    "other",
+)
+_TRACKER_KINDS = {
+    "Parameter": "parameters",
+    "Buffer": "buffers",
+    "Gradient": "gradients",
+    "Optstate": "optimizer_state",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "Other": "other",
+}
+"""MemTracker's ``_MemRefType`` values -> our kind names."""
+
+
+@dataclass
+class StepMemory:
+    """What one optimizer step held in tensors (bytes, this process)."""
+
+    peak_tensor_bytes: int
+    at_peak: dict[str, int] = field(default_factory=dict)
+    """By kind, at the moment of the peak; sums to ``peak_tensor_bytes``."""
+    kind_peaks: dict[str, int] = field(default_factory=dict)
+    """Each kind's own maximum within the step."""
+    method: str = "torch MemTracker"
+    cuda_max_allocated: int | None = None
+    """``torch.cuda.max_memory_allocated`` over the same step (CUDA only)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> StepMemory | None:
+        return cls(**data) if data else None
+
+
+def available() -> bool:
+    """Whether this torch has ``MemTracker`` (torch >= 2.5 with distributed support)."""
+    try:
+        from torch.distributed._tools.mem_tracker import MemTracker  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class StepMemoryProbe:
+    """Measures one optimizer step: ``start()`` before its first micro-batch, ``stop()`` after
+    ``optimizer.step()``.
+
+    A probe that cannot run (old torch) returns {} from ``stop()``; the memory table then says
+    the breakdown was not measured. Use it as a context manager around the loop, so that an
+    error mid-step leaves no tracker (a dispatch mode) active.
+    """
+
+    def __init__(self, model: Any, optimizer: Any, device: Any):
+        self.model = model
+        # accelerate's AcceleratedOptimizer keeps the real one as .optimizer.
+        self.optimizer = getattr(optimizer, "optimizer", optimizer)
+        self.device = device
+        self._tracker: Any = None
+
+    done = False
+    """It measured its step (or could not): it does not start again."""
+
+    @property
+    def running(self) -> bool:
+        return self._tracker is not None
+
+    def __enter__(self) -> StepMemoryProbe:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._tracker is not None:  # stopped mid-step: leave no dispatch mode behind
+            self._tracker.__exit__(None, None, None)
+            self._tracker = None
+
+    def start(self) -> None:
+        import torch
+
+        self.done = True
+        if not available():
+            return
+        # ModTracker warns on each backward hook of a module that was garbage-collected.
+        warnings.filterwarnings("ignore", message="Module is None. Skipping", category=UserWarning)
+        tracker = _make_tracker()
+        tracker.track_external(self.model, self.optimizer)
+        if getattr(self.device, "type", str(self.device)) == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        tracker.__enter__()
+        self._tracker = tracker
+
+    def next_micro_batch(self) -> None:
+        """Another forward of the same step (gradient accumulation): MemTracker keeps per-module
+        statistics for one forward only; the totals it keeps are not affected."""
+        if self._tracker is not None:
+            self._tracker.reset_mod_stats()
+
+    def stop(self) -> dict[str, Any]:
+        """The step's :class:`StepMemory` as a dict ({} when it could not be measured)."""
+        import torch
+
+        tracker, self._tracker = self._tracker, None
+        if tracker is None:
+            return {}
+        tracker.__exit__(None, None, None)
+        snapshot = _device_snapshot(tracker.get_tracker_snapshot("peak"), self.device)
+        at_peak = {kind: snapshot.get(kind, 0) for kind in KINDS}
+        peaks = _device_snapshot(getattr(tracker, "kind_peaks", {}), self.device)
+        cuda_peak = None
+        if getattr(self.device, "type", str(self.device)) == "cuda":
+            torch.cuda.synchronize(self.device)
+            cuda_peak = int(torch.cuda.max_memory_allocated(self.device))
+        return StepMemory(
+            peak_tensor_bytes=sum(at_peak.values()),
+            at_peak=at_peak,
+            kind_peaks={kind: max(peaks.get(kind, 0), at_peak[kind]) for kind in KINDS},
+            cuda_max_allocated=cuda_peak,
+        ).to_dict()
+
+
+def _device_snapshot(snapshot: dict[Any, dict[Any, int]], device: Any) -> dict[str, int]:
+    """MemTracker's ``{device: {ref type: bytes}}`` for our device, keyed by our kind names."""
+    import torch
+
+    wanted = torch.device(device)
+    for dev, by_type in snapshot.items():
+        dev = torch.device(dev)
+        if dev.type == wanted.type and (wanted.index is None or dev.index in (None, wanted.index)):
+            return {
+                _TRACKER_KINDS[_type_name(key)]: int(value)
+                for key, value in by_type.items()
+                if _type_name(key) in _TRACKER_KINDS
+            }
+    return {}
+
+
+def _type_name(key: Any) -> str:
+    return str(getattr(key, "value", key))
+
+
+def _make_tracker() -> Any:
+    """A MemTracker that also keeps each kind's own maximum (MemTracker keeps only the
+    composition at the overall peak)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class KindPeakTracker(MemTracker):
+        def __init__(self) -> None:
+            super().__init__()
+            self.kind_peaks: dict[Any, dict[Any, int]] = {}
+
+        def _update_snap(self, *args: Any, **kwargs: Any) -> None:
+            super()._update_snap(*args, **kwargs)
+            for dev, by_type in self._curr_mem_snap.items():
+                peaks = self.kind_peaks.setdefault(dev, {})
+                for key, value in by_type.items():
+                    if value > peaks.get(key, 0):
+                        peaks[key] = value
+
+    return KindPeakTracker()
