@@ -234,4 +234,5 @@ def describe(
         device=str(accelerator.device),
         num_processes=n,
         mixed_precision=accelerator.mixed_precision,
+        levers=levers.describe(config),
     )

@@ -39,6 +39,14 @@ def active(config: TrainConfig) -> list[str]:
     return names
 
 
+def describe(config: TrainConfig) -> list[str]:
+    """One line of the banner per lever that is on."""
+    lines = []
+    if config.gradient_checkpointing:
+        lines.append("gradient checkpointing (non-reentrant: activations recomputed in backward)")
+    return lines
+
+
 def check_launch(config: TrainConfig, state: Any) -> None:
     """Refuse levers that the launch (processes, FSDP, DeepSpeed) rules out.
 
@@ -62,7 +70,8 @@ def apply_to_model(model: Any, config: TrainConfig, reporter: Any) -> Any:
 
 
 def enable_gradient_checkpointing(model: Any) -> None:
-    """Recompute each layer's activations in backward: the model's own, non-reentrant
+    """Recompute each layer's activations in backward: the model's own (transformers'
+    ``activation_checkpointing_enable``, formerly ``gradient_checkpointing_enable``), non-reentrant
     implementation (the reentrant one needs inputs that require grad and breaks with frozen
     embeddings).
 
@@ -74,4 +83,8 @@ def enable_gradient_checkpointing(model: Any) -> None:
             f"--gradient-checkpointing: {type(model).__name__} does not support gradient "
             "checkpointing in transformers; drop the option or choose another model"
         )
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

@@ -41,6 +41,8 @@ class RunInfo:
     device: str
     num_processes: int
     mixed_precision: str
+    levers: list[str] = field(default_factory=list)
+    """One description per memory lever that is on (``effitrain.levers.describe``)."""
 
 
 @dataclass
