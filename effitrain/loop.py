@@ -174,10 +174,13 @@ def fit(
                 group_start = outcome.stepped
                 if not outcome.stepped:
                     continue
-                if probe.running:
+                measured = probe.running
+                if measured:
                     progress.step_memory = probe.stop()
                 progress.step_done()
                 timer.lap()
+                if measured:
+                    timer.leave_out_last()
                 reporter.step_done(progress.global_step)
                 if progress.global_step % config.log_every == 0 or _finished(run, progress):
                     reporter.logged(log_line(run, progress, timer))

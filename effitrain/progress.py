@@ -167,6 +167,8 @@ class Stopwatch:
 
     def __init__(self) -> None:
         self.step_seconds: list[float] = []
+        self._unusual: set[int] = {0}
+        """Steps left out of the median: the first (one-off costs), the measured one."""
         self._last_step_end = self._window_start = time.perf_counter()
 
     def lap(self) -> None:
@@ -174,6 +176,10 @@ class Stopwatch:
         now = time.perf_counter()
         self.step_seconds.append(now - self._last_step_end)
         self._last_step_end = now
+
+    def leave_out_last(self) -> None:
+        """The last step was slowed on purpose (memory measured by kind): not a typical step."""
+        self._unusual.add(len(self.step_seconds) - 1)
 
     def window_seconds(self) -> float:
         """Training time since the previous call (the log window), and start a new window."""
@@ -203,5 +209,7 @@ class Stopwatch:
 
     @property
     def median_step_seconds(self) -> float:
-        """The first step pays one-off costs (allocations, lazy state init): it is left out."""
-        return statistics.median(self.step_seconds[1:] or self.step_seconds or [0.0])
+        """The first step pays one-off costs (allocations, lazy state init) and the measured
+        one the tracker's: both are left out (unless nothing else is left)."""
+        usual = [t for i, t in enumerate(self.step_seconds) if i not in self._unusual]
+        return statistics.median(usual or self.step_seconds[1:] or self.step_seconds or [0.0])

@@ -331,6 +331,20 @@ def test_stopwatch_leaves_pauses_out(monkeypatch):
     assert timer.train_seconds == 3.0 and timer.median_step_seconds == 1.0
 
 
+def test_stopwatch_median_leaves_out_the_first_and_the_measured_step(monkeypatch):
+    import effitrain.progress as module
+
+    now = [0.0]
+    monkeypatch.setattr(module.time, "perf_counter", lambda: now[0])
+    timer = Stopwatch()
+    for seconds, measured in ((5.0, False), (9.0, True), (1.0, False), (2.0, False)):
+        now[0] += seconds
+        timer.lap()
+        if measured:
+            timer.leave_out_last()
+    assert timer.median_step_seconds == 1.5 and timer.train_seconds == 17.0
+
+
 # --------------------------------------------------------------------------------------------
 # The checkpoint policy
 # --------------------------------------------------------------------------------------------
