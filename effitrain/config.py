@@ -122,7 +122,7 @@ class TrainConfig:
     gradient_checkpointing: bool = _opt(
         False,
         "Recompute activations in backward instead of keeping them (the model's own "
-        "gradient_checkpointing_enable, non-reentrant).",
+        "activation checkpointing, non-reentrant).",
     )
     optimizer_in_backward: bool = _opt(
         False,

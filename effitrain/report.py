@@ -305,7 +305,7 @@ def memory_table(result: TrainResult) -> Any:
             "—",
         )
     if step.get("cuda_max_allocated"):
-        table.add_row("CUDA max allocated", "", format_bytes(step["cuda_max_allocated"]), "")
+        table.add_row("tracked tensors", "", format_bytes(sum(at_peak.values())), "")
     peak_label = {"cuda_peak_allocated": "CUDA peak (run)", "peak_rss": "peak RSS"}.get(
         result.peak_memory_kind, result.peak_memory_kind
     )
@@ -331,7 +331,8 @@ def _memory_caption(result: TrainResult) -> str:
     if result.step_memory:
         lines.append(
             "measured: each part's own peak in one optimizer step; at peak: the parts when that "
-            "step's live tensors peaked (they add up to it)"
+            "step's live tensors peaked (they add up to it; on CUDA the peak is "
+            "max_memory_allocated, beside what the tracker saw)"
         )
     else:
         lines.append("activations and peak tensor memory not measured (needs torch >= 2.5)")

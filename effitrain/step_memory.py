@@ -16,12 +16,12 @@ miss what existed before profiling; ``saved_tensors_hooks`` see what autograd sa
 when backward frees it, nor what gradient checkpointing recomputes; peak RSS mixes everything
 with the library baseline. ``MemTracker`` gives the peak and its parts in one pass.
 
-- ``peak_tensor_bytes``: the most live tensor bytes at any moment of the step; ``at_peak``:
-  what they were, by kind, at that moment (they add up to the peak exactly).
+- ``peak_tensor_bytes``: the most live tensor bytes at any moment of the step (on CUDA:
+  ``torch.cuda.max_memory_allocated`` over the step); ``at_peak``: what they were, by kind, at
+  that moment (they add up to the tracker's peak exactly; on CUDA, compare the two).
 - ``kind_peaks``: each kind's own maximum during the step; ``activations`` is the peak of what
   forward allocated and is still alive (saved for backward, plus the outputs), ``gradients``
   the most gradient bytes alive at once (with the optimizer step in backward: a few tensors).
-- On CUDA, ``torch.cuda.max_memory_allocated`` over the same step is kept beside it, as a check.
 
 Tensors created before the step and not owned by the model or the optimizer (the batch, RNG
 states) are not counted: they are a few KiB.
@@ -59,8 +59,9 @@ class StepMemory:
     """What one optimizer step held in tensors (bytes, this process)."""
 
     peak_tensor_bytes: int
+    """The tracker's peak; on CUDA, ``cuda_max_allocated``."""
     at_peak: dict[str, int] = field(default_factory=dict)
-    """By kind, at the moment of the peak; sums to ``peak_tensor_bytes``."""
+    """By kind, at the moment of the tracker's peak (they sum to it)."""
     kind_peaks: dict[str, int] = field(default_factory=dict)
     """Each kind's own maximum within the step."""
     method: str = "torch MemTracker"
@@ -153,7 +154,9 @@ class StepMemoryProbe:
             torch.cuda.synchronize(self.device)
             cuda_peak = int(torch.cuda.max_memory_allocated(self.device))
         return StepMemory(
-            peak_tensor_bytes=sum(at_peak.values()),
+            # On CUDA, the allocator's own count (it also sees what the tracker cannot: cuBLAS
+            # workspaces, allocator rounding); the parts come from the tracker either way.
+            peak_tensor_bytes=cuda_peak if cuda_peak is not None else sum(at_peak.values()),
             at_peak=at_peak,
             kind_peaks={kind: max(peaks.get(kind, 0), at_peak[kind]) for kind in KINDS},
             cuda_max_allocated=cuda_peak,

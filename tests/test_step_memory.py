@@ -1,0 +1,75 @@
+"""The per-step memory breakdown (effitrain.step_memory) on a plain torch model: its parts agree
+with effitrain's own true-storage counts, add up to the peak, and the probe cleans up."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from effitrain import memory  # noqa: E402
+from effitrain.step_memory import StepMemoryProbe, available  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not available(), reason="needs torch's MemTracker")
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64), torch.nn.ReLU()
+    )
+
+
+def step(model, optimizer, micro_batches=1, probe=None):
+    for i in range(micro_batches):
+        if probe is not None and i:
+            probe.next_micro_batch()
+        model(torch.randn(32, 64)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def test_parts_match_the_true_storage_counts_and_add_up():
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    step(model, optimizer)  # the state exists from here on
+    with StepMemoryProbe(model, optimizer, torch.device("cpu")) as probe:
+        probe.start()
+        step(model, optimizer)
+        measured = probe.stop()
+    at_peak, peaks = measured["at_peak"], measured["kind_peaks"]
+    assert measured["peak_tensor_bytes"] == sum(at_peak.values())
+    assert at_peak["parameters"] == memory.parameter_bytes(model)
+    assert at_peak["optimizer_state"] == memory.optimizer_state_ledger(optimizer).bytes
+    assert peaks["gradients"] == memory.parameter_bytes(model)  # one gradient per weight
+    # What forward keeps for backward: at least the inputs of both Linear layers and the ReLUs'
+    # outputs, 32 rows each, fp32.
+    assert peaks["activations"] >= 4 * 32 * (64 + 256 + 256 + 64)
+    assert measured["cuda_max_allocated"] is None
+
+
+def test_gradient_accumulation_is_one_measured_step():
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    step(model, optimizer)
+    with StepMemoryProbe(model, optimizer, torch.device("cpu")) as probe:
+        probe.start()
+        step(model, optimizer, micro_batches=3, probe=probe)
+        measured = probe.stop()
+    # While the second micro-batch's gradients are added in, both they and the sums exist.
+    assert measured["kind_peaks"]["gradients"] > memory.parameter_bytes(model)
+    assert measured["peak_tensor_bytes"] == sum(measured["at_peak"].values())
+
+
+def test_an_error_mid_step_leaves_no_tracker_behind():
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    probe = StepMemoryProbe(model, optimizer, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="boom"), probe:
+        probe.start()
+        assert probe.running and _get_current_dispatch_mode() is not None
+        raise RuntimeError("boom")
+    assert not probe.running and _get_current_dispatch_mode() is None
+    step(model, optimizer)  # training goes on untracked
