@@ -283,6 +283,12 @@ def memory_table(result: TrainResult) -> Any:
             "temporaries",
             None,
         ),
+        (
+            "optimizer step temporaries",
+            step.get("kind_peaks", {}).get("optimizer_temporaries"),
+            "optimizer_temporaries",
+            None,
+        ),
     ]
     for label, measured, kind, base_key in rows:
         if measured is None and not at_peak:
@@ -337,17 +343,6 @@ def _memory_caption(result: TrainResult) -> str:
     else:
         lines.append("activations and peak tensor memory not measured (needs torch >= 2.5)")
     return "\n".join(lines)
-
-
-_KIND_LABELS = {
-    "parameters": "parameters",
-    "buffers": "buffers",
-    "gradients": "gradients",
-    "optimizer_state": "optimizer state",
-    "activations": "activations",
-    "temporaries": "backward temporaries",
-    "other": "other",
-}
 
 
 def _versus(value: int, baseline: int | None) -> str:

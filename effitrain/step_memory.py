@@ -7,8 +7,10 @@ PyTorch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``, torch >= 2.5
 storage, and knows when the storage dies, so it counts live tensor bytes on every device,
 **CPU included**, without the ~300 MiB of libraries that make up most of a CPU process's RSS. It
 files each storage under a kind: parameters and buffers (given to it), gradients (found through
-gradient hooks), optimizer state (created inside ``optimizer.step()``), activations (created in
-forward) and temporaries (created in backward). Storages count once (deduplicated by storage,
+gradient hooks), optimizer state (created inside ``optimizer.step()``: what the optimizer keeps,
+per :func:`effitrain.memory.optimizer_state_ledger`, is its state, the rest the step's working
+tensors, ``optimizer_temporaries``), activations (created in forward) and temporaries (created in
+backward). Storages count once (deduplicated by storage,
 like :mod:`effitrain.memory`).
 
 Why this and not the alternatives: the profiler's memory events give sizes but no kinds and
@@ -33,11 +35,14 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import effitrain.memory as memory
+
 KINDS = (
     "parameters",
     "buffers",
     "gradients",
     "optimizer_state",
+    "optimizer_temporaries",
     "activations",
     "temporaries",
     "other",
@@ -149,6 +154,13 @@ class StepMemoryProbe:
         snapshot = _device_snapshot(tracker.get_tracker_snapshot("peak"), self.device)
         at_peak = {kind: snapshot.get(kind, 0) for kind in KINDS}
         peaks = _device_snapshot(getattr(tracker, "kind_peaks", {}), self.device)
+        # The tracker files everything optimizer.step() allocates as optimizer state; what the
+        # optimizer keeps is its state, the rest were the step's working tensors.
+        kept = memory.optimizer_state_ledger(self.optimizer).bytes
+        for counts in (at_peak, peaks):
+            total = counts.get("optimizer_state", 0)
+            counts["optimizer_state"] = min(total, kept)
+            counts["optimizer_temporaries"] = total - counts["optimizer_state"]
         cuda_peak = None
         if getattr(self.device, "type", str(self.device)) == "cuda":
             torch.cuda.synchronize(self.device)
