@@ -511,16 +511,21 @@ def load_checkpoint(accelerator: Accelerator, checkpoint: Path) -> None:
 
 
 def save_final(
-    accelerator: Accelerator, model: Any, tokenizer: Any, output_dir: str | Path
+    accelerator: Accelerator,
+    model: Any,
+    tokenizer: Any,
+    output_dir: str | Path,
+    folder: str = FINAL_DIR,
 ) -> Path:
-    """Save model and tokenizer with ``save_pretrained`` (safetensors) to ``output_dir/final``.
+    """Save model and tokenizer with ``save_pretrained`` (safetensors) to ``output_dir/final``
+    (or ``folder``). A peft model saves its adapters (``adapter_model.safetensors``).
 
     Written to a temporary folder and renamed into place, like a checkpoint. Every process calls
     this (``get_state_dict`` gathers sharded weights); the main process writes.
     """
     output_dir = Path(output_dir)
-    final = output_dir / FINAL_DIR
-    tmp = output_dir / f"{TMP_PREFIX}{FINAL_DIR}"
+    final = output_dir / folder
+    tmp = output_dir / f"{TMP_PREFIX}{folder}"
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         try:

@@ -138,9 +138,11 @@ class TrainConfig:
         None, "Train LoRA adapters of this rank (peft) instead of the whole model."
     )
     lora_alpha: float | None = _opt(None, "LoRA scaling alpha (default: 2 x rank).")
-    lora_dropout: float = _opt(0.05, "Dropout on the LoRA adapters' inputs.")
+    lora_dropout: float | None = _opt(None, "Dropout on the LoRA adapters' inputs (default: 0.05).")
     lora_target_modules: list[str] | None = _opt(
-        None, "Modules that get adapters; default: peft's choice for the architecture."
+        None,
+        "Modules that get adapters, by name; default: peft's choice for the architecture, "
+        "else all-linear (every Linear layer outside the classification head).",
     )
     lora_merge: bool = _opt(
         False, "The final save also writes the base model with the adapters merged in."
@@ -225,6 +227,36 @@ class TrainConfig:
                 f"unknown --weights-dtype '{self.weights_dtype}'; "
                 f"choose one of: {', '.join(WEIGHTS_DTYPES)}"
             )
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        """LoRA options: only with --lora-rank, and values peft can use."""
+        lora_options = {
+            "lora_alpha": self.lora_alpha is not None,
+            "lora_dropout": self.lora_dropout is not None,
+            "lora_target_modules": self.lora_target_modules is not None,
+            "lora_merge": self.lora_merge,
+        }
+        if self.lora_rank is None:
+            given = [option(name) for name, on in lora_options.items() if on]
+            if given:
+                raise EffitrainError(
+                    f"{given[0]} needs --lora-rank R (LoRA is off without it); add --lora-rank 8, "
+                    f"or drop {given[0]}"
+                )
+            return
+        if self.lora_rank <= 0:
+            raise EffitrainError(f"--lora-rank must be greater than 0 (got {self.lora_rank})")
+        if self.lora_alpha is not None and not self.lora_alpha > 0:
+            raise EffitrainError(f"--lora-alpha must be greater than 0 (got {self.lora_alpha})")
+        if self.lora_dropout is not None and not 0 <= self.lora_dropout < 1:
+            raise EffitrainError(
+                f"--lora-dropout must be at least 0 and below 1 (got {self.lora_dropout})"
+            )
+        if self.lora_target_modules is not None and not self.lora_target_modules:
+            raise EffitrainError(
+                "--lora-target-modules needs at least one module name (or all-linear)"
+            )
 
     def _validate_report_to(self) -> None:
         names = self.report_to or []
@@ -291,6 +323,17 @@ class TrainConfig:
     @property
     def effective_scheduler(self) -> str:
         return self.scheduler if self.scheduler is not None else self.optimizer_defaults.scheduler
+
+    @property
+    def effective_lora_alpha(self) -> float:
+        """LoRA's alpha: the given one, else 2 x rank."""
+        if self.lora_alpha is not None:
+            return self.lora_alpha
+        return 2.0 * (self.lora_rank or 0)
+
+    @property
+    def effective_lora_dropout(self) -> float:
+        return self.lora_dropout if self.lora_dropout is not None else 0.05
 
     @property
     def effective_warmup_ratio(self) -> float:

@@ -41,6 +41,8 @@ class RunInfo:
     device: str
     num_processes: int
     mixed_precision: str
+    levers: list[str] = field(default_factory=list)
+    """One line per lever that needs more than its name (e.g. LoRA's rank and targets)."""
 
 
 @dataclass
