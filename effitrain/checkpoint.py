@@ -9,6 +9,8 @@ Layout of an output folder::
         scheduler.bin                |  RNG states of every process
         random_states_<rank>.pkl    /
     DIR/final/                      save_pretrained model + tokenizer at the end of training
+                                    (with --lora-rank: the adapters, peft's save_pretrained)
+    DIR/final-merged/               --lora-merge: the adapters merged into the base model
     DIR/.tmp-checkpoint-<step>/     a save in progress (or left over from a crash): ignored
 
 A save writes everything into ``.tmp-checkpoint-<step>``, fsyncs it, and only then renames it to
@@ -104,7 +106,7 @@ def library_versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     versions = {}
-    for name in ("effitrain", "torch", "transformers", "accelerate", "bitsandbytes"):
+    for name in ("effitrain", "torch", "transformers", "accelerate", "bitsandbytes", "peft"):
         try:
             versions[name] = version(name)
         except PackageNotFoundError:
