@@ -10,9 +10,13 @@ What gets adapters (``--lora-target-modules``, else automatic):
   ``--lora-rank 8`` fail on effitrain's own default model; the banner names the layers chosen,
   so nothing is hidden.
 
-The head (every top-level module of the ``*ForSequenceClassification`` model outside its base
-model: DistilBERT's ``pre_classifier`` + ``classifier``, BERT's ``classifier``, RoBERTa's
-``classifier`` block, GPT-2's ``score``) trains in full through peft's ``modules_to_save``.
+The head trains in full through peft's ``modules_to_save``: every top-level module of the
+``*ForSequenceClassification`` model outside its base model, and the base model's pooler where
+there is one: DistilBERT's ``pre_classifier`` + ``classifier``, BERT's ``bert.pooler`` +
+``classifier``, RoBERTa's and MPNet's ``classifier`` block (dense + projection), GPT-2's
+``score``. peft alone would train only ``classifier``/``score``: BERT's pooler (the dense layer
+RoBERTa's head has inside it) would stay frozen, and a sentence-embedding checkpoint such as
+all-MiniLM-L6-v2, trained through mean pooling, never trained it.
 
 The final save writes the adapters (``adapter_config.json`` + ``adapter_model.safetensors``,
 peft's ``save_pretrained``), and with ``--lora-merge`` also ``final-merged/``: the base model with
@@ -51,13 +55,20 @@ def is_lora(model: Any) -> bool:
 
 
 def head_modules(model: Any) -> list[str]:
-    """The classification head: top-level modules with parameters outside the base model."""
+    """The classification head: the top-level modules with parameters outside the base model,
+    and the base model's ``pooler`` where the head reads it (BERT: ``bert.pooler``)."""
+
+    def has_parameters(module: Any) -> bool:
+        return any(True for _ in module.parameters())
+
     base = getattr(model, "base_model_prefix", "")
-    return [
-        name
-        for name, child in model.named_children()
-        if name != base and any(True for _ in child.parameters())
+    head = [
+        name for name, child in model.named_children() if name != base and has_parameters(child)
     ]
+    pooler = getattr(getattr(model, base, None), "pooler", None)
+    if pooler is not None and has_parameters(pooler):
+        head.insert(0, f"{base}.pooler")
+    return head
 
 
 def _linear_types() -> tuple[type, ...]:

@@ -99,13 +99,16 @@ def test_bert_gets_peft_default_query_value_and_its_classifier_trains():
     names = trainable_names(model)
     adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in names if ".lora_" in n}
     assert adapted == {"query", "value"}
+    # The pooler feeds the classifier only: it trains with it (peft alone would freeze it).
     assert [n for n in names if ".lora_" not in n] == [
+        "base_model.model.bert.pooler.modules_to_save.default.dense.weight",
+        "base_model.model.bert.pooler.modules_to_save.default.dense.bias",
         "base_model.model.classifier.modules_to_save.default.weight",
         "base_model.model.classifier.modules_to_save.default.bias",
     ]
-    assert not any("pooler" in n for n in names)  # pretrained in BERT: stays frozen
     (line,) = describe(config, model)
     assert "LoRA r=2 alpha=4 dropout 0 on query, value (peft's default for bert)" in line
+    assert "head bert.pooler, classifier trains in full" in line
 
 
 def test_memory_counts_only_adapters_and_head():
@@ -315,3 +318,33 @@ def test_lora_combines_with_the_other_levers_in_the_config():
     # Not forbidden here: step in backward updates only the adapters and head; bf16 base weights
     # keep fp32 adapters (peft's autocast_adapter_dtype).
     lora_config(lora_rank=4, optimizer_in_backward=True, weights_dtype="bf16")
+
+
+@pytest.mark.slow
+def test_lora_with_two_ddp_processes_matches_one_process(tmp_path, train_cli):
+    """DDP (not refused): two CPU processes train the same adapters as one process."""
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.checkpoint_helpers import save_tiny_model
+    from tests.test_distributed import launch, max_abs_difference
+
+    model = save_tiny_model(tmp_path / "model", dropout=0.0)
+    options = (
+        "--model", str(model), "--max-steps", "4", "--warmup-steps", "1", "--seed", "7",
+        *LORA, "--lora-dropout", "0", "--lora-merge",
+    )  # fmt: skip
+    two = launch("train", *options, "--batch-size", "8", "--output-dir", str(tmp_path / "two"))
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    assert two.stdout.count("  lever     LoRA r=4") == 1
+    one = train_cli("train", *options, "--batch-size", "16", "--output-dir", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stdout + one.stderr
+    for folder, name in (
+        ("final", "adapter_model.safetensors"),
+        ("final-merged", "model.safetensors"),
+    ):
+        a = load_file(tmp_path / "two" / folder / name)
+        b = load_file(tmp_path / "one" / folder / name)
+        assert max_abs_difference(a, b) < 1e-5, folder
+    adapters = load_file(tmp_path / "one" / "final" / "adapter_model.safetensors")
+    assert any("lora_B" in k and torch.count_nonzero(v) for k, v in adapters.items())
