@@ -311,9 +311,19 @@ class TrainConfig:
         return SCRATCH if self.model in PRESETS else FINE_TUNE
 
     @property
+    def uses_lora_defaults(self) -> bool:
+        """LoRA on pretrained weights with an optimizer that has LoRA defaults (a higher lr:
+        the adapters start at zero and are few)."""
+        spec = get_spec(self.optim)
+        return self.lora_rank is not None and self.regime == FINE_TUNE and spec.lora is not None
+
+    @property
     def optimizer_defaults(self) -> Defaults:
-        """The optimizer's defaults for this run's regime."""
-        return get_spec(self.optim).defaults(self.regime)
+        """The optimizer's defaults for this run's regime (and LoRA, see uses_lora_defaults)."""
+        spec = get_spec(self.optim)
+        if self.uses_lora_defaults and spec.lora is not None:
+            return spec.lora
+        return spec.defaults(self.regime)
 
     @property
     def effective_lr(self) -> float:
@@ -345,6 +355,8 @@ class TrainConfig:
         """Why ``name`` (lr, scheduler, warmup_ratio) has its value: '' when it was given."""
         if getattr(self, name) is not None:
             return ""
+        if self.uses_lora_defaults:
+            return f"{self.optim} default for LoRA"
         return f"{self.optim} default for {self.regime}"
 
     def to_dict(self) -> dict[str, Any]:

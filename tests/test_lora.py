@@ -348,3 +348,49 @@ def test_lora_with_two_ddp_processes_matches_one_process(tmp_path, train_cli):
         assert max_abs_difference(a, b) < 1e-5, folder
     adapters = load_file(tmp_path / "one" / "final" / "adapter_model.safetensors")
     assert any("lora_B" in k and torch.count_nonzero(v) for k, v in adapters.items())
+
+
+@pytest.mark.slow
+def test_lora_defaults_fine_tune_a_pretrained_checkpoint(cli, tmp_path):
+    """all-MiniLM-L6-v2 with nothing but --lora-rank: adamw's LoRA default lr, and it learns."""
+    from effitrain.demo import build_demo_dataset
+    from tests.test_finetune import pretrained_minilm
+
+    splits = build_demo_dataset(seed=3, num_train=480, num_validation=200)
+    for name, split in splits.items():
+        split.to_json(tmp_path / f"{name}.jsonl")
+    out = tmp_path / "metrics.json"
+    proc = cli(
+        "train",
+        "--model", str(pretrained_minilm()),
+        "--train-file", str(tmp_path / "train.jsonl"),
+        "--validation-file", str(tmp_path / "validation.jsonl"),
+        *LORA,
+        "--epochs", "2",
+        "--batch-size", "32",
+        "--max-length", "64",
+        "--metrics-json", str(out),
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "lr 0.001 (adamw default for LoRA)" in proc.stdout
+    assert "head bert.pooler, classifier trains in full" in proc.stdout
+    metrics = json.loads(out.read_text())
+    assert metrics["trainable_parameters"] < metrics["parameter_bytes"] / 4 / 50  # under 2 %
+    assert metrics["eval"]["accuracy"] >= 0.7, metrics["eval_history"]  # chance is 0.5
+
+
+def test_lora_lr_default_for_adamw_on_pretrained_weights():
+    pretrained = "/some/pretrained-folder"
+    config = lora_config(model=pretrained, lora_rank=8)
+    assert (config.effective_lr, config.default_note("lr")) == (1e-3, "adamw default for LoRA")
+    # Without LoRA, or from scratch (a preset), or an optimizer not measured with LoRA: as before.
+    assert lora_config(model=pretrained).effective_lr == 2e-4
+    assert lora_config(lora_rank=8).effective_lr == 1e-3
+    assert lora_config(lora_rank=8).default_note("lr") == "adamw default for training from scratch"
+    adafactor = lora_config(model=pretrained, lora_rank=8, optim="adafactor")
+    assert (adafactor.effective_lr, adafactor.default_note("lr")) == (
+        3e-3,
+        "adafactor default for fine-tuning",
+    )
+    assert lora_config(model=pretrained, lora_rank=8, lr=5e-4).effective_lr == 5e-4
