@@ -208,7 +208,7 @@ def describe(
     n = accelerator.num_processes
     return RunInfo(
         model=config.model,
-        model_class=type(accelerator.unwrap_model(model)).__name__,
+        model_class=type(levers.base_model(accelerator.unwrap_model(model))).__name__,
         parameters=memory.trainable_parameter_count(model),
         dataset=data.source,
         train_examples=len(data.train),
@@ -234,5 +234,5 @@ def describe(
         device=str(accelerator.device),
         num_processes=n,
         mixed_precision=accelerator.mixed_precision,
-        levers=levers.describe(config),
+        levers=levers.describe(config, accelerator.unwrap_model(model)),
     )

@@ -9,6 +9,8 @@ Layout of an output folder::
         scheduler.bin                |  RNG states of every process
         random_states_<rank>.pkl    /
     DIR/final/                      save_pretrained model + tokenizer at the end of training
+                                    (with --lora-rank: the adapters, peft's save_pretrained)
+    DIR/final-merged/               --lora-merge: the adapters merged into the base model
     DIR/.tmp-checkpoint-<step>/     a save in progress (or left over from a crash): ignored
 
 A save writes everything into ``.tmp-checkpoint-<step>``, fsyncs it, and only then renames it to
@@ -104,7 +106,7 @@ def library_versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     versions = {}
-    for name in ("effitrain", "torch", "transformers", "accelerate", "bitsandbytes"):
+    for name in ("effitrain", "torch", "transformers", "accelerate", "bitsandbytes", "peft"):
         try:
             versions[name] = version(name)
         except PackageNotFoundError:
@@ -511,16 +513,21 @@ def load_checkpoint(accelerator: Accelerator, checkpoint: Path) -> None:
 
 
 def save_final(
-    accelerator: Accelerator, model: Any, tokenizer: Any, output_dir: str | Path
+    accelerator: Accelerator,
+    model: Any,
+    tokenizer: Any,
+    output_dir: str | Path,
+    folder: str = FINAL_DIR,
 ) -> Path:
-    """Save model and tokenizer with ``save_pretrained`` (safetensors) to ``output_dir/final``.
+    """Save model and tokenizer with ``save_pretrained`` (safetensors) to ``output_dir/final``
+    (or ``folder``). A peft model saves its adapters (``adapter_model.safetensors``).
 
     Written to a temporary folder and renamed into place, like a checkpoint. Every process calls
     this (``get_state_dict`` gathers sharded weights); the main process writes.
     """
     output_dir = Path(output_dir)
-    final = output_dir / FINAL_DIR
-    tmp = output_dir / f"{TMP_PREFIX}{FINAL_DIR}"
+    final = output_dir / folder
+    tmp = output_dir / f"{TMP_PREFIX}{folder}"
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         try:

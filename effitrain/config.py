@@ -138,9 +138,11 @@ class TrainConfig:
         None, "Train LoRA adapters of this rank (peft) instead of the whole model."
     )
     lora_alpha: float | None = _opt(None, "LoRA scaling alpha (default: 2 x rank).")
-    lora_dropout: float = _opt(0.05, "Dropout on the LoRA adapters' inputs.")
+    lora_dropout: float | None = _opt(None, "Dropout on the LoRA adapters' inputs (default: 0.05).")
     lora_target_modules: list[str] | None = _opt(
-        None, "Modules that get adapters; default: peft's choice for the architecture."
+        None,
+        "Modules that get adapters, by name; default: peft's choice for the architecture, "
+        "else all-linear (every Linear layer outside the classification head).",
     )
     lora_merge: bool = _opt(
         False, "The final save also writes the base model with the adapters merged in."
@@ -225,6 +227,36 @@ class TrainConfig:
                 f"unknown --weights-dtype '{self.weights_dtype}'; "
                 f"choose one of: {', '.join(WEIGHTS_DTYPES)}"
             )
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        """LoRA options: only with --lora-rank, and values peft can use."""
+        lora_options = {
+            "lora_alpha": self.lora_alpha is not None,
+            "lora_dropout": self.lora_dropout is not None,
+            "lora_target_modules": self.lora_target_modules is not None,
+            "lora_merge": self.lora_merge,
+        }
+        if self.lora_rank is None:
+            given = [option(name) for name, on in lora_options.items() if on]
+            if given:
+                raise EffitrainError(
+                    f"{given[0]} needs --lora-rank R (LoRA is off without it); add --lora-rank 8, "
+                    f"or drop {given[0]}"
+                )
+            return
+        if self.lora_rank <= 0:
+            raise EffitrainError(f"--lora-rank must be greater than 0 (got {self.lora_rank})")
+        if self.lora_alpha is not None and not self.lora_alpha > 0:
+            raise EffitrainError(f"--lora-alpha must be greater than 0 (got {self.lora_alpha})")
+        if self.lora_dropout is not None and not 0 <= self.lora_dropout < 1:
+            raise EffitrainError(
+                f"--lora-dropout must be at least 0 and below 1 (got {self.lora_dropout})"
+            )
+        if self.lora_target_modules is not None and not self.lora_target_modules:
+            raise EffitrainError(
+                "--lora-target-modules needs at least one module name (or all-linear)"
+            )
 
     def _validate_report_to(self) -> None:
         names = self.report_to or []
@@ -279,9 +311,19 @@ class TrainConfig:
         return SCRATCH if self.model in PRESETS else FINE_TUNE
 
     @property
+    def uses_lora_defaults(self) -> bool:
+        """LoRA on pretrained weights with an optimizer that has LoRA defaults (a higher lr:
+        the adapters start at zero and are few)."""
+        spec = get_spec(self.optim)
+        return self.lora_rank is not None and self.regime == FINE_TUNE and spec.lora is not None
+
+    @property
     def optimizer_defaults(self) -> Defaults:
-        """The optimizer's defaults for this run's regime."""
-        return get_spec(self.optim).defaults(self.regime)
+        """The optimizer's defaults for this run's regime (and LoRA, see uses_lora_defaults)."""
+        spec = get_spec(self.optim)
+        if self.uses_lora_defaults and spec.lora is not None:
+            return spec.lora
+        return spec.defaults(self.regime)
 
     @property
     def effective_lr(self) -> float:
@@ -293,6 +335,17 @@ class TrainConfig:
         return self.scheduler if self.scheduler is not None else self.optimizer_defaults.scheduler
 
     @property
+    def effective_lora_alpha(self) -> float:
+        """LoRA's alpha: the given one, else 2 x rank."""
+        if self.lora_alpha is not None:
+            return self.lora_alpha
+        return 2.0 * (self.lora_rank or 0)
+
+    @property
+    def effective_lora_dropout(self) -> float:
+        return self.lora_dropout if self.lora_dropout is not None else 0.05
+
+    @property
     def effective_warmup_ratio(self) -> float:
         if self.warmup_ratio is not None:
             return self.warmup_ratio
@@ -302,6 +355,8 @@ class TrainConfig:
         """Why ``name`` (lr, scheduler, warmup_ratio) has its value: '' when it was given."""
         if getattr(self, name) is not None:
             return ""
+        if self.uses_lora_defaults:
+            return f"{self.optim} default for LoRA"
         return f"{self.optim} default for {self.regime}"
 
     def to_dict(self) -> dict[str, Any]:

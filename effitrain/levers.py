@@ -39,14 +39,6 @@ def active(config: TrainConfig) -> list[str]:
     return names
 
 
-def describe(config: TrainConfig) -> list[str]:
-    """One line of the banner per lever that is on."""
-    lines = []
-    if config.gradient_checkpointing:
-        lines.append("gradient checkpointing (non-reentrant: activations recomputed in backward)")
-    return lines
-
-
 def check_launch(config: TrainConfig, state: Any) -> None:
     """Refuse levers that the launch (processes, FSDP, DeepSpeed) rules out.
 
@@ -55,6 +47,21 @@ def check_launch(config: TrainConfig, state: Any) -> None:
     Raises:
         EffitrainError: one line naming the lever and the launch.
     """
+    if config.lora_rank is not None:
+        from effitrain.distributed import detect_sharding
+        from effitrain.lora import require_peft
+
+        require_peft()
+        sharding = detect_sharding(state)
+        if sharding.kind in ("fsdp1", "fsdp2", "deepspeed"):
+            # Untested here (FSDP and DeepSpeed need GPUs under Accelerate): peft under FSDP
+            # needs its own wrap policy and mixed frozen/trainable shards, and the adapters
+            # would have to be gathered from the shards for the final save.
+            raise EffitrainError(
+                f"--lora-rank is not supported under {sharding.description}: LoRA's base "
+                "weights are frozen, so plain DDP (accelerate launch --multi_gpu) or one process "
+                "fits where full fine-tuning needed sharding"
+            )
 
 
 def apply_to_model(model: Any, config: TrainConfig, reporter: Any) -> Any:
@@ -66,7 +73,40 @@ def apply_to_model(model: Any, config: TrainConfig, reporter: Any) -> Any:
     """
     if config.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    if config.lora_rank is not None:
+        # Last: peft wraps the model as it is then (dtype included: adapters over bf16 base
+        # weights are created in fp32, peft's autocast_adapter_dtype).
+        from effitrain.lora import apply
+
+        model = apply(model, config)
     return model
+
+
+def describe(config: TrainConfig, model: Any) -> list[str]:
+    """One banner line per lever that is on (``model``: unwrapped)."""
+    lines = []
+    if config.gradient_checkpointing:
+        lines.append("gradient checkpointing (non-reentrant: activations recomputed in backward)")
+    if config.lora_rank is not None:
+        from effitrain.lora import describe as describe_lora
+
+        lines.append(describe_lora(model, config))
+    return lines
+
+
+def original_parameters(model: Any) -> Any:
+    """The parameters the model had before any lever added some (LoRA's adapters and head
+    copies): what "the same model trained whole" trains."""
+    from effitrain.lora import is_lora, original_parameters
+
+    return original_parameters(model) if is_lora(model) else model
+
+
+def base_model(model: Any) -> Any:
+    """The transformers model under a lever's wrapper (LoRA's peft model), else ``model``."""
+    from effitrain.lora import is_lora
+
+    return model.get_base_model() if is_lora(model) else model
 
 
 def enable_gradient_checkpointing(model: Any) -> None:

@@ -57,6 +57,9 @@ class OptimizerSpec:
     factory: Callable[[ParamGroups, float], torch.optim.Optimizer]
     caveat: str = ""
     """Where its defaults are known not to learn (shown by ``effitrain optimizers``)."""
+    lora: Defaults | None = None
+    """Defaults for LoRA adapters on pretrained weights (``--lora-rank``), where measured on the
+    fine-tuning benchmark (README, LoRA); None: the fine-tuning defaults."""
 
     def is_available(self) -> bool:
         return importlib.util.find_spec(self.module) is not None
@@ -115,6 +118,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             state="step, exp_avg, exp_avg_sq",
             bytes_per_param="8",
             factory=_adamw,
+            lora=Defaults(1e-3, 0.1, "linear"),
         ),
         OptimizerSpec(
             name="adafactor",
@@ -151,6 +155,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             state="state1, state2 (uint8), absmax1/2, qmap1/2 (shared)",
             bytes_per_param="~2 (tensors < 4096 elements stay fp32: 8)",
             factory=_adamw_8bit,
+            lora=Defaults(1e-3, 0.1, "linear"),  # AdamW's update, 8-bit moments: as adamw
         ),
         OptimizerSpec(
             name="sgd",

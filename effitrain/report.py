@@ -97,8 +97,8 @@ class Reporter:
             f"  device    {info.device} × {info.num_processes} process(es), "
             f"mixed precision {info.mixed_precision}"
         )
-        if info.levers:
-            self._line(f"  levers    {'; '.join(info.levers)}")
+        for lever in info.levers:
+            self._line(f"  lever     {lever}")
 
     def progress_started(self, total_steps: int, completed: int = 0) -> None:
         if not self._chatty or not self.console.is_terminal:

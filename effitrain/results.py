@@ -42,7 +42,7 @@ class RunInfo:
     num_processes: int
     mixed_precision: str
     levers: list[str] = field(default_factory=list)
-    """One description per memory lever that is on (``effitrain.levers.describe``)."""
+    """One banner line per memory lever that is on (``effitrain.levers.describe``)."""
 
 
 @dataclass

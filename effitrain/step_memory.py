@@ -198,12 +198,32 @@ def _type_name(key: Any) -> str:
 def _make_tracker() -> Any:
     """A MemTracker that also keeps each kind's own maximum (MemTracker keeps only the
     composition at the overall peak)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
     class KindPeakTracker(MemTracker):
         def __init__(self) -> None:
             super().__init__()
             self.kind_peaks: dict[Any, dict[Any, int]] = {}
+
+        def _track_module_params_and_buffers(
+            self, module: Any, install_grad_hooks: bool = True
+        ) -> tuple[int, int]:
+            # MemTracker hooks every parameter's gradient, and a frozen one (LoRA's base
+            # weights) refuses hooks: hook only the parameters that train.
+            counted = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+            if install_grad_hooks:
+                for param in module.parameters():
+                    if param.requires_grad and param not in self._param_to_grad_hook_handles:
+                        self._param_to_grad_hook_handles[param] = (
+                            param.register_hook(self._track_gradient),
+                            param.register_post_accumulate_grad_hook(
+                                lambda p: self._track_gradient(p.grad)
+                            ),
+                        )
+            return counted
+
+        def _track_gradient(self, grad: Any) -> None:
+            self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
 
         def _update_snap(self, *args: Any, **kwargs: Any) -> None:
             super()._update_snap(*args, **kwargs)

@@ -61,8 +61,23 @@ def train(config: TrainConfig, reporter: Reporter) -> TrainResult:
         )
         reporter.saved_final(str(final_model_dir))
     result = summarize(run, progress, timer, checkpointer.last_path, final_model_dir)
+    if config.output_dir and config.lora_rank is not None:
+        save_lora_extras(run, reporter)
     tracking.finish(run, result)
     return result
+
+
+def save_lora_extras(run: Run, reporter: Reporter) -> None:
+    """With --lora-merge, ``final-merged/``: after the summary, because merging changes the
+    model in place (its parameters no longer are the ones that trained)."""
+    import effitrain.lora as lora
+
+    if run.config.lora_merge:
+        merged = lora.save_merged(run.accelerator, run.model, run.tokenizer, run.config.output_dir)
+        reporter.saved_final(str(merged))
+    note = lora.final_note(run.config)
+    if note:
+        reporter.note(note)
 
 
 def make_checkpointer(run: Run) -> checkpoint.Checkpointer:
@@ -175,5 +190,7 @@ def summarize(
         peak_tensor_bytes=step.get("peak_tensor_bytes"),
         step_memory=step,
         levers=levers.active(run.config),
-        baseline=memory.fp32_adamw_baseline(model),
+        baseline=memory.fp32_adamw_baseline(
+            levers.original_parameters(accelerator.unwrap_model(model))
+        ),
     )

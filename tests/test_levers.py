@@ -33,7 +33,7 @@ def test_gradient_checkpointing_keeps_the_maths_and_saves_activations(train_cli,
     proc, checkpointed = run_metrics(
         train_cli, data, tmp_path / "checkpointed", "--gradient-checkpointing"
     )
-    assert "levers    gradient checkpointing (non-reentrant" in proc.stdout
+    assert "lever     gradient checkpointing (non-reentrant" in proc.stdout
     assert "Memory (gradient-checkpointing)" in proc.stdout
     assert checkpointed["levers"] == ["gradient-checkpointing"] and plain["levers"] == []
     # Recomputing forward in backward (dropout replayed with the same RNG) changes no number.

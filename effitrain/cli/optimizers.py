@@ -30,7 +30,11 @@ def optimizers(
         {
             "name": spec.name,
             "class": spec.class_path,
-            "defaults": {FINE_TUNE: _defaults(spec.fine_tune), SCRATCH: _defaults(spec.scratch)},
+            "defaults": {
+                FINE_TUNE: _defaults(spec.fine_tune),
+                SCRATCH: _defaults(spec.scratch),
+                **({"LoRA": _defaults(spec.lora)} if spec.lora else {}),
+            },
             "state": spec.state,
             "bytes_per_param": spec.bytes_per_param,
             "available": spec.is_available(),
@@ -60,7 +64,8 @@ def optimizers(
         line("")
         line(f"[bold cyan]{row['name']}[/]  {row['class']}{available}")
         line(f"  {row['description']}")
-        for label, defaults in (("fine-tuning ", tune), ("from scratch", scratch)):
+        lora = [("LoRA        ", row["defaults"]["LoRA"])] if "LoRA" in row["defaults"] else []
+        for label, defaults in (("fine-tuning ", tune), ("from scratch", scratch), *lora):
             line(
                 f"  {label}  lr {_short(defaults['lr'])}, "
                 f"{defaults['warmup_ratio']:.0%} warmup, then {defaults['scheduler']}"

@@ -106,7 +106,7 @@ def train(
     weights_dtype: Annotated[str, _opt("weights_dtype", LEVERS)] = D("weights_dtype"),
     lora_rank: Annotated[int | None, _opt("lora_rank", LEVERS)] = None,
     lora_alpha: Annotated[float | None, _opt("lora_alpha", LEVERS)] = None,
-    lora_dropout: Annotated[float, _opt("lora_dropout", LEVERS)] = D("lora_dropout"),
+    lora_dropout: Annotated[float | None, _opt("lora_dropout", LEVERS)] = None,
     lora_target_modules: Annotated[
         str | None, _opt("lora_target_modules", LEVERS, " Comma-separated: query,value.")
     ] = None,

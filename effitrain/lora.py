@@ -1,0 +1,248 @@
+"""LoRA through peft: ``--lora-rank R`` trains low-rank adapters and the classification head only.
+
+What gets adapters (``--lora-target-modules``, else automatic):
+
+- peft's own default for the architecture where peft has one
+  (``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``: bert, roberta, deberta, llama, … get
+  the attention query and value projections, as in the LoRA paper);
+- otherwise peft's ``all-linear`` (every Linear layer outside the head, as QLoRA recommends).
+  peft has no default for DistilBERT (the presets) or MPNet, and refusing would make
+  ``--lora-rank 8`` fail on effitrain's own default model; the banner names the layers chosen,
+  so nothing is hidden.
+
+The head trains in full through peft's ``modules_to_save``: every top-level module of the
+``*ForSequenceClassification`` model outside its base model, and the base model's pooler where
+there is one: DistilBERT's ``pre_classifier`` + ``classifier``, BERT's ``bert.pooler`` +
+``classifier``, RoBERTa's and MPNet's ``classifier`` block (dense + projection), GPT-2's
+``score``. peft alone would train only ``classifier``/``score``: BERT's pooler (the dense layer
+RoBERTa's head has inside it) would stay frozen, and a sentence-embedding checkpoint such as
+all-MiniLM-L6-v2, trained through mean pooling, never trained it.
+
+The final save writes the adapters (``adapter_config.json`` + ``adapter_model.safetensors``,
+peft's ``save_pretrained``), and with ``--lora-merge`` also ``final-merged/``: the base model with
+the adapters merged in, loadable with ``AutoModelForSequenceClassification.from_pretrained``.
+
+peft is imported inside the functions: it is an optional extra (``effitrain[lora]``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from effitrain.errors import EffitrainError
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from effitrain.config import TrainConfig
+
+INSTALL = "pip install 'effitrain[lora]'"
+ALL_LINEAR = "all-linear"
+MERGED_DIR = "final-merged"
+
+
+def require_peft() -> None:
+    """Raises: EffitrainError with the install line when peft is missing."""
+    if importlib.util.find_spec("peft") is None:
+        raise EffitrainError(f"--lora-rank needs peft, which is not installed: {INSTALL}")
+
+
+def is_lora(model: Any) -> bool:
+    """Whether ``model`` (unwrapped) is a peft model."""
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def head_modules(model: Any) -> list[str]:
+    """The classification head: the top-level modules with parameters outside the base model,
+    and the base model's ``pooler`` where the head reads it (BERT: ``bert.pooler``)."""
+
+    def has_parameters(module: Any) -> bool:
+        return any(True for _ in module.parameters())
+
+    base = getattr(model, "base_model_prefix", "")
+    head = [
+        name for name, child in model.named_children() if name != base and has_parameters(child)
+    ]
+    pooler = getattr(getattr(model, base, None), "pooler", None)
+    if pooler is not None and has_parameters(pooler):
+        head.insert(0, f"{base}.pooler")
+    return head
+
+
+def _linear_types() -> tuple[type, ...]:
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    return (torch.nn.Linear, Conv1D)
+
+
+def _supported_types() -> tuple[type, ...]:
+    import torch
+
+    conv = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+    return (*_linear_types(), torch.nn.Embedding, *conv)
+
+
+def _in_head(name: str, head: list[str]) -> bool:
+    return any(name == h or name.startswith(h + ".") for h in head)
+
+
+def _leaf_names(names: list[str]) -> list[str]:
+    """Last name components, in model order, each once (``q_lin``, ``v_lin``)."""
+    return list(dict.fromkeys(name.rsplit(".", 1)[-1] for name in names))
+
+
+def linear_candidates(model: Any, head: list[str]) -> list[str]:
+    """Names that ``--lora-target-modules`` can take: the Linear layers outside the head."""
+    linear = _linear_types()
+    return _leaf_names(
+        [
+            name
+            for name, module in model.named_modules()
+            if isinstance(module, linear) and not _in_head(name, head)
+        ]
+    )
+
+
+def resolve_targets(model: Any, given: list[str] | None, head: list[str]) -> tuple[Any, str]:
+    """``target_modules`` for peft, and why (for the banner).
+
+    Raises:
+        EffitrainError: a given name matches no module, only a head module, or a module type
+            LoRA cannot adapt; the message lists the Linear layers to choose from.
+    """
+    if given is None:
+        from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        if model_type in DEFAULTS:
+            return None, f"peft's default for {model_type}"
+        return ALL_LINEAR, f"all linear layers: peft has no default for {model_type}"
+    if given == [ALL_LINEAR]:
+        return ALL_LINEAR, "all linear layers"
+    modules = dict(model.named_modules())
+    supported = _supported_types()
+
+    def refuse(reason: str) -> EffitrainError:
+        choices = ", ".join(linear_candidates(model, head))
+        return EffitrainError(
+            f"--lora-target-modules {reason}; this model's Linear layers: {choices} "
+            f"(or {ALL_LINEAR})"
+        )
+
+    for target in given:
+        if target == ALL_LINEAR:
+            raise refuse(f"{ALL_LINEAR} cannot be combined with other names")
+        matches = [n for n in modules if n == target or n.endswith("." + target)]
+        if not matches:
+            raise refuse(f"{target} matches no module")
+        outside = [n for n in matches if not _in_head(n, head)]
+        if not outside:
+            raise refuse(f"{target} is the classification head, which trains in full anyway")
+        wrong = [n for n in outside if not isinstance(modules[n], supported)]
+        if wrong:
+            raise refuse(
+                f"{target} matches {wrong[0]} ({type(modules[wrong[0]]).__name__}), "
+                "which LoRA cannot adapt"
+            )
+    return list(given), "--lora-target-modules"
+
+
+def apply(model: Any, config: TrainConfig) -> Any:
+    """Wrap ``model`` in a peft LoRA model: adapters on the target modules, the head in full.
+
+    Raises:
+        EffitrainError: peft is missing, or the target modules are wrong (see
+            :func:`resolve_targets`).
+    """
+    require_peft()
+    import logging
+    import warnings
+
+    # peft imports bitsandbytes when it is installed, which logs about an optional 4-bit CPU
+    # kernel that LoRA does not use (as in effitrain.optim).
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    head = head_modules(model)
+    targets, _ = resolve_targets(model, config.lora_target_modules, head)
+    lora_config = LoraConfig(
+        task_type=TaskType.SEQ_CLS,
+        r=config.lora_rank,
+        lora_alpha=config.effective_lora_alpha,
+        lora_dropout=config.effective_lora_dropout,
+        target_modules=targets,
+        modules_to_save=head,
+    )
+    try:
+        with warnings.catch_warnings():
+            # transformers 5 deprecates the attribute that peft reads; nothing for the user.
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+            return get_peft_model(model, lora_config)
+    except ValueError as exc:  # what resolve_targets did not foresee, still one line
+        from effitrain.errors import first_line
+
+        raise EffitrainError(
+            f"--lora-rank: peft cannot adapt this model: {first_line(exc)}"
+        ) from exc
+
+
+def original_parameters(model: Any) -> list[Any]:
+    """The parameters of the model as it was before peft: without the adapters (``lora_``)
+    and without the trained copies of the head (``modules_to_save``; the originals stay)."""
+    return [
+        p
+        for name, p in model.named_parameters()
+        if "lora_" not in name and ".modules_to_save." not in name
+    ]
+
+
+def describe(model: Any, config: TrainConfig) -> str:
+    """One banner line: rank, alpha, dropout, the adapted layers, the head, what trains."""
+    from effitrain.memory import trainable_parameter_count
+
+    peft_model = model
+    base = peft_model.get_base_model()
+    head = head_modules(base)
+    _, why = resolve_targets(base, config.lora_target_modules, head)
+    targeted = _leaf_names(list(peft_model.base_model.targeted_module_names))
+    total = sum(p.numel() for p in peft_model.parameters())
+    alpha = "" if config.lora_alpha is not None else " (2 x rank)"
+    return (
+        f"LoRA r={config.lora_rank} alpha={config.effective_lora_alpha:g}{alpha} dropout "
+        f"{config.effective_lora_dropout:g} on {', '.join(targeted)} ({why}); head "
+        f"{', '.join(head)} trains in full; {trainable_parameter_count(peft_model):,} of "
+        f"{total:,} parameters train"
+    )
+
+
+def final_note(config: TrainConfig) -> str | None:
+    """What to say when ``final/`` holds adapters whose base weights are saved nowhere."""
+    from effitrain.models import PRESETS
+
+    if config.model in PRESETS and not config.lora_merge:
+        return (
+            f"final/ holds the LoRA adapters only; the '{config.model}' preset's random base "
+            "weights are saved nowhere else: add --lora-merge for a complete model"
+        )
+    return None
+
+
+def save_merged(
+    accelerator: Accelerator, model: Any, tokenizer: Any, output_dir: str | Path
+) -> Path:
+    """Merge the adapters into the base weights and save a plain model to ``final-merged/``
+    (:func:`effitrain.checkpoint.save_final`: temporary folder, then renamed into place).
+
+    Merges in place (no second copy of the model in memory): call it last, once nothing else
+    needs the LoRA model. Every process calls it; the main process writes.
+
+    Raises:
+        EffitrainError: the folder cannot be written.
+    """
+    from effitrain.checkpoint import save_final
+
+    merged = accelerator.unwrap_model(model).merge_and_unload()
+    return save_final(accelerator, merged, tokenizer, output_dir, folder=MERGED_DIR)
