@@ -300,6 +300,12 @@ def check_resumable(
         EffitrainError: naming the first difference and how to fix it.
     """
     saved = meta.get("optimizer", {})
+    if saved.get("name") == optimizer_name and saved.get("class") != optimizer_class:
+        raise EffitrainError(
+            f"{checkpoint} was trained with {saved.get('class')}, this run builds "
+            f"{optimizer_class} (another --weights-dtype?); resume with the checkpoint's "
+            "options or start a new --output-dir"
+        )
     if saved.get("name") != optimizer_name or saved.get("class") != optimizer_class:
         raise EffitrainError(
             f"{checkpoint} was trained with --optim {saved.get('name')} ({saved.get('class')}), "

@@ -225,6 +225,11 @@ class TrainConfig:
                 f"unknown --weights-dtype '{self.weights_dtype}'; "
                 f"choose one of: {', '.join(WEIGHTS_DTYPES)}"
             )
+        from effitrain.precision import refusal
+
+        problem = refusal(self)
+        if problem:
+            raise EffitrainError(problem)
 
     def _validate_report_to(self) -> None:
         names = self.report_to or []

@@ -56,6 +56,11 @@ def apply_to_model(model: Any, config: TrainConfig, reporter: Any) -> Any:
     Raises:
         EffitrainError: the model cannot take a lever (e.g. no gradient checkpointing).
     """
+    from effitrain.precision import banner_line, cast_model
+
+    model = cast_model(model, config)  # before any adapter is added: adapters stay fp32
+    if banner_line(config):
+        reporter.lever(banner_line(config))
     if config.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     return model

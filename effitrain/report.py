@@ -55,6 +55,7 @@ class Reporter:
         self.console = console or Console(highlight=False)
         self._progress: Any = None
         self._task: Any = None
+        self._levers: list[str] = []
 
     def _line(self, text: str) -> None:
         # soft_wrap: never insert hard line breaks (log files and narrow terminals stay greppable).
@@ -68,6 +69,10 @@ class Reporter:
         """A warning or hint the user should see even with --quiet."""
         if self.enabled:
             self._line(f"[yellow]note:[/] {message}")
+
+    def lever(self, line: str) -> None:
+        """A line about a memory lever, shown in the banner (effitrain.levers)."""
+        self._levers.append(line)
 
     def run_started(self, info: RunInfo) -> None:
         if not self._chatty:
@@ -97,6 +102,8 @@ class Reporter:
             f"  device    {info.device} × {info.num_processes} process(es), "
             f"mixed precision {info.mixed_precision}"
         )
+        for line in self._levers:
+            self._line(f"  lever     {line}")
 
     def progress_started(self, total_steps: int, completed: int = 0) -> None:
         if not self._chatty or not self.console.is_terminal:
