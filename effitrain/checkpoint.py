@@ -337,8 +337,10 @@ def _check_shapes(saved: dict[str, Any], current: dict[str, list[int]], checkpoi
         )
 
 
-# The scheduler owns lr; its saved state is loaded with the rest.
-_SCHEDULED = frozenset({"lr", "initial_lr"})
+# The scheduler owns lr; its saved state is loaded with the rest. torch-optimi (bf16 weights)
+# keeps its step counter, a setup flag and the kernel it chose at the first step (triton) in
+# each param group: state, not options, also loaded with the rest.
+_SCHEDULED = frozenset({"lr", "initial_lr", "step", "setup", "triton"})
 
 
 def _check_hyperparameters(
