@@ -15,11 +15,12 @@ import effitrain.checkpoint as checkpoint
 import effitrain.distributed as distributed
 import effitrain.levers as levers
 import effitrain.memory as memory
+import effitrain.precision as precision
 from effitrain.config import TrainConfig
 from effitrain.data import LoadedData, build_dataloaders, load_data, steps_per_epoch
 from effitrain.errors import EffitrainError
 from effitrain.models import load_model, load_tokenizer
-from effitrain.optim import OptimizerSpec, build_optimizer, build_scheduler, get_spec
+from effitrain.optim import OptimizerSpec, build_optimizer, build_scheduler
 from effitrain.results import RunInfo
 
 if TYPE_CHECKING:
@@ -167,14 +168,16 @@ def build_run(config: TrainConfig, reporter: Reporter) -> Run:
     plan = Plan.from_config(config, len(train_loader))
 
     # What FSDP/DeepSpeed would do to this optimizer: refuse or note it before anything is built.
-    spec = get_spec(config.optim)
+    spec = precision.optimizer_spec(config)  # the registry's, or its bf16 variant
     for note in distributed.optimizer_notes(accelerator.state, spec.name):
         reporter.note(note)
     sharding = distributed.detect_sharding(accelerator.state)
     if sharding.kind == "deepspeed":
         distributed.configure_deepspeed(accelerator.state, config.batch_size, config.grad_accum)
 
-    optimizer = build_optimizer(model, spec.name, config.effective_lr, config.weight_decay)
+    optimizer = build_optimizer(
+        model, spec.name, config.effective_lr, config.weight_decay, spec=spec
+    )
     # Accelerate's prepared scheduler steps once per process on every optimizer step, so its
     # lengths are counted in process-steps.
     n = accelerator.num_processes
@@ -204,7 +207,7 @@ def describe(
     config: TrainConfig, accelerator: Accelerator, model: Any, data: LoadedData, plan: Plan
 ) -> RunInfo:
     """What the run is about to do, for the banner."""
-    spec = get_spec(config.optim)
+    spec = precision.optimizer_spec(config)
     n = accelerator.num_processes
     return RunInfo(
         model=config.model,

@@ -302,6 +302,12 @@ def check_resumable(
         EffitrainError: naming the first difference and how to fix it.
     """
     saved = meta.get("optimizer", {})
+    if saved.get("name") == optimizer_name and saved.get("class") != optimizer_class:
+        raise EffitrainError(
+            f"{checkpoint} was trained with {saved.get('class')}, this run builds "
+            f"{optimizer_class} (another --weights-dtype?); resume with the checkpoint's "
+            "options or start a new --output-dir"
+        )
     if saved.get("name") != optimizer_name or saved.get("class") != optimizer_class:
         raise EffitrainError(
             f"{checkpoint} was trained with --optim {saved.get('name')} ({saved.get('class')}), "
@@ -333,8 +339,10 @@ def _check_shapes(saved: dict[str, Any], current: dict[str, list[int]], checkpoi
         )
 
 
-# The scheduler owns lr; its saved state is loaded with the rest.
-_SCHEDULED = frozenset({"lr", "initial_lr"})
+# The scheduler owns lr; its saved state is loaded with the rest. torch-optimi (bf16 weights)
+# keeps its step counter, a setup flag and the kernel it chose at the first step (triton) in
+# each param group: state, not options, also loaded with the rest.
+_SCHEDULED = frozenset({"lr", "initial_lr", "step", "setup", "triton"})
 
 
 def _check_hyperparameters(

@@ -227,6 +227,11 @@ class TrainConfig:
                 f"unknown --weights-dtype '{self.weights_dtype}'; "
                 f"choose one of: {', '.join(WEIGHTS_DTYPES)}"
             )
+        from effitrain.precision import refusal
+
+        problem = refusal(self)
+        if problem:
+            raise EffitrainError(problem)
         self._validate_lora()
 
     def _validate_lora(self) -> None:

@@ -71,6 +71,9 @@ def apply_to_model(model: Any, config: TrainConfig, reporter: Any) -> Any:
     Raises:
         EffitrainError: the model cannot take a lever (e.g. no gradient checkpointing).
     """
+    from effitrain.precision import cast_model
+
+    model = cast_model(model, config)  # before any adapter is added: adapters stay fp32
     if config.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if config.lora_rank is not None:
@@ -84,7 +87,9 @@ def apply_to_model(model: Any, config: TrainConfig, reporter: Any) -> Any:
 
 def describe(config: TrainConfig, model: Any) -> list[str]:
     """One banner line per lever that is on (``model``: unwrapped)."""
-    lines = []
+    from effitrain.precision import banner_line
+
+    lines = [banner_line(config)] if config.weights_dtype != "fp32" else []
     if config.gradient_checkpointing:
         lines.append("gradient checkpointing (non-reentrant: activations recomputed in backward)")
     if config.lora_rank is not None:

@@ -199,16 +199,21 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> ParamGroups:
 
 
 def build_optimizer(
-    model: torch.nn.Module, name: str, lr: float, weight_decay: float
+    model: torch.nn.Module,
+    name: str,
+    lr: float,
+    weight_decay: float,
+    spec: OptimizerSpec | None = None,
 ) -> torch.optim.Optimizer:
     """Build the optimizer ``name`` over ``model``'s trainable parameters.
 
-    ``weight_decay`` applies to >=2-D weights only (see ``param_groups``).
+    ``weight_decay`` applies to >=2-D weights only (see ``param_groups``). ``spec``: a variant
+    of the registry's entry to build instead (bf16 weights: ``effitrain.precision``).
 
     Raises:
         EffitrainError: unknown optimizer, or its library is not installed.
     """
-    spec = get_spec(name)
+    spec = spec or get_spec(name)
     if not spec.is_available():
         raise EffitrainError(
             f"optimizer '{spec.name}' needs the '{spec.module}' package, which is not installed: "

@@ -163,8 +163,14 @@ def run(config: TrainConfig) -> None:
 
 def _quiet_libraries() -> None:
     """Keep library chatter (dataset map bars, info logs) out of the training output."""
+    import logging
+
     import datasets
     import transformers
+
+    # bitsandbytes warns about an optional 4-bit CPU kernel when imported, which happens
+    # whenever peft is installed (transformers imports it, and it imports bitsandbytes).
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()

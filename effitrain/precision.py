@@ -1,0 +1,170 @@
+"""Pure-bf16 weights (``--weights-dtype bf16``): parameters, gradients and optimizer state in bf16.
+
+Not autocast: Accelerate's ``--mixed-precision bf16`` computes in bf16 but keeps fp32 weights, so
+it saves no weight memory. Here the model itself is cast to bf16 after loading, and the optimizer
+is replaced by a variant that updates bf16 weights without losing small steps. A plain update
+rounds ``w + lr * step`` to the nearest bf16 (8 significant bits), so any step below about
+1/256 of the weight vanishes; fine-tuning steps (lr 2e-4) mostly do. The variants come from
+torch-optimi, whose optimizers keep a Kahan compensation buffer (in bf16) that carries each
+rounding error into the next step:
+
+===========  ===========================  ===============================================
+--optim      bf16 variant                 state per parameter (bf16, 2 bytes each)
+===========  ===========================  ===============================================
+adamw        optimi.AdamW, kahan_sum      exp_avg, exp_avg_sq, kahan_comp  (6 bytes)
+sgd          optimi.SGD, kahan_sum        exp_avg (momentum), kahan_comp   (4 bytes)
+===========  ===========================  ===============================================
+
+The rest have none and are refused (:func:`refusal`): no Adafactor in torch-optimi or torchao
+compensates its bf16 updates, and bitsandbytes' 8-bit AdamW rounds bf16 weights to nearest.
+torchao's ``_AdamW(bf16_stochastic_round=True)`` and ``AdamW8bit`` were left out: they
+``torch.compile`` every parameter shape on the first step (30 s for a two-layer toy model on
+this CPU) and draw random numbers for the rounding. With ``--lora-rank`` any optimizer is
+allowed: the trained adapters stay fp32 (the frozen base is what bf16 halves).
+
+The variants reproduce the registry's hyperparameters (torch's AdamW betas and eps, SGD momentum
+0.9 without dampening, L2 weight decay for SGD), so a bf16 run differs from its fp32 twin only in
+precision. One known loss: optimi applies AdamW's decoupled weight decay (``w *= 1 - lr * wd``)
+to the bf16 weight before the compensated step, so at fine-tuning lr it rounds away.
+Kahan summation uses no random numbers, so checkpoints resume bit-exactly.
+
+Nothing heavy is imported at module level: config.py reads :func:`refusal`. ``config`` arguments
+are :class:`effitrain.config.TrainConfig` (not imported: config.py imports this module).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from effitrain.errors import EffitrainError
+
+if TYPE_CHECKING:
+    import torch
+
+    from effitrain.optim import OptimizerSpec, ParamGroups
+
+INSTALL = "pip install 'effitrain[bf16]'  (torch-optimi)"
+
+
+def _optimi_adamw(groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
+    import optimi
+
+    # torch.optim.AdamW's betas and eps (optimi's own defaults are 0.99 and 1e-6).
+    return optimi.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, kahan_sum=True)
+
+
+def _optimi_sgd(groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
+    import optimi
+
+    # As torch.optim.SGD(momentum=0.9): no dampening, weight decay as an L2 term in the gradient.
+    return optimi.SGD(groups, lr=lr, momentum=0.9, kahan_sum=True)
+
+
+@dataclass(frozen=True)
+class Bf16Variant:
+    """The class that updates bf16 weights correctly in place of a registry optimizer."""
+
+    class_path: str
+    rule: str
+    """The update rule, for the banner."""
+    state: str
+    factory: Callable[[ParamGroups, float], torch.optim.Optimizer]
+    module: str = "optimi"
+    install: str = INSTALL
+
+
+BF16_VARIANTS: dict[str, Bf16Variant] = {
+    "adamw": Bf16Variant(
+        "optimi.AdamW",
+        "AdamW with Kahan summation (torch-optimi)",
+        "exp_avg, exp_avg_sq, kahan_comp (bf16)",
+        _optimi_adamw,
+    ),
+    "sgd": Bf16Variant(
+        "optimi.SGD",
+        "SGD with momentum and Kahan summation (torch-optimi)",
+        "exp_avg (momentum), kahan_comp (bf16)",
+        _optimi_sgd,
+    ),
+}
+
+_NONE_BECAUSE = {
+    "adafactor": "no Adafactor in torch-optimi or torchao compensates bf16 updates",
+    "adafactor-hf": "no Adafactor in torch-optimi or torchao compensates bf16 updates",
+    "adamw-8bit": "bitsandbytes rounds bf16 weights to nearest",
+}
+
+
+def refusal(config: Any) -> str | None:
+    """Why ``config``'s weights dtype cannot work with its other options, or None.
+
+    Only the dtype of the *trained* parameters matters: with LoRA they are fp32 adapters.
+    """
+    if config.weights_dtype != "bf16":
+        return None
+    if config.mixed_precision == "fp16":
+        return (
+            "--weights-dtype bf16 cannot run under --mixed-precision fp16 (fp16 autocast would "
+            "squeeze bf16 weights into fp16's range and scale bf16 gradients); drop "
+            "--mixed-precision or use --mixed-precision bf16 with --weights-dtype fp32"
+        )
+    if config.optim not in BF16_VARIANTS and config.lora_rank is None:
+        why = _NONE_BECAUSE.get(config.optim, "it has no bf16 variant")
+        return (
+            "--weights-dtype bf16 needs an optimizer that updates bf16 weights without losing "
+            f"small steps (Kahan summation): {', '.join(BF16_VARIANTS)}; --optim {config.optim}: "
+            f"{why}; use --weights-dtype fp32, or --lora-rank (its adapters stay fp32)"
+        )
+    return None
+
+
+def optimizer_spec(config: Any) -> OptimizerSpec:
+    """The registry's spec for ``--optim``; with bf16 weights, its bf16 variant in its place
+    (same name, lr and defaults; another class, state and factory)."""
+    from effitrain.optim import get_spec
+
+    spec = get_spec(config.optim)
+    variant = BF16_VARIANTS.get(spec.name) if config.weights_dtype == "bf16" else None
+    if variant is None:
+        return spec
+    return dataclasses.replace(
+        spec,
+        class_path=variant.class_path,
+        module=variant.module,
+        install=variant.install,
+        state=variant.state,
+        factory=variant.factory,
+    )
+
+
+def banner_line(config: Any) -> str | None:
+    """One line for the banner: the weights' dtype and the update rule, or None for fp32."""
+    if config.weights_dtype != "bf16":
+        return None
+    variant = BF16_VARIANTS.get(config.optim)
+    rule = variant.rule if variant else f"{config.optim} on fp32 LoRA adapters"
+    return f"weights bf16 (parameters, gradients, optimizer state), {rule}"
+
+
+def cast_model(model: Any, config: Any) -> Any:
+    """Cast the model's floating-point parameters and buffers to bf16 (integer buffers such as
+    position ids keep their dtype). Done before LoRA wraps the model, so its adapters stay fp32.
+
+    Raises:
+        EffitrainError: bf16 weights and an optimizer without a bf16 variant, with the package
+            of that variant missing.
+    """
+    if config.weights_dtype != "bf16":
+        return model
+    import torch
+
+    spec = optimizer_spec(config)
+    if not spec.is_available():
+        raise EffitrainError(
+            f"--weights-dtype bf16 with --optim {spec.name} needs {spec.class_path} from the "
+            f"'{spec.module}' package, which is not installed: {spec.install}"
+        )
+    return model.to(torch.bfloat16)

@@ -1,0 +1,163 @@
+"""Pure-bf16 weights (--weights-dtype bf16): refusals, the Kahan-summation update, training,
+saving, and bit-exact resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from effitrain.config import TrainConfig
+from effitrain.errors import EffitrainError
+from tests.checkpoint_helpers import load_tensors, train_args, write_data
+from tests.conftest import assert_clean_error
+from tests.test_resume import assert_same_end, straight_and_resumed
+
+
+@pytest.fixture
+def data(tmp_path):
+    return write_data(tmp_path / "data")
+
+
+@pytest.mark.parametrize(
+    ("options", "fragments"),
+    [
+        (
+            ("--optim", "adafactor"),
+            ("--weights-dtype bf16 needs", "adamw, sgd", "--optim adafactor", "--lora-rank"),
+        ),
+        (("--optim", "adafactor-hf"), ("--optim adafactor-hf", "no Adafactor")),
+        (("--optim", "adamw-8bit"), ("--optim adamw-8bit", "bitsandbytes rounds")),
+        (("--mixed-precision", "fp16"), ("--mixed-precision fp16", "drop --mixed-precision")),
+        (("--weights-dtype", "fp16"), ("unknown --weights-dtype 'fp16'", "fp32, bf16")),
+    ],
+    ids=["adafactor", "adafactor-hf", "adamw-8bit", "fp16-autocast", "unknown-dtype"],
+)
+def test_refused_before_anything_is_built(train_cli, tmp_path, options, fragments):
+    proc = train_cli("train", "--weights-dtype", "bf16", *options, "--max-steps", "1")
+    assert_clean_error(proc, *fragments)
+    assert "effitrain ·" not in proc.stdout  # no banner: refused before building
+
+
+def test_lora_trains_fp32_adapters_so_any_optimizer_is_allowed():
+    # The rule is about the trained parameters' dtype: LoRA adapters stay fp32.
+    for optim in ("adafactor", "adafactor-hf", "adamw-8bit"):
+        TrainConfig(weights_dtype="bf16", optim=optim, lora_rank=8).validate()
+        with pytest.raises(EffitrainError, match="needs an optimizer"):
+            TrainConfig(weights_dtype="bf16", optim=optim).validate()
+    with pytest.raises(EffitrainError, match="fp16"):
+        TrainConfig(weights_dtype="bf16", lora_rank=8, mixed_precision="fp16").validate()
+
+
+def test_missing_optimi_is_one_install_line(train_cli, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "optimi" else real(name, *a)
+    )
+    proc = train_cli("train", "--weights-dtype", "bf16", "--max-steps", "1")
+    assert_clean_error(proc, "optimi.AdamW", "pip install 'effitrain[bf16]'")
+
+
+@pytest.mark.parametrize("optim", ["adamw", "sgd"])
+def test_variant_keeps_steps_that_bf16_rounding_would_lose(optim):
+    """One bf16 weight at 1.0 and steps of about 1e-4 (below bf16's spacing of 2**-7 near 1):
+    a plain optimizer rounds every step away, the bf16 variant accumulates them."""
+    import torch
+
+    from effitrain.optim import build_optimizer
+    from effitrain.precision import optimizer_spec
+
+    def train(spec):
+        model = torch.nn.Linear(1, 1, bias=False).to(torch.bfloat16)
+        torch.nn.init.ones_(model.weight)
+        optimizer = build_optimizer(model, optim, 1e-4, 0.0, spec=spec)
+        for _ in range(200):
+            model.weight.grad = torch.ones_like(model.weight)
+            optimizer.step()
+        return model.weight.item()
+
+    plain = train(None)
+    kahan = train(optimizer_spec(TrainConfig(weights_dtype="bf16", optim=optim)))
+    assert plain == 1.0  # every step rounded away
+    # AdamW: 200 steps of lr (0.98); SGD with momentum 0.9: about 10x that (0.82).
+    expected = (
+        1 - 200 * 1e-4
+        if optim == "adamw"
+        else 1 - 1e-4 * sum((1 - 0.9 ** (k + 1)) / 0.1 for k in range(200))
+    )
+    assert abs(kahan - expected) < 2**-7
+
+
+def test_trains_saves_bf16_and_loads_back(train_cli, data, tmp_path):
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    out, metrics = tmp_path / "out", tmp_path / "m.json"
+    proc = train_cli(
+        *train_args(data, out, "--weights-dtype", "bf16", "--max-steps", "3", "--save-every", "3"),
+        "--metrics-json",
+        str(metrics),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "weights bf16 (parameters, gradients, optimizer state), AdamW with Kahan" in proc.stdout
+    assert "optimizer adamw (optimi.AdamW)" in proc.stdout
+    saved = load_tensors(out / "checkpoint-3")
+    assert {t.dtype for t in saved["model"].values()} == {torch.bfloat16}
+    state = saved["optimizer.bin"]["state"]
+    assert set(state[0]) == {"exp_avg", "exp_avg_sq", "kahan_comp"}
+    assert {t.dtype for s in state.values() for t in s.values()} == {torch.bfloat16}
+    assert any(bool(s["kahan_comp"].any()) for s in state.values())  # compensation in use
+
+    m = json.loads(metrics.read_text())
+    assert m["optimizer_class"] == "optimi.AdamW"
+    assert m["parameter_bytes"] == 2 * m["trainable_parameters"]
+    assert m["gradient_bytes"] == m["parameter_bytes"]
+    assert m["optimizer_state"]["bytes"] == 3 * m["parameter_bytes"]  # 2 moments + Kahan
+
+    model = AutoModelForSequenceClassification.from_pretrained(out / "final")
+    assert model.dtype == torch.bfloat16
+    logits = model(input_ids=torch.tensor([[1, 5, 7, 2]])).logits
+    assert torch.isfinite(logits.float()).all()
+
+
+def test_bf16_autocast_on_bf16_weights_is_allowed(train_cli, data, tmp_path):
+    # Harmless: the matmuls already run in bf16; autocast adds fp32 outputs and fp32 ops.
+    proc = train_cli(
+        *train_args(data, tmp_path / "out", "--weights-dtype", "bf16", "--max-steps", "2"),
+        "--mixed-precision",
+        "bf16",
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "mixed precision bf16" in proc.stdout and "weights bf16" in proc.stdout
+
+
+def test_nonfinite_guard_still_stops_bf16(train_cli, data, tmp_path):
+    proc = train_cli(
+        *train_args(data, tmp_path / "out", "--weights-dtype", "bf16", "--max-steps", "6"),
+        "--lr",
+        "1e8",
+        "--max-grad-norm",
+        "0",
+    )
+    assert_clean_error(proc, "non-finite", "stopped before the update")
+
+
+@pytest.mark.parametrize("optim", ["adamw", "sgd"])
+def test_resume_is_exact(train_cli, data, tmp_path, optim):
+    """Kahan summation draws no random numbers: resumed bf16 weights, moments and compensation
+    buffers are bit-identical to an uninterrupted run's (dropout's RNG comes back as always)."""
+    options = ("--weights-dtype", "bf16", "--optim", optim, "--max-steps", "8", "--save-every", "4")
+    straight, resumed = straight_and_resumed(train_cli, data, tmp_path, 4, *options)
+    assert_same_end(straight, resumed, 8)
+    assert "kahan_comp" in load_tensors(resumed / "checkpoint-8")["optimizer.bin"]["state"][0]
+
+
+def test_resume_with_other_weights_dtype_is_refused(train_cli, data, tmp_path):
+    out = tmp_path / "out"
+    every = ("--save-every", "2")
+    proc = train_cli(*train_args(data, out, *every, "--weights-dtype", "bf16", "--max-steps", "2"))
+    assert proc.returncode == 0, proc.stderr
+    proc = train_cli(*train_args(data, out, *every, "--max-steps", "4", "--resume", "latest"))
+    assert_clean_error(proc, "optimi.AdamW", "torch.optim.AdamW", "--weights-dtype")
