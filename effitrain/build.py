@@ -174,7 +174,13 @@ def build_run(config: TrainConfig, reporter: Reporter) -> Run:
     if sharding.kind == "deepspeed":
         distributed.configure_deepspeed(accelerator.state, config.batch_size, config.grad_accum)
 
-    optimizer = build_optimizer(model, spec.name, config.effective_lr, config.weight_decay)
+    optimizer = build_optimizer(
+        model,
+        spec.name,
+        config.effective_lr,
+        config.weight_decay,
+        in_backward=config.optimizer_in_backward,
+    )
     # Accelerate's prepared scheduler steps once per process on every optimizer step, so its
     # lengths are counted in process-steps.
     n = accelerator.num_processes
@@ -182,6 +188,8 @@ def build_run(config: TrainConfig, reporter: Reporter) -> Run:
         optimizer, config.effective_scheduler, plan.total_steps * n, plan.warmup_steps * n
     )
     model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
+    if config.optimizer_in_backward:
+        optimizer.optimizer.check_hooked(accelerator.unwrap_model(model))
 
     return Run(
         config=config,
@@ -234,4 +242,5 @@ def describe(
         device=str(accelerator.device),
         num_processes=n,
         mixed_precision=accelerator.mixed_precision,
+        optimizer_in_backward=config.optimizer_in_backward,
     )

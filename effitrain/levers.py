@@ -47,6 +47,23 @@ def check_launch(config: TrainConfig, state: Any) -> None:
     Raises:
         EffitrainError: one line naming the lever and the launch.
     """
+    if config.optimizer_in_backward:
+        _check_in_backward_launch(state)
+
+
+def _check_in_backward_launch(state: Any) -> None:
+    """Optimizer step in backward runs each update in a post-accumulate-grad hook, which fires
+    before DDP's all-reduce (the update would use this process's gradient alone), and FSDP and
+    DeepSpeed own the parameters and their gradients."""
+    from effitrain.distributed import detect_sharding
+
+    sharding = detect_sharding(state)
+    if sharding.kind != "single" or sharding.num_processes > 1:
+        raise EffitrainError(
+            f"--optimizer-in-backward cannot run on {sharding.description}: each update runs "
+            "as soon as this process's gradient is ready, before the processes average their "
+            "gradients; run one process, or drop --optimizer-in-backward"
+        )
 
 
 def apply_to_model(model: Any, config: TrainConfig, reporter: Any) -> Any:

@@ -194,11 +194,12 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> ParamGroups:
 
 
 def build_optimizer(
-    model: torch.nn.Module, name: str, lr: float, weight_decay: float
+    model: torch.nn.Module, name: str, lr: float, weight_decay: float, in_backward: bool = False
 ) -> torch.optim.Optimizer:
     """Build the optimizer ``name`` over ``model``'s trainable parameters.
 
-    ``weight_decay`` applies to >=2-D weights only (see ``param_groups``).
+    ``weight_decay`` applies to >=2-D weights only (see ``param_groups``). ``in_backward``: one
+    such optimizer per parameter, stepped inside backward (:mod:`effitrain.in_backward`).
 
     Raises:
         EffitrainError: unknown optimizer, or its library is not installed.
@@ -209,7 +210,12 @@ def build_optimizer(
             f"optimizer '{spec.name}' needs the '{spec.module}' package, which is not installed: "
             f"{spec.install}"
         )
-    return spec.factory(param_groups(model, weight_decay), lr)
+    groups = param_groups(model, weight_decay)
+    if in_backward:
+        from effitrain.in_backward import InBackwardOptimizer
+
+        return InBackwardOptimizer(groups, spec.factory, lr)
+    return spec.factory(groups, lr)
 
 
 def build_scheduler(

@@ -87,6 +87,11 @@ class Reporter:
             f"  optimizer [cyan]{info.optimizer}[/] ({info.optimizer_class}), "
             f"lr {info.lr:g}{lr_note}"
         )
+        if info.optimizer_in_backward:
+            self._line(
+                "  lever     optimizer step in backward: each parameter is updated as soon as its "
+                "gradient is ready, then the gradient is freed (no clipping)"
+            )
         schedule_note = f" ({info.schedule_note})" if info.schedule_note else ""
         self._line(
             f"  schedule  {info.total_steps} steps ({info.epochs} epoch(s) × "

@@ -41,6 +41,8 @@ class RunInfo:
     device: str
     num_processes: int
     mixed_precision: str
+    optimizer_in_backward: bool = False
+    """--optimizer-in-backward: each parameter is updated inside backward (a banner line)."""
 
 
 @dataclass
