@@ -289,3 +289,16 @@ def test_resume_mid_epoch_across_epoch_boundary_is_exact(train_cli, data, tmp_pa
     options = ("--optimizer-in-backward", "--optim", optim, "--max-steps", "8", "--save-every", "4")
     straight, resumed = straight_and_resumed(train_cli, data, tmp_path, 4, *options)
     assert_same_end(straight, resumed, 8)
+
+
+@pytest.mark.slow
+def test_two_process_launch_is_refused_before_training():
+    from tests.test_distributed import launch
+
+    proc = launch("train", "--optimizer-in-backward", "--max-steps", "2")
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    # Each process prints the one line and stops (the launcher then reports the failure).
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 2, proc.stderr
+    assert all("--optimizer-in-backward cannot run on DDP over 2 processes" in e for e in errors)
+    assert "effitrain · model" not in proc.stdout  # nothing was built or trained
