@@ -270,14 +270,18 @@ def test_cli_run_checkpoint_and_inspect_state(train_cli, data, tmp_path):
     assert [g["params"] for g in report["param_groups"]] == [16, 24]
 
 
-def test_cli_lever_matches_the_normal_run(train_cli, data, tmp_path):
+@pytest.mark.parametrize("options", [(), ("--gradient-checkpointing",)])
+def test_cli_lever_matches_the_normal_run(train_cli, data, tmp_path, options):
+    """With dropout on, and with activations recomputed in backward (after later layers were
+    already updated: each layer's recomputation uses only its own, not yet updated, weights)."""
     ends = {}
     for name, extra in (
         ("normal", ("--max-grad-norm", "0")),
         ("lever", ("--optimizer-in-backward",)),
     ):
         out = tmp_path / name
-        proc = train_cli(*train_args(data, out, "--max-steps", "4", "--save-every", "4", *extra))
+        args = train_args(data, out, "--max-steps", "4", "--save-every", "4", *options, *extra)
+        proc = train_cli(*args)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         ends[name] = load_tensors(out / "checkpoint-4")
     # Weights, optimizer state (in the same layout) and scheduler: bit-identical on CPU.
