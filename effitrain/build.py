@@ -176,7 +176,12 @@ def build_run(config: TrainConfig, reporter: Reporter) -> Run:
         distributed.configure_deepspeed(accelerator.state, config.batch_size, config.grad_accum)
 
     optimizer = build_optimizer(
-        model, spec.name, config.effective_lr, config.weight_decay, spec=spec
+        model,
+        spec.name,
+        config.effective_lr,
+        config.weight_decay,
+        spec=spec,
+        in_backward=config.optimizer_in_backward,
     )
     # Accelerate's prepared scheduler steps once per process on every optimizer step, so its
     # lengths are counted in process-steps.
@@ -185,6 +190,8 @@ def build_run(config: TrainConfig, reporter: Reporter) -> Run:
         optimizer, config.effective_scheduler, plan.total_steps * n, plan.warmup_steps * n
     )
     model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
+    if config.optimizer_in_backward:
+        optimizer.optimizer.check_hooked(accelerator.unwrap_model(model))
 
     return Run(
         config=config,

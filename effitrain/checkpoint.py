@@ -367,9 +367,16 @@ def _check_hyperparameters(
 
 def config_differences(meta: dict[str, Any], config: TrainConfig) -> list[str]:
     """Options that differ from the checkpoint's run (resume is exact only without any)."""
-    saved = meta.get("config", {})
+    from effitrain.config import effective_max_grad_norm, option
+
+    saved = dict(meta.get("config", {}))
     current = config.to_dict()
-    from effitrain.config import option
+    # Compared as used: an unset --max-grad-norm means 1.0 (0 with --optimizer-in-backward).
+    for values in (saved, current):
+        if "max_grad_norm" in values:
+            values["max_grad_norm"] = effective_max_grad_norm(
+                values["max_grad_norm"], bool(values.get("optimizer_in_backward"))
+            )
 
     return [
         f"{option(key)[2:]} {saved.get(key)!r} -> {value!r}"

@@ -102,8 +102,9 @@ class TrainConfig:
         "Default: the optimizer's, like --lr.",
     )
     warmup_steps: int | None = _opt(None, "Number of warmup steps (overrides warmup_ratio).")
-    max_grad_norm: float = _opt(
-        1.0, "Clip the global gradient norm to this value; 0 disables clipping."
+    max_grad_norm: float | None = _opt(
+        None,
+        "Clip the global gradient norm to this value; 0 disables clipping.",
     )
 
     # --- loop ---
@@ -227,6 +228,9 @@ class TrainConfig:
                 f"unknown --weights-dtype '{self.weights_dtype}'; "
                 f"choose one of: {', '.join(WEIGHTS_DTYPES)}"
             )
+        if self.optimizer_in_backward:
+            self._validate_optimizer_in_backward()
+
         from effitrain.precision import refusal
 
         problem = refusal(self)
@@ -261,6 +265,27 @@ class TrainConfig:
         if self.lora_target_modules is not None and not self.lora_target_modules:
             raise EffitrainError(
                 "--lora-target-modules needs at least one module name (or all-linear)"
+            )
+
+    def _validate_optimizer_in_backward(self) -> None:
+        """Each parameter is updated inside backward, as soon as its own gradient is ready."""
+        if self.max_grad_norm is not None and self.max_grad_norm > 0:
+            raise EffitrainError(
+                f"--max-grad-norm {self.max_grad_norm:g} clips the global gradient norm, which "
+                "needs every gradient at once, but --optimizer-in-backward updates each "
+                "parameter as soon as its own is ready; use --max-grad-norm 0 (or leave it out)"
+            )
+        if self.grad_accum > 1:
+            raise EffitrainError(
+                f"--grad-accum {self.grad_accum} cannot combine with --optimizer-in-backward, "
+                "which updates each parameter in every backward pass (after every "
+                "micro-batch); use --grad-accum 1 and a larger --batch-size"
+            )
+        if self.mixed_precision == "fp16":
+            raise EffitrainError(
+                "--mixed-precision fp16 cannot combine with --optimizer-in-backward: its loss "
+                "scaler must see every gradient before any update (to unscale them and skip "
+                "steps that overflow); use --mixed-precision bf16 or no"
             )
 
     def _validate_report_to(self) -> None:
@@ -331,6 +356,12 @@ class TrainConfig:
         return spec.defaults(self.regime)
 
     @property
+    def effective_max_grad_norm(self) -> float:
+        """The clipping threshold actually used: the explicit one, else 1.0 (0, no clipping,
+        with --optimizer-in-backward)."""
+        return effective_max_grad_norm(self.max_grad_norm, self.optimizer_in_backward)
+
+    @property
     def effective_lr(self) -> float:
         """The learning rate actually used: the explicit one, else the optimizer's default."""
         return self.lr if self.lr is not None else self.optimizer_defaults.lr
@@ -366,6 +397,13 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def effective_max_grad_norm(max_grad_norm: float | None, optimizer_in_backward: bool) -> float:
+    """``--max-grad-norm`` as used: the value given, else 1.0 (0 with --optimizer-in-backward)."""
+    if max_grad_norm is not None:
+        return max_grad_norm
+    return 0.0 if optimizer_in_backward else 1.0
 
 
 def option(field_name: str) -> str:

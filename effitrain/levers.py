@@ -62,6 +62,23 @@ def check_launch(config: TrainConfig, state: Any) -> None:
                 "weights are frozen, so plain DDP (accelerate launch --multi_gpu) or one process "
                 "fits where full fine-tuning needed sharding"
             )
+    if config.optimizer_in_backward:
+        _check_in_backward_launch(state)
+
+
+def _check_in_backward_launch(state: Any) -> None:
+    """Optimizer step in backward runs each update in a post-accumulate-grad hook, which fires
+    before DDP's all-reduce (the update would use this process's gradient alone), and FSDP and
+    DeepSpeed own the parameters and their gradients."""
+    from effitrain.distributed import detect_sharding
+
+    sharding = detect_sharding(state)
+    if sharding.kind != "single" or sharding.num_processes > 1:
+        raise EffitrainError(
+            f"--optimizer-in-backward cannot run on {sharding.description}: each update runs "
+            "as soon as this process's gradient is ready, before the processes average their "
+            "gradients; run one process, or drop --optimizer-in-backward"
+        )
 
 
 def apply_to_model(model: Any, config: TrainConfig, reporter: Any) -> Any:
@@ -92,6 +109,11 @@ def describe(config: TrainConfig, model: Any) -> list[str]:
     lines = [banner_line(config)] if config.weights_dtype != "fp32" else []
     if config.gradient_checkpointing:
         lines.append("gradient checkpointing (non-reentrant: activations recomputed in backward)")
+    if config.optimizer_in_backward:
+        lines.append(
+            "optimizer step in backward: each parameter is updated as soon as its gradient is "
+            "ready, then the gradient is freed (no clipping)"
+        )
     if config.lora_rank is not None:
         from effitrain.lora import describe as describe_lora
 

@@ -54,7 +54,8 @@ def train_step(
     group, and ``optimizer.step()``/``zero_grad()`` are no-ops on the others.
 
     Raises:
-        EffitrainError: the loss or the gradient norm is not finite (nothing was updated).
+        EffitrainError: the loss or the gradient norm is not finite (nothing was updated,
+            except with --optimizer-in-backward, whose updates run inside backward).
     """
     accelerator, model = run.accelerator, run.model
     optimizer, lr_scheduler = run.optimizer, run.lr_scheduler
@@ -66,10 +67,9 @@ def train_step(
         if accelerator.sync_gradients:
             progress.measure_gradients(model)  # once, at the first step
             grad_norm = None
-            if run.config.max_grad_norm > 0:
-                grad_norm = accelerator.clip_grad_norm_(
-                    model.parameters(), run.config.max_grad_norm
-                )
+            max_grad_norm = run.config.effective_max_grad_norm
+            if max_grad_norm > 0:
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
             # Before the update: one host sync; a non-finite loss or gradient raises here.
             stop = guard.check(loss, grad_norm, progress)
         optimizer.step()
@@ -85,10 +85,18 @@ class StepGuard:
     stops, at the same step.
     """
 
-    def __init__(self, accelerator: Accelerator, stop: StopRequest, output_dir: str | None):
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        stop: StopRequest,
+        output_dir: str | None,
+        updated_in_backward: bool = False,
+    ):
         self.accelerator = accelerator
         self.stop = stop
         self.output_dir = output_dir
+        self.updated_in_backward = updated_in_backward
+        """--optimizer-in-backward: the update has already happened when the check runs."""
 
     def check(self, loss: Any, grad_norm: Any, progress: TrainingProgress) -> bool:
         """Whether every process agreed to stop after this step.
@@ -132,9 +140,14 @@ class StepGuard:
                 what = "loss (in an earlier micro-batch of this step, or on another process)"
         latest = checkpoint.find_latest(self.output_dir) if self.output_dir else None
         resume = f"; last good checkpoint: {latest}" if latest else ""
+        where = f"non-finite {what} at step {progress.global_step + 1} (epoch {progress.epoch + 1})"
+        if self.updated_in_backward:
+            return EffitrainError(
+                f"{where}: --optimizer-in-backward already applied this step's update in "
+                f"backward; stopped, nothing saved{resume}. Try a lower --lr"
+            )
         return EffitrainError(
-            f"non-finite {what} at step {progress.global_step + 1} (epoch {progress.epoch + 1}): "
-            f"stopped before the update, nothing saved{resume}. "
+            f"{where}: stopped before the update, nothing saved{resume}. "
             "Try a lower --lr or --max-grad-norm 1.0"
         )
 
@@ -155,7 +168,9 @@ def fit(
         EffitrainError: a non-finite loss or gradient (see :class:`StepGuard`).
     """
     plan, config = run.plan, run.config
-    guard = StepGuard(run.accelerator, stop, config.output_dir)
+    guard = StepGuard(
+        run.accelerator, stop, config.output_dir, updated_in_backward=config.optimizer_in_backward
+    )
     timer = Stopwatch()
     reporter.progress_started(plan.total_steps, completed=progress.global_step)
     run.model.train()

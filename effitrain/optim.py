@@ -204,11 +204,14 @@ def build_optimizer(
     lr: float,
     weight_decay: float,
     spec: OptimizerSpec | None = None,
+    in_backward: bool = False,
 ) -> torch.optim.Optimizer:
     """Build the optimizer ``name`` over ``model``'s trainable parameters.
 
     ``weight_decay`` applies to >=2-D weights only (see ``param_groups``). ``spec``: a variant
     of the registry's entry to build instead (bf16 weights: ``effitrain.precision``).
+    ``in_backward``: one such optimizer per parameter, stepped inside backward
+    (:mod:`effitrain.in_backward`).
 
     Raises:
         EffitrainError: unknown optimizer, or its library is not installed.
@@ -219,7 +222,12 @@ def build_optimizer(
             f"optimizer '{spec.name}' needs the '{spec.module}' package, which is not installed: "
             f"{spec.install}"
         )
-    return spec.factory(param_groups(model, weight_decay), lr)
+    groups = param_groups(model, weight_decay)
+    if in_backward:
+        from effitrain.in_backward import InBackwardOptimizer
+
+        return InBackwardOptimizer(groups, spec.factory, lr)
+    return spec.factory(groups, lr)
 
 
 def build_scheduler(

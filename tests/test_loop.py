@@ -97,7 +97,13 @@ def tiny_run(config: TrainConfig | None = None, **model_options):
     train_loader, eval_loader = accelerator.prepare(train_loader, eval_loader)
     model = TinyClassifier.build(**model_options)
     plan = Plan.from_config(config, len(train_loader))
-    optimizer = build_optimizer(model, config.optim, config.effective_lr, config.weight_decay)
+    optimizer = build_optimizer(
+        model,
+        config.optim,
+        config.effective_lr,
+        config.weight_decay,
+        in_backward=config.optimizer_in_backward,
+    )
     scheduler = build_scheduler(
         optimizer, config.effective_scheduler, plan.total_steps, plan.warmup_steps
     )

@@ -24,6 +24,9 @@ LEVERS = "Memory levers"
 PER_OPTIMIZER = ("lr", "scheduler", "warmup_ratio")
 """Options whose default depends on the optimizer and on fine-tuning versus training from scratch."""
 
+DEFAULT_TEXT = {"max_grad_norm": "1.0; 0 with --optimizer-in-backward"}
+"""What --help shows as the default of options whose default depends on other options."""
+
 METAVARS = {
     "model": "NAME|DIR",
     "dataset": "NAME|PATH",
@@ -54,7 +57,7 @@ def _opt(name: str, panel: str, extra: str = "", **kwargs: object) -> typer.mode
         option(name),
         help=help_for(name) + extra,
         rich_help_panel=panel,
-        show_default=per_optimizer or True,
+        show_default=per_optimizer or DEFAULT_TEXT.get(name) or True,
         # A flag takes no value: no type tag.
         metavar="" if isinstance(D(name), bool) else METAVARS.get(name),
         **kwargs,
@@ -88,7 +91,7 @@ def train(
     scheduler: Annotated[str | None, _opt("scheduler", OPTIM)] = None,
     warmup_ratio: Annotated[float | None, _opt("warmup_ratio", OPTIM)] = None,
     warmup_steps: Annotated[int | None, _opt("warmup_steps", OPTIM)] = None,
-    max_grad_norm: Annotated[float, _opt("max_grad_norm", OPTIM)] = D("max_grad_norm"),
+    max_grad_norm: Annotated[float | None, _opt("max_grad_norm", OPTIM)] = None,
     epochs: Annotated[int, _opt("epochs", LOOP)] = D("epochs"),
     max_steps: Annotated[int | None, _opt("max_steps", LOOP)] = None,
     batch_size: Annotated[int, _opt("batch_size", LOOP)] = D("batch_size"),
