@@ -64,6 +64,18 @@ def check_launch(config: TrainConfig, state: Any) -> None:
             )
     if config.optimizer_in_backward:
         _check_in_backward_launch(state)
+    if config.weights_dtype == "bf16":
+        from effitrain.distributed import detect_sharding
+
+        sharding = detect_sharding(state)
+        if sharding.kind in ("fsdp1", "fsdp2", "deepspeed"):
+            # Untested here (FSDP and DeepSpeed need GPUs under Accelerate); both bring their own
+            # low-precision parameters, and optimi's Kahan buffers are not sharding-aware.
+            raise EffitrainError(
+                f"--weights-dtype bf16 is not supported under {sharding.description}: use its "
+                "own bf16 (FSDP's mixed-precision policy, DeepSpeed's bf16 section) with "
+                "--weights-dtype fp32"
+            )
 
 
 def _check_in_backward_launch(state: Any) -> None:
