@@ -175,20 +175,7 @@ def build_run(config: TrainConfig, reporter: Reporter) -> Run:
     if sharding.kind == "deepspeed":
         distributed.configure_deepspeed(accelerator.state, config.batch_size, config.grad_accum)
 
-    optimizer = build_optimizer(
-        model,
-        spec.name,
-        config.effective_lr,
-        config.weight_decay,
-        spec=spec,
-        in_backward=config.optimizer_in_backward,
-    )
-    # Accelerate's prepared scheduler steps once per process on every optimizer step, so its
-    # lengths are counted in process-steps.
-    n = accelerator.num_processes
-    lr_scheduler = build_scheduler(
-        optimizer, config.effective_scheduler, plan.total_steps * n, plan.warmup_steps * n
-    )
+    optimizer, lr_scheduler = build_optimization(config, model, spec, plan, accelerator)
     model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
     if config.optimizer_in_backward:
         optimizer.optimizer.check_hooked(accelerator.unwrap_model(model))
@@ -208,6 +195,27 @@ def build_run(config: TrainConfig, reporter: Reporter) -> Run:
         info=describe(config, accelerator, model, data, plan),
         sharding=sharding,
     )
+
+
+def build_optimization(
+    config: TrainConfig, model: Any, spec: OptimizerSpec, plan: Plan, accelerator: Accelerator
+) -> tuple[Any, Any]:
+    """The optimizer (one per parameter with --optimizer-in-backward) and its lr scheduler."""
+    optimizer = build_optimizer(
+        model,
+        spec.name,
+        config.effective_lr,
+        config.weight_decay,
+        spec=spec,
+        in_backward=config.optimizer_in_backward,
+    )
+    # Accelerate's prepared scheduler steps once per process on every optimizer step, so its
+    # lengths are counted in process-steps.
+    n = accelerator.num_processes
+    lr_scheduler = build_scheduler(
+        optimizer, config.effective_scheduler, plan.total_steps * n, plan.warmup_steps * n
+    )
+    return optimizer, lr_scheduler
 
 
 def describe(

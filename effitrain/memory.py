@@ -323,11 +323,8 @@ def optimizer_state_ledger(optimizer_or_state: Any) -> OptimizerStateLedger:
             for item in value:
                 visit(key, item)
 
-    for entry in state.values():
-        if not isinstance(entry, Mapping):
-            continue
-        if len(entry) > 0:
-            ledger.params_with_state += 1
+    for entry in (e for e in state.values() if isinstance(e, Mapping)):
+        ledger.params_with_state += len(entry) > 0
         for key, value in entry.items():
             visit(str(key), value)
 
