@@ -109,8 +109,11 @@ def apply_to_model(model: Any, config: TrainConfig, reporter: Any) -> Any:
         # Last: peft wraps the model as it is then (dtype included: adapters over bf16 base
         # weights are created in fp32, peft's autocast_adapter_dtype).
         from effitrain.lora import apply
+        from effitrain.precision import keep_trained_fp32
 
         model = apply(model, config)
+        if config.weights_dtype == "bf16":
+            keep_trained_fp32(model)
     return model
 
 

@@ -168,3 +168,22 @@ def cast_model(model: Any, config: Any) -> Any:
             f"'{spec.module}' package, which is not installed: {spec.install}"
         )
     return model.to(torch.bfloat16)
+
+
+def keep_trained_fp32(model: Any) -> None:
+    """With LoRA over bf16 base weights: the modules that train in full (the head that peft
+    copies, BERT's pooler) go back to fp32, like the adapters, and cast their inputs (the base
+    model's bf16 hidden states) to fp32. Every trained parameter is then fp32, so any optimizer
+    updates it without losing small steps, and the logits and the loss are fp32."""
+    import torch
+
+    def to_fp32(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(
+            a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
+        )
+
+    for module in model.modules():
+        own = list(module.parameters(recurse=False))
+        if any(p.requires_grad and p.dtype == torch.bfloat16 for p in own):
+            module.float()
+            module.register_forward_pre_hook(to_fp32)
