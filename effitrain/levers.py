@@ -114,6 +114,12 @@ def apply_to_model(model: Any, config: TrainConfig, reporter: Any) -> Any:
         model = apply(model, config)
         if config.weights_dtype == "bf16":
             keep_trained_fp32(model)
+        if config.optim == "adafactor":
+            reporter.note(
+                "adafactor scales each step by the parameter's size (RMS), and LoRA's B matrices "
+                "start at zero, so they barely move (all-MiniLM-L6-v2 stayed at chance); with "
+                "--lora-rank, prefer adamw or adafactor-hf (a plain lr)"
+            )
     return model
 
 
