@@ -47,13 +47,15 @@ def check_launch(config: TrainConfig, state: Any) -> None:
     Raises:
         EffitrainError: one line naming the lever and the launch.
     """
+    from effitrain.distributed import detect_sharding
+
+    sharding = detect_sharding(state)
+    sharded = sharding.kind in ("fsdp1", "fsdp2", "deepspeed")
     if config.lora_rank is not None:
-        from effitrain.distributed import detect_sharding
         from effitrain.lora import require_peft
 
         require_peft()
-        sharding = detect_sharding(state)
-        if sharding.kind in ("fsdp1", "fsdp2", "deepspeed"):
+        if sharded:
             # Untested here (FSDP and DeepSpeed need GPUs under Accelerate): peft under FSDP
             # needs its own wrap policy and mixed frozen/trainable shards, and the adapters
             # would have to be gathered from the shards for the final save.
@@ -62,34 +64,21 @@ def check_launch(config: TrainConfig, state: Any) -> None:
                 "weights are frozen, so plain DDP (accelerate launch --multi_gpu) or one process "
                 "fits where full fine-tuning needed sharding"
             )
-    if config.optimizer_in_backward:
-        _check_in_backward_launch(state)
-    if config.weights_dtype == "bf16":
-        from effitrain.distributed import detect_sharding
-
-        sharding = detect_sharding(state)
-        if sharding.kind in ("fsdp1", "fsdp2", "deepspeed"):
-            # Untested here (FSDP and DeepSpeed need GPUs under Accelerate); both bring their own
-            # low-precision parameters, and optimi's Kahan buffers are not sharding-aware.
-            raise EffitrainError(
-                f"--weights-dtype bf16 is not supported under {sharding.description}: use its "
-                "own bf16 (FSDP's mixed-precision policy, DeepSpeed's bf16 section) with "
-                "--weights-dtype fp32"
-            )
-
-
-def _check_in_backward_launch(state: Any) -> None:
-    """Optimizer step in backward runs each update in a post-accumulate-grad hook, which fires
-    before DDP's all-reduce (the update would use this process's gradient alone), and FSDP and
-    DeepSpeed own the parameters and their gradients."""
-    from effitrain.distributed import detect_sharding
-
-    sharding = detect_sharding(state)
-    if sharding.kind != "single" or sharding.num_processes > 1:
+    if config.optimizer_in_backward and (sharding.kind != "single" or sharding.num_processes > 1):
+        # The update runs in a post-accumulate-grad hook, which fires before DDP's all-reduce
+        # (it would use this process's gradient alone); FSDP and DeepSpeed own the gradients.
         raise EffitrainError(
             f"--optimizer-in-backward cannot run on {sharding.description}: each update runs "
             "as soon as this process's gradient is ready, before the processes average their "
             "gradients; run one process, or drop --optimizer-in-backward"
+        )
+    if config.weights_dtype == "bf16" and sharded:
+        # Untested here (FSDP and DeepSpeed need GPUs under Accelerate); both bring their own
+        # low-precision parameters, and optimi's Kahan buffers are not sharding-aware.
+        raise EffitrainError(
+            f"--weights-dtype bf16 is not supported under {sharding.description}: use its "
+            "own bf16 (FSDP's mixed-precision policy, DeepSpeed's bf16 section) with "
+            "--weights-dtype fp32"
         )
 
 

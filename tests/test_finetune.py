@@ -23,34 +23,31 @@ def pretrained_minilm() -> Path:
     return Path(spec.origin).parent / "model"
 
 
-@pytest.mark.slow
-def test_adafactor_defaults_fine_tune_a_pretrained_checkpoint(cli, tmp_path):
+def finetune_args(tmp_path: Path, *options: str) -> list[str]:
+    """``train`` on all-MiniLM-L6-v2 with 480/200 rows of demo data, 2 epochs at batch 32 x 64
+    tokens, metrics in ``tmp_path/metrics.json``."""
     from effitrain.demo import build_demo_dataset
 
     splits = build_demo_dataset(seed=3, num_train=480, num_validation=200)
     for name, split in splits.items():
         split.to_json(tmp_path / f"{name}.jsonl")
-    out = tmp_path / "metrics.json"
-    proc = cli(
+    return [
         "train",
-        "--model",
-        str(pretrained_minilm()),
-        "--train-file",
-        str(tmp_path / "train.jsonl"),
-        "--validation-file",
-        str(tmp_path / "validation.jsonl"),
-        "--optim",
-        "adafactor",
-        "--epochs",
-        "2",
-        "--batch-size",
-        "32",
-        "--max-length",
-        "64",
-        "--metrics-json",
-        str(out),
-        timeout=600,
-    )
+        "--model", str(pretrained_minilm()),
+        "--train-file", str(tmp_path / "train.jsonl"),
+        "--validation-file", str(tmp_path / "validation.jsonl"),
+        "--epochs", "2",
+        "--batch-size", "32",
+        "--max-length", "64",
+        "--metrics-json", str(tmp_path / "metrics.json"),
+        *options,
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_adafactor_defaults_fine_tune_a_pretrained_checkpoint(cli, tmp_path):
+    proc = cli(*finetune_args(tmp_path, "--optim", "adafactor"), timeout=600)
+    out = tmp_path / "metrics.json"
     assert proc.returncode == 0, proc.stderr
     assert "lr 0.003 (adafactor default for fine-tuning)" in proc.stdout
     metrics = json.loads(out.read_text())

@@ -353,25 +353,10 @@ def test_lora_with_two_ddp_processes_matches_one_process(tmp_path, train_cli):
 @pytest.mark.slow
 def test_lora_defaults_fine_tune_a_pretrained_checkpoint(cli, tmp_path):
     """all-MiniLM-L6-v2 with nothing but --lora-rank: adamw's LoRA default lr, and it learns."""
-    from effitrain.demo import build_demo_dataset
-    from tests.test_finetune import pretrained_minilm
+    from tests.test_finetune import finetune_args
 
-    splits = build_demo_dataset(seed=3, num_train=480, num_validation=200)
-    for name, split in splits.items():
-        split.to_json(tmp_path / f"{name}.jsonl")
+    proc = cli(*finetune_args(tmp_path, *LORA), timeout=600)
     out = tmp_path / "metrics.json"
-    proc = cli(
-        "train",
-        "--model", str(pretrained_minilm()),
-        "--train-file", str(tmp_path / "train.jsonl"),
-        "--validation-file", str(tmp_path / "validation.jsonl"),
-        *LORA,
-        "--epochs", "2",
-        "--batch-size", "32",
-        "--max-length", "64",
-        "--metrics-json", str(out),
-        timeout=600,
-    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "lr 0.001 (adamw default for LoRA)" in proc.stdout
     assert "head bert.pooler, classifier trains in full" in proc.stdout
