@@ -116,7 +116,8 @@ def describe(config: TrainConfig, model: Any) -> list[str]:
     """One banner line per lever that is on (``model``: unwrapped)."""
     from effitrain.precision import banner_line
 
-    lines = [banner_line(config)] if config.weights_dtype != "fp32" else []
+    weights = banner_line(config)  # None for fp32 weights
+    lines = [weights] if weights else []
     if config.gradient_checkpointing:
         lines.append("gradient checkpointing (non-reentrant: activations recomputed in backward)")
     if config.optimizer_in_backward:
