@@ -269,6 +269,12 @@ class TrainConfig:
 
     def _validate_optimizer_in_backward(self) -> None:
         """Each parameter is updated inside backward, as soon as its own gradient is ready."""
+        if not get_spec(self.optim).per_parameter:
+            raise EffitrainError(
+                f"--optim {self.optim} cannot combine with --optimizer-in-backward: it is built "
+                "over the whole model, not one parameter at a time; use another --optim or "
+                "leave the lever out"
+            )
         if self.max_grad_norm is not None and self.max_grad_norm > 0:
             raise EffitrainError(
                 f"--max-grad-norm {self.max_grad_norm:g} clips the global gradient norm, which "

@@ -60,6 +60,18 @@ class OptimizerSpec:
     lora: Defaults | None = None
     """Defaults for LoRA adapters on pretrained weights (``--lora-rank``), where measured on the
     fine-tuning benchmark (README, LoRA); None: the fine-tuning defaults."""
+    model_factory: Callable[[torch.nn.Module, ParamGroups, float], torch.optim.Optimizer] | None = (
+        None
+    )
+    """For optimizers that must see the model, not only its parameter groups (Muon's split of
+    hidden matrices from embeddings and head, GaLore's and APOLLO's projected matrices,
+    Adam-mini's blocks): ``model_factory(model, groups, lr)`` is used instead of ``factory``.
+    Such an optimizer is not per-parameter, so ``--optimizer-in-backward`` refuses it."""
+
+    @property
+    def per_parameter(self) -> bool:
+        """Whether it can be built over one parameter at a time (``--optimizer-in-backward``)."""
+        return self.model_factory is None
 
     def is_available(self) -> bool:
         return importlib.util.find_spec(self.module) is not None
@@ -223,6 +235,13 @@ def build_optimizer(
             f"{spec.install}"
         )
     groups = param_groups(model, weight_decay)
+    if spec.model_factory is not None:
+        if in_backward:  # refused earlier, in TrainConfig; a direct caller gets the same line
+            raise EffitrainError(
+                f"--optim {spec.name} cannot combine with --optimizer-in-backward: it is built "
+                "over the whole model, not one parameter at a time"
+            )
+        return spec.model_factory(model, groups, lr)
     if in_backward:
         from effitrain.in_backward import InBackwardOptimizer
 
