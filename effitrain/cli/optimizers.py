@@ -75,4 +75,5 @@ def optimizers(
         if row["caveat"]:
             line(f"  [yellow]note:[/] {row['caveat']}")
     line("")
-    line("bytes/param: optimizer-state bytes per fp32 parameter of a large 2-D weight.")
+    line("bytes/param: optimizer-state bytes per trained parameter, measured on the")
+    line("distilbert-base preset (65.8M fp32 parameters) after one step.")
