@@ -50,8 +50,9 @@ PYTHON_SCALAR_BYTES = 8
 """Bytes charged for a Python ``int``/``float``/``bool`` state value (its value width, not the
 size of the Python object). Negligible, but visible in the ledger."""
 
-StorageKey = tuple[int, str]
-"""``(storage data_ptr, device)``: identifies one real storage within the process."""
+StorageKey = tuple[Any, Any]
+"""``(storage data_ptr, device)``: identifies one real storage within the process; for a fake
+tensor (no memory behind it), ``("fake", storage handle)``."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -123,6 +124,14 @@ def _is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
+def _is_fake(t: Any) -> bool:
+    if "torch._subclasses.fake_tensor" not in sys.modules:
+        return False  # nobody can have made a fake tensor without importing it
+    from torch._subclasses.fake_tensor import is_fake
+
+    return bool(is_fake(t))
+
+
 def _dtensor_local(t: Any) -> Any:
     local = getattr(t, "_local_tensor", None)
     if local is not None:
@@ -183,12 +192,16 @@ def tensor_storage(t: torch.Tensor) -> list[tuple[StorageKey | None, int, int, s
     try:
         storage = t.untyped_storage()
         nbytes = int(storage.nbytes())
-        ptr = int(storage.data_ptr())
+        ptr = 0 if _is_fake(t) else int(storage.data_ptr())
     except (RuntimeError, NotImplementedError):
         # A subclass without a real storage that we do not know how to unwrap: the best
         # we can do is what it claims.
         nbytes = t.numel() * t.element_size()
         return [(None, nbytes, t.numel(), dtype)]
+    if ptr == 0 and nbytes > 0 and _is_fake(t):
+        # FakeTensorMode (``effitrain estimate``): no memory behind it, but a real size, and
+        # one storage object per storage (views share it) to deduplicate on.
+        return [(("fake", storage._cdata), nbytes, nbytes // max(t.element_size(), 1), dtype)]
     if nbytes == 0 or ptr == 0:
         return [(None, 0, 0, dtype)]
     return [((ptr, str(t.device)), nbytes, nbytes // max(t.element_size(), 1), dtype)]
@@ -384,7 +397,7 @@ def parameter_bytes(model: Any) -> int:
 def _view_identity(t: torch.Tensor) -> Hashable:
     """Same value for two Parameter objects that are the same view of the same storage."""
     try:
-        ptr = t.untyped_storage().data_ptr()
+        ptr = 0 if _is_fake(t) else t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
         ptr = 0
     if type(t).__name__ == "DTensor" or ptr == 0:

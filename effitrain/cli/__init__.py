@@ -12,7 +12,7 @@ import sys
 
 import typer
 
-from effitrain.cli import inspect_state, optimizers, train
+from effitrain.cli import estimate, inspect_state, optimizers, train
 
 app = typer.Typer(
     name="effitrain",
@@ -27,6 +27,7 @@ app = typer.Typer(
 app.command("inspect-state")(inspect_state.inspect_state)
 app.command("optimizers")(optimizers.optimizers)
 app.command("train")(train.train)
+app.command("estimate")(estimate.estimate)
 
 
 def _show_version(value: bool) -> None:

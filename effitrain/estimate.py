@@ -1,0 +1,255 @@
+"""``effitrain estimate``: the memory a run will take, before it runs, without the memory.
+
+How: the run's own training step, on fake tensors. Under PyTorch's ``FakeTensorMode`` every tensor
+has its shape, dtype and device but no data and no memory, and every operator still runs its real
+shape logic, so the same model (built from its config: a preset, a local folder or a hub id's
+config, no weights), the same levers (``levers.apply_to_model``), the same optimizer from the
+registry and a batch of ``--batch-size`` x ``--max-length`` tokens go through the same forward,
+backward, clipping and ``optimizer.step()`` as in :func:`effitrain.loop.train_step`, twice. The
+second step is measured by the same :class:`effitrain.step_memory.StepMemoryProbe` that a real
+run uses (PyTorch's ``MemTracker``), and parameters, gradients and optimizer state by the same
+true-storage ledger (:mod:`effitrain.memory`, which counts fake storages by their size). So the
+estimate is not a model of memory: it is the measurement, made on tensors that do not exist.
+
+What it cannot know: values. Where an optimizer reads a number back from a tensor (``.item()``:
+step counts, norms), it gets 1; that can change a value, never a shape, so no state size. Peak
+RSS (libraries, the allocator) is not estimated; on CUDA the allocator's rounding and
+workspaces are not either (the tracker's total is what ``max_memory_allocated`` would be,
+less those).
+
+Assumes every batch is full: ``--max-length`` tokens per example (a real run pads each batch to
+its longest example, so short texts take less).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import effitrain.memory as memory
+from effitrain.config import TrainConfig
+from effitrain.errors import EffitrainError
+
+STEPS = 2
+"""Optimizer steps run; the last is measured (the first creates the optimizer state)."""
+
+
+@dataclass
+class _Silent:
+    """A reporter that keeps its notes (levers.apply_to_model takes one)."""
+
+    notes: list[str]
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+
+
+def _fake_mode() -> Any:
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    class EstimateMode(FakeTensorMode):
+        """Fake tensors that answer ``.item()`` with 1 (True for bool): optimizers read step
+        counts and norms back; their state's shapes never depend on those values."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is torch.ops.aten._local_scalar_dense.default:
+                dtype = args[0].dtype
+                if dtype == torch.bool:
+                    return True
+                return 1.0 if (dtype.is_floating_point or dtype.is_complex) else 1
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    return EstimateMode(allow_non_fake_inputs=True)
+
+
+def _build_model(
+    config: TrainConfig, num_labels: int, label_names: list[str], tokenizer: Any
+) -> Any:
+    """The model a run would train, built from its config only (no weights are read)."""
+    from effitrain.models import PRESETS, load_model
+
+    if config.model in PRESETS:
+        return load_model(config.model, num_labels, label_names, tokenizer)
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from effitrain.models import _cannot_load
+
+    id2label = dict(enumerate(label_names))
+    try:
+        model_config = AutoConfig.from_pretrained(
+            config.model,
+            num_labels=num_labels,
+            id2label=id2label,
+            label2id={label: i for i, label in id2label.items()},
+        )
+    except (OSError, ValueError, KeyError) as exc:
+        raise _cannot_load("model", config.model, exc) from exc
+    if getattr(model_config, "pad_token_id", None) is None:
+        model_config.pad_token_id = tokenizer.pad_token_id
+    # from_pretrained keeps the checkpoint's dtype; from_config, fp32 unless told.
+    dtype = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
+    kwargs = {"dtype": dtype} if dtype is not None and not isinstance(dtype, str) else {}
+    return AutoModelForSequenceClassification.from_config(model_config, **kwargs)
+
+
+@contextmanager
+def _cannot_trace(optim: str) -> Iterator[None]:
+    """An operator without a fake (shape-only) implementation: one line, not a traceback."""
+    try:
+        yield
+    except EffitrainError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - anything fake tensors cannot run
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise EffitrainError(
+            f"cannot estimate --optim {optim} on fake tensors ({type(exc).__name__}: {first}); "
+            "measure it instead: effitrain train --max-steps 2 with the same options"
+        ) from exc
+
+
+def _materialize(model: Any, device: Any) -> None:
+    """Give every meta parameter and buffer a fake tensor of its shape and dtype on ``device``
+    (inside the fake mode); a tensor shared by several modules (tied weights) stays shared."""
+    import torch
+
+    made: dict[int, Any] = {}
+
+    def fake(t: Any, parameter: bool) -> Any:
+        if id(t) not in made:
+            new = torch.empty(t.shape, dtype=t.dtype, device=device)
+            made[id(t)] = (
+                torch.nn.Parameter(new, requires_grad=t.requires_grad) if parameter else new
+            )
+        return made[id(t)]
+
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                module._parameters[name] = fake(param, parameter=True)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = fake(buffer, parameter=False)
+
+
+def _batch(tokenizer: Any, batch_size: int, length: int) -> dict[str, Any]:
+    """A full batch as the run's collator makes it (the tokenizer's own inputs: token type ids
+    where the model takes them), every example ``length`` tokens long."""
+    import torch
+
+    batch = dict(
+        tokenizer(
+            ["a"] * batch_size,
+            padding="max_length",
+            truncation=True,
+            max_length=length,
+            return_tensors="pt",
+        )
+    )
+    batch["attention_mask"] = torch.ones_like(batch["attention_mask"])
+    batch["labels"] = torch.zeros(batch_size, dtype=torch.long)
+    return batch
+
+
+def estimate(config: TrainConfig) -> dict[str, Any]:
+    """What ``effitrain train`` with ``config`` would measure, with the metrics JSON's field
+    names (``optimizer_state``, ``parameter_bytes``, ``gradient_bytes``, ``activation_bytes``,
+    ``peak_tensor_bytes`` …), plus ``estimate`` (how it was made) and ``notes``.
+
+    Raises:
+        EffitrainError: the model, the data or the options cannot be used.
+    """
+    import torch
+
+    from effitrain import levers, precision
+    from effitrain.data import load_data
+    from effitrain.models import load_tokenizer
+    from effitrain.optim import build_optimizer
+    from effitrain.step_memory import StepMemoryProbe
+
+    if config.mixed_precision == "fp16":
+        raise EffitrainError(
+            "effitrain estimate does not model fp16 loss scaling; use --mixed-precision bf16 or no"
+        )
+    data = load_data(config)
+    tokenizer = load_tokenizer(config.model)
+    notes: list[str] = []
+    spec = precision.optimizer_spec(config)
+    device = torch.device("cpu")
+    autocast = (
+        torch.autocast("cpu", dtype=torch.bfloat16)
+        if config.mixed_precision == "bf16"
+        else nullcontext()
+    )
+    torch.manual_seed(config.seed)
+    # Built on the meta device (shapes only; module conversions such as the bf16 cast work
+    # there, not on fake parameters), then given fake storage on the run's device.
+    with torch.device("meta"):
+        model = _build_model(config, data.num_labels, data.label_names, tokenizer)
+        model = levers.apply_to_model(model, config, _Silent(notes))
+    with _fake_mode():
+        _materialize(model, device)
+        model.train()
+        optimizer = build_optimizer(
+            model,
+            spec.name,
+            config.effective_lr,
+            config.weight_decay,
+            spec=spec,
+            in_backward=config.optimizer_in_backward,
+        )
+        # As effitrain.data.tokenize: capped by the tokenizer's model_max_length.
+        length = min(config.max_length, tokenizer.model_max_length)
+        batch = _batch(tokenizer, config.batch_size, length)
+        step_memory: dict[str, Any] = {}
+        with StepMemoryProbe(model, optimizer, device) as probe, _cannot_trace(spec.name):
+            for step in range(STEPS):
+                if step == STEPS - 1:
+                    probe.start()
+                for micro in range(config.grad_accum):
+                    if micro:
+                        probe.next_micro_batch()
+                    with autocast:
+                        loss = model(**batch).loss
+                    loss.backward()
+                if config.effective_max_grad_norm > 0:
+                    torch.nn.utils.clip_grad_norm_(
+                        model.parameters(), config.effective_max_grad_norm
+                    )
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                if step == STEPS - 1:
+                    step_memory = probe.stop()
+        kind_peaks = step_memory.get("kind_peaks", {})
+        result = {
+            "optimizer": spec.name,
+            "optimizer_class": spec.class_path,
+            "lr": config.effective_lr,
+            "optimizer_state": memory.optimizer_state_ledger(optimizer).to_dict(),
+            "parameter_bytes": memory.parameter_bytes(model),
+            "trainable_parameters": memory.trainable_parameter_count(model),
+            "trainable_parameter_bytes": memory.trainable_parameter_bytes(model),
+            "gradient_bytes": kind_peaks.get("gradients", 0),
+            "adamw_equivalent_bytes": memory.adamw_equivalent_bytes(model),
+            "adamw_equivalent_elements": memory.adamw_equivalent_elements(model),
+            "activation_bytes": kind_peaks.get("activations"),
+            "peak_tensor_bytes": step_memory.get("peak_tensor_bytes"),
+            "step_memory": step_memory,
+            "levers": levers.active(config),
+            "baseline": memory.fp32_adamw_baseline(levers.original_parameters(model)),
+        }
+        if config.optimizer_in_backward:
+            optimizer.remove_hooks()
+    result["estimate"] = {
+        "method": "fake tensors (torch FakeTensorMode) through the real training step",
+        "model": config.model,
+        "batch_size": config.batch_size,
+        "max_length": length,
+        "grad_accum": config.grad_accum,
+        "mixed_precision": config.mixed_precision,
+        "measured_step": STEPS,
+    }
+    result["notes"] = notes
+    return result
