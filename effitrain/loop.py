@@ -254,6 +254,7 @@ def log_line(run: Run, progress: TrainingProgress, timer: Stopwatch) -> StepLog:
         samples_per_second=samples / elapsed if elapsed > 0 else 0.0,
         eta_seconds=remaining * timer.recent_mean(run.config.log_every),
     )
+    progress.loss_history.append({"step": log.step, "loss": log.loss})
     tracking.log_train(run, log)
     return log
 

@@ -50,6 +50,8 @@ class TrainingProgress:
     step_memory: dict[str, Any] = field(default_factory=dict)
     """The first optimizer step's tensor memory by kind (``StepMemory.to_dict()``; empty when
     not measured)."""
+    loss_history: list[dict[str, float]] = field(default_factory=list)
+    """Every log line's ``{"step", "loss"}`` (the mean loss since the previous one)."""
 
     def __init__(
         self,
@@ -143,6 +145,7 @@ class TrainingProgress:
         """
         state = {f.name: getattr(self, f.name) for f in fields(self)}
         state["eval_history"] = [dict(entry) for entry in self.eval_history]
+        state["loss_history"] = [dict(entry) for entry in self.loss_history]
         state["window"] = self._reduce(self._window.clone()).tolist()
         return state
 

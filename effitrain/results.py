@@ -105,6 +105,8 @@ class TrainResult:
     """The first step's tensor memory by kind (``effitrain.step_memory.StepMemory``)."""
     levers: list[str] = field(default_factory=list)
     """The memory levers that were on (``effitrain.levers.active``)."""
+    loss_history: list[dict[str, float]] = field(default_factory=list)
+    """The training loss at every log line: ``{"step", "loss"}`` (``--log-every``)."""
     baseline: dict[str, int] = field(default_factory=dict)
     """The same model trained whole in fp32 with fp32 AdamW and no levers (parameters,
     gradients, optimizer state), for the savings column."""

@@ -163,6 +163,7 @@ def summarize(
         train_loss=progress.train_loss,
         eval={k: final_eval[k] for k in ("accuracy", "f1", "loss", "examples")},
         eval_history=progress.eval_history,
+        loss_history=progress.loss_history,
         optimizer_state=memory.optimizer_state_ledger(optimizer),
         parameter_bytes=memory.parameter_bytes(model),
         trainable_parameters=memory.trainable_parameter_count(model),

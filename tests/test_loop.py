@@ -271,6 +271,7 @@ def test_progress_state_dict_round_trip():
     progress.measure_gradients(torch.nn.Linear(3, 2))  # no grads yet: 0, measured later
     progress.record_evaluation({"accuracy": 0.5}, epoch_complete=True)
     progress.step_memory = {"peak_tensor_bytes": 10, "at_peak": {"activations": 6}}
+    progress.loss_history.append({"step": 2, "loss": 0.5})
     state = progress.state_dict()
     assert state == {
         "global_step": 2,
@@ -282,6 +283,7 @@ def test_progress_state_dict_round_trip():
         "eval_history": [{"accuracy": 0.5, "epoch": 1, "step": 2}],
         "gradient_bytes": 0,
         "step_memory": {"peak_tensor_bytes": 10, "at_peak": {"activations": 6}},
+        "loss_history": [{"step": 2, "loss": 0.5}],
         "window": [1.0, 1.0, 2.0],
     }
     restored = TrainingProgress()

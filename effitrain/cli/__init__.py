@@ -12,7 +12,7 @@ import sys
 
 import typer
 
-from effitrain.cli import estimate, inspect_state, optimizers, train
+from effitrain.cli import compare, estimate, inspect_state, optimizers, train
 
 app = typer.Typer(
     name="effitrain",
@@ -28,6 +28,7 @@ app.command("inspect-state")(inspect_state.inspect_state)
 app.command("optimizers")(optimizers.optimizers)
 app.command("train")(train.train)
 app.command("estimate")(estimate.estimate)
+app.command("compare")(compare.compare)
 
 
 def _show_version(value: bool) -> None:

@@ -1,0 +1,294 @@
+"""``effitrain compare``: several configurations on the same model and data, side by side.
+
+Each configuration (an optimizer, or a variant ``"adafactor +gradient-checkpointing"``) is one
+``effitrain train`` in a fresh process (so each process's peak RSS is its own), with
+``--metrics-json``; with repeats, the configurations run in turn (A B C A B C …) so machine noise
+hits each alike. The rows keep each run's measured numbers under the metrics JSON's own names;
+time per step is the median over repeats. Written to the output folder: ``compare.json`` (every
+row and every run), ``compare.csv`` (one line per configuration) and ``compare.png`` (stacked
+memory bars and the loss curves; matplotlib, the ``plot`` extra).
+
+Heavy imports (matplotlib) happen inside functions.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from effitrain.errors import EffitrainError
+
+DEFAULT_OPTIMIZERS = ("adamw", "adafactor", "adamw-8bit")
+"""The course's comparison: AdamW, Adafactor and 8-bit AdamW."""
+
+PARTS = (
+    ("parameters", "parameter_bytes"),
+    ("gradients", "gradient_bytes"),
+    ("optimizer state", "optimizer_state_bytes"),
+    ("activations", "activation_bytes"),
+)
+"""The stacked parts of the memory bars (metrics JSON fields; optimizer state flattened)."""
+
+COLUMNS = (
+    *PARTS,
+    ("peak tensors", "peak_tensor_bytes"),
+    ("peak RSS", "peak_memory_bytes"),
+    ("s/step", "seconds_per_step"),
+    ("final loss", "final_loss"),
+    ("eval accuracy", "eval_accuracy"),
+)
+"""The table's and the CSV's numeric columns."""
+
+
+@dataclass
+class Configuration:
+    """One row: a label and the ``effitrain train`` options that make it."""
+
+    label: str
+    args: list[str] = field(default_factory=list)
+
+
+def parse_variant(text: str) -> Configuration:
+    """``"adafactor +gradient-checkpointing +lora-rank=8"`` -> ``--optim adafactor
+    --gradient-checkpointing --lora-rank 8``: an optimizer name, then ``+option`` or
+    ``+option=value`` for any ``effitrain train`` option.
+
+    Raises:
+        EffitrainError: empty, or a word that is neither the first nor ``+option``.
+    """
+    words = text.split()
+    if not words or words[0].startswith("+"):
+        raise EffitrainError(
+            f"--variant '{text}': start with an optimizer name, then +options, e.g. "
+            "'adafactor +gradient-checkpointing'"
+        )
+    args = ["--optim", words[0]]
+    for word in words[1:]:
+        if not word.startswith("+") or len(word) == 1:
+            raise EffitrainError(
+                f"--variant '{text}': '{word}' is not a +option (e.g. +gradient-checkpointing "
+                "or +lora-rank=8)"
+            )
+        name, _, value = word[1:].partition("=")
+        args += [f"--{name}", value] if value else [f"--{name}"]
+    return Configuration(label=" ".join(words), args=args)
+
+
+def configurations(optims: list[str], variants: list[str]) -> list[Configuration]:
+    """The rows, in order: each optimizer, then each variant; the course's three by default
+    (8-bit AdamW only where bitsandbytes is installed)."""
+    from effitrain.optim import get_spec
+
+    if not optims and not variants:
+        optims = [name for name in DEFAULT_OPTIMIZERS if get_spec(name).is_available()]
+    for name in optims:
+        get_spec(name)  # an unknown name: one line listing the valid ones
+    rows = [Configuration(label=name, args=["--optim", name]) for name in optims]
+    rows += [parse_variant(v) for v in variants]
+    labels = [row.label for row in rows]
+    if len(set(labels)) != len(labels):
+        raise EffitrainError(f"the same configuration is asked for twice: {', '.join(labels)}")
+    return rows
+
+
+def run_one(
+    configuration: Configuration, common: list[str], metrics_path: Path
+) -> tuple[dict[str, Any] | None, str]:
+    """One ``effitrain train`` in a fresh process: its metrics, or None and its error line."""
+    command = [
+        sys.executable,
+        "-m",
+        "effitrain",
+        "train",
+        "--quiet",
+        *common,
+        *configuration.args,
+        "--metrics-json",
+        str(metrics_path),
+    ]
+    proc = subprocess.run(command, capture_output=True, text=True, env=os.environ.copy())
+    if proc.returncode != 0:
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        errors = [line for line in lines if line.startswith("error:")]
+        return None, (errors or lines or [f"exit code {proc.returncode}"])[-1]
+    return json.loads(metrics_path.read_text()), ""
+
+
+def summarize(configuration: Configuration, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from a configuration's runs: bytes from the first (they repeat exactly), time
+    and peak RSS the median over runs."""
+    first = runs[0]
+    row: dict[str, Any] = {
+        "label": configuration.label,
+        "args": configuration.args,
+        "optimizer": first["optimizer"],
+        "levers": first.get("levers", []),
+        "parameter_bytes": first["parameter_bytes"],
+        "gradient_bytes": first["gradient_bytes"],
+        "optimizer_state_bytes": first["optimizer_state"]["bytes"],
+        "optimizer_state_elements": first["optimizer_state"]["elements"],
+        "activation_bytes": first.get("activation_bytes") or 0,
+        "peak_tensor_bytes": first.get("peak_tensor_bytes") or 0,
+        "peak_memory_bytes": statistics.median(r["peak_memory_bytes"] for r in runs),
+        "peak_memory_kind": first["peak_memory_kind"],
+        "seconds_per_step": statistics.median(r["seconds_per_step"] for r in runs),
+        "final_loss": (first.get("loss_history") or [{"loss": first["train_loss"]}])[-1]["loss"],
+        "eval_accuracy": first["eval"].get("accuracy"),
+        "loss_history": first.get("loss_history", []),
+        "repeats": len(runs),
+    }
+    return row
+
+
+@dataclass
+class Comparison:
+    rows: list[dict[str, Any]]
+    failed: dict[str, str]
+    """Label -> the error line of a configuration that did not run."""
+    runs: dict[str, list[dict[str, Any]]]
+
+
+def compare(
+    rows: list[Configuration],
+    common: list[str],
+    output_dir: Path,
+    repeats: int = 1,
+    progress: Callable[[str], None] = lambda _line: None,
+) -> Comparison:
+    """Run every configuration ``repeats`` times, in turn; a configuration that fails is
+    reported (its error line) and not run again."""
+    runs_dir = output_dir / "runs"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[dict[str, Any]]] = {row.label: [] for row in rows}
+    failed: dict[str, str] = {}
+    total = len(rows) * repeats
+    index = 0
+    for repeat in range(repeats):
+        for row in rows:
+            index += 1
+            if row.label in failed:
+                continue
+            progress(f"[{index}/{total}] {row.label}: running")
+            start = time.perf_counter()
+            slug = "".join(c if c.isalnum() or c in "-_" else "_" for c in row.label)
+            metrics, error = run_one(row, common, runs_dir / f"{repeat + 1}-{slug}.json")
+            wall = time.perf_counter() - start
+            if metrics is None:
+                failed[row.label] = error
+                progress(f"[{index}/{total}] {row.label}: failed ({error})")
+                continue
+            runs[row.label].append(metrics)
+            from effitrain.memory import format_bytes
+
+            progress(
+                f"[{index}/{total}] {row.label}: peak tensors "
+                f"{format_bytes(metrics.get('peak_tensor_bytes') or 0)}, "
+                f"{metrics['seconds_per_step']:.2f} s/step, done in {wall:.0f} s"
+            )
+    summary = [summarize(row, runs[row.label]) for row in rows if runs[row.label]]
+    return Comparison(rows=summary, failed=failed, runs=runs)
+
+
+def write_files(comparison: Comparison, output_dir: Path, common: list[str]) -> dict[str, Path]:
+    """``compare.json``, ``compare.csv`` and, with matplotlib, ``compare.png``; returns what
+    was written."""
+    written = {}
+    data = {
+        "options": common,
+        "rows": comparison.rows,
+        "failed": comparison.failed,
+        "runs": comparison.runs,
+    }
+    path = output_dir / "compare.json"
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    written["json"] = path
+    path = output_dir / "compare.csv"
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["configuration", *(key for _, key in COLUMNS), "repeats"])
+        for row in comparison.rows:
+            writer.writerow([row["label"], *(row[key] for _, key in COLUMNS), row["repeats"]])
+    written["csv"] = path
+    if comparison.rows and plotting_available():
+        path = output_dir / "compare.png"
+        plot(data, path)
+        written["png"] = path
+    return written
+
+
+def plotting_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _unit(largest: float) -> tuple[float, str]:
+    return (2**30, "GiB") if largest >= 2**30 else (2**20, "MiB")
+
+
+def plot(data: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Stacked memory bars per configuration and the loss curves, from ``compare.json``'s data
+    only. Returns what was drawn (bar heights in the chosen unit, curves), for tests."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = data["rows"]
+    labels = [row["label"] for row in rows]
+    largest = max(sum(row[key] for _, key in PARTS) for row in rows)
+    scale, unit = _unit(largest)
+    fig, (bars, curves) = plt.subplots(
+        1, 2, figsize=(max(10.0, 3.0 + 1.6 * len(rows)), 5.0), constrained_layout=True
+    )
+    drawn: dict[str, Any] = {"unit": unit, "bars": {}, "curves": {}}
+    positions = range(len(rows))
+    bottom = [0.0] * len(rows)
+    for name, key in PARTS:
+        heights = [row[key] / scale for row in rows]
+        bars.bar(positions, heights, bottom=bottom, label=name, width=0.6)
+        drawn["bars"][name] = heights
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    peaks = [row["peak_tensor_bytes"] / scale for row in rows]
+    bars.hlines(
+        peaks, [x - 0.38 for x in positions], [x + 0.38 for x in positions], colors="black",
+        linewidths=2, label="peak tensors (all at once)",
+    )  # fmt: skip
+    drawn["peak_tensors"] = peaks
+    for x, total, peak in zip(positions, bottom, peaks, strict=True):
+        bars.annotate(
+            f"{peak:,.1f} {unit}", (x, max(total, peak)), ha="center", va="bottom", fontsize=9,
+            xytext=(0, 3), textcoords="offset points",
+        )  # fmt: skip
+    bars.set_xticks(list(positions), [label.replace(" +", "\n+") for label in labels], fontsize=9)
+    bars.set_ylabel(f"memory in one optimizer step ({unit})")
+    bars.set_title("Tensor memory: each part at its own peak, and the peak")
+    top = max([*bottom, *peaks])
+    bars.set_ylim(0, top * 1.4 if top > 0 else 1)
+    bars.legend(loc="upper right", fontsize=9)
+    for row in rows:
+        history = row.get("loss_history") or []
+        steps = [point["step"] for point in history]
+        losses = [point["loss"] for point in history]
+        curves.plot(steps, losses, marker="o", markersize=3, label=row["label"])
+        drawn["curves"][row["label"]] = (steps, losses)
+    from matplotlib.ticker import MaxNLocator
+
+    curves.xaxis.set_major_locator(MaxNLocator(integer=True))
+    curves.set_xlabel("optimizer step")
+    curves.set_ylabel("training loss (mean since the previous log line)")
+    curves.set_title("Training loss")
+    curves.grid(alpha=0.3)
+    curves.legend(fontsize=9)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return drawn
