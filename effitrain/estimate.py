@@ -253,3 +253,52 @@ def estimate(config: TrainConfig) -> dict[str, Any]:
     }
     result["notes"] = notes
     return result
+
+
+SHARDED = {
+    "ddp": (),
+    "zero1": ("optimizer_state",),
+    "zero2": ("optimizer_state", "gradients"),
+    "zero3": ("optimizer_state", "gradients", "parameters"),
+    "fsdp": ("optimizer_state", "gradients", "parameters"),
+}
+"""What each strategy splits across processes (FSDP = FULL_SHARD, like ZeRO-3)."""
+
+
+def per_device(result: dict[str, Any], num_processes: int, sharding: str) -> dict[str, Any]:
+    """Each process's share under ``sharding`` over ``num_processes`` processes, from a
+    one-process estimate: the sharded parts divided by N (rounded up), the rest (activations:
+    each process runs its own --batch-size; temporaries) whole. The peak is the one-process
+    peak's composition with the sharded parts divided.
+
+    A model of the split, not a measurement: FSDP's all-gathered layer (the largest one's full
+    parameters, briefly) and the communication buckets (DDP keeps a gradient-sized set unless
+    ``gradient_as_bucket_view``) are not included.
+
+    Raises:
+        EffitrainError: an unknown strategy.
+    """
+    if sharding not in SHARDED:
+        raise EffitrainError(
+            f"unknown --sharding '{sharding}'; choose one of: {', '.join(SHARDED)}"
+        )
+    split = SHARDED[sharding]
+    n = max(num_processes, 1)
+
+    def share(kind: str, value: int | None) -> int | None:
+        if value is None:
+            return None
+        return -(-value // n) if kind in split else value
+
+    at_peak = result.get("step_memory", {}).get("at_peak", {})
+    peak = sum(share(kind, value) or 0 for kind, value in at_peak.items())
+    return {
+        "num_processes": n,
+        "sharding": sharding,
+        "parameter_bytes": share("parameters", result["parameter_bytes"]),
+        "gradient_bytes": share("gradients", result["gradient_bytes"]),
+        "optimizer_state_bytes": share("optimizer_state", result["optimizer_state"]["bytes"]),
+        "activation_bytes": result["activation_bytes"],
+        "peak_tensor_bytes": peak if at_peak else None,
+        "modeled": "sharded parts divided by the number of processes",
+    }

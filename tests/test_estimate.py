@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from effitrain.errors import EffitrainError
 from tests.conftest import assert_clean_error
 
 EXACT = ("parameter_bytes", "trainable_parameter_bytes", "gradient_bytes")
@@ -191,3 +192,49 @@ def test_cli_errors_are_one_line(cli, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{")
     assert_clean_error(cli("estimate", "--compare-to", str(bad)), "--compare-to")
+
+
+def test_per_device_splits_what_each_strategy_shards():
+    from effitrain.estimate import per_device
+
+    result = {
+        "parameter_bytes": 400,
+        "gradient_bytes": 400,
+        "optimizer_state": {"bytes": 801},
+        "activation_bytes": 1000,
+        "step_memory": {
+            "at_peak": {
+                "parameters": 400,
+                "gradients": 400,
+                "optimizer_state": 801,
+                "activations": 10,
+            }
+        },
+    }
+    ddp = per_device(result, 4, "ddp")
+    assert (ddp["parameter_bytes"], ddp["gradient_bytes"], ddp["optimizer_state_bytes"]) == (
+        400,
+        400,
+        801,
+    )
+    assert ddp["peak_tensor_bytes"] == 1611
+    zero2 = per_device(result, 4, "zero2")
+    assert (zero2["parameter_bytes"], zero2["gradient_bytes"], zero2["optimizer_state_bytes"]) == (
+        400,
+        100,
+        201,
+    )
+    assert zero2["peak_tensor_bytes"] == 400 + 100 + 201 + 10
+    fsdp = per_device(result, 4, "fsdp")
+    assert fsdp["parameter_bytes"] == 100 and fsdp["activation_bytes"] == 1000
+    with pytest.raises(EffitrainError, match="unknown --sharding 'zero9'"):
+        per_device(result, 2, "zero9")
+
+
+def test_cli_per_device(cli):
+    proc = cli("estimate", "--max-length", "16", "--batch-size", "2", "--num-processes", "2",
+               "--sharding", "fsdp", "--json")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    row = json.loads(proc.stdout)
+    assert row["per_device"]["parameter_bytes"] == -(-row["parameter_bytes"] // 2)
+    assert_clean_error(cli("estimate", "--num-processes", "2", "--sharding", "zero9"), "zero9")

@@ -75,6 +75,25 @@ def estimate(
     lora_alpha: Annotated[float | None, _opt("lora_alpha", LEVERS)] = None,
     lora_dropout: Annotated[float | None, _opt("lora_dropout", LEVERS)] = None,
     lora_target_modules: Annotated[str | None, _opt("lora_target_modules", LEVERS)] = None,
+    num_processes: Annotated[
+        int,
+        typer.Option(
+            "--num-processes",
+            min=1,
+            rich_help_panel=LOOP,
+            help="Also show each process's share when this many processes train together.",
+        ),
+    ] = 1,  # fmt: skip
+    sharding: Annotated[
+        str,
+        typer.Option(
+            "--sharding",
+            rich_help_panel=LOOP,
+            metavar="ddp|zero1|zero2|zero3|fsdp",
+            help="How --num-processes processes split the model: ddp (nothing), zero1 (optimizer "
+            "state), zero2 (+ gradients), zero3 or fsdp (+ parameters).",
+        ),
+    ] = "ddp",  # fmt: skip
     as_json: Annotated[
         bool, typer.Option("--json", help="Print JSON (the metrics JSON's field names).")
     ] = False,
@@ -97,7 +116,8 @@ def estimate(
     overrides = {
         name: value
         for name, value in ctx.params.items()
-        if name not in ("config_file", "as_json", "compare_to", "optim")
+        if name
+        not in ("config_file", "as_json", "compare_to", "optim", "num_processes", "sharding")
         and getattr(ctx.get_parameter_source(name), "name", "") in given
     }
     with user_errors():
@@ -112,10 +132,17 @@ def estimate(
         for name in names:
             get_spec(name)
         _quiet()
+        from effitrain.estimate import SHARDED, per_device
+
+        if sharding not in SHARDED:
+            per_device({}, num_processes, sharding)  # the one-line error
         results = []
         for name in names:
             config = build_config(config_file, {**overrides, "optim": name})
-            results.append(run_estimate(config))
+            result = run_estimate(config)
+            if num_processes > 1:
+                result["per_device"] = per_device(result, num_processes, sharding)
+            results.append(result)
         measured = _load_metrics(compare_to) if compare_to else None
         if as_json:
             out: Any = results[0] if len(results) == 1 else results
@@ -204,6 +231,8 @@ def _print(results: list[dict[str, Any]], measured: dict[str, Any] | None) -> No
             ]
         table.add_row(label, *cells)
     console.print(table)
+    if "per_device" in results[0]:
+        _print_per_device(console, results)
     console.print(
         "Peak tensor memory: the most bytes of live tensors at once in one optimizer step (the "
         "run's memory table); a process holds more (libraries, the CUDA context, allocator "
@@ -249,3 +278,32 @@ def _mismatches(result: dict[str, Any], measured: dict[str, Any]) -> list[str]:
         "measures less activation memory than this estimate"
     )
     return out
+
+
+def _print_per_device(console: Any, results: list[dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    from effitrain.memory import format_bytes
+
+    first = results[0]["per_device"]
+    table = Table(
+        title=f"Per process: {first['num_processes']} processes, {first['sharding']} "
+        f"({first['modeled']})",
+        title_justify="left",
+    )
+    table.add_column("what")
+    for result in results:
+        table.add_column(result["optimizer"], justify="right")
+    for label, key in (
+        ("parameters", "parameter_bytes"),
+        ("gradients", "gradient_bytes"),
+        ("optimizer state", "optimizer_state_bytes"),
+        ("activations", "activation_bytes"),
+        ("peak tensor memory", "peak_tensor_bytes"),
+    ):
+        table.add_row(label, *(format_bytes(r["per_device"][key] or 0) for r in results))
+    console.print(table)
+    console.print(
+        "Not included: FSDP's all-gathered layer (one layer's full parameters at a time) and "
+        "DDP's gradient buckets."
+    )
