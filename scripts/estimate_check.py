@@ -51,7 +51,9 @@ def main() -> None:
 
     from effitrain.config import build_config
     from effitrain.estimate import estimate
-    from effitrain.memory import format_bytes
+
+    def mib(n: int) -> str:
+        return f"{n / 2**20:,.1f} MiB"
 
     adam = accelerate_answer(args.model)
     lines = [
@@ -102,14 +104,14 @@ def main() -> None:
                     with args.json.open("a") as handle:
                         handle.write(json.dumps(row) + "\n")
                 acc = (
-                    f"{format_bytes(adam)} | {(adam - measured) / measured:+.1%}"
+                    f"{mib(adam)} | {(adam - measured) / measured:+.1%}"
                     if optim == "adamw"
                     else "– (Adam only) | –"
                 )
                 acc_cell, acc_error = acc.split(" | ")
                 lines.append(
-                    f"| {optim} | {batch} x {length} | {acc_cell} | {format_bytes(estimated)} "
-                    f"| {format_bytes(measured)} | {(estimated - measured) / measured:+.1%} "
+                    f"| {optim} | {batch} x {length} | {acc_cell} | {mib(estimated)} "
+                    f"| {mib(measured)} | {(estimated - measured) / measured:+.1%} "
                     f"| {acc_error} |"
                 )
                 print(lines[-1], file=sys.stderr)
