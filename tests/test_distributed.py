@@ -536,3 +536,17 @@ def test_adam_mini_is_refused_on_flat_shards(state, where):
 @pytest.mark.parametrize("state", [fsdp(2), fake_state("MULTI_GPU")])
 def test_adam_mini_runs_on_fsdp2_and_ddp(state):
     assert distributed.optimizer_notes(state, "adam-mini") == []
+
+
+@pytest.mark.slow
+def test_adam_mini_ddp_matches_one_process(no_dropout_model_dir, train_cli, tmp_path):
+    """DDP: replicated weights, so Adam-mini's blocks need no collective of their own."""
+    common = ("train", "--model", str(no_dropout_model_dir), "--optim", "adam-mini", *STEPS)
+    two = launch(*common, "--batch-size", "8", "--output-dir", str(tmp_path / "two"))
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    one = train_cli(*common, "--batch-size", "16", "--output-dir", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stdout + one.stderr
+    difference = max_abs_difference(
+        load_parameters(tmp_path / "two" / "final"), load_parameters(tmp_path / "one" / "final")
+    )
+    assert difference < 1e-5
