@@ -47,6 +47,12 @@ DTENSOR_INCOMPATIBLE = {
 }
 """Optimizers that crash on FSDP2's DTensor parameters (checked with torch 2.13, bnb 0.50.2)."""
 
+NEEDS_2D_SHARDS = {
+    "adam-mini": "Adam-mini's per-row and per-head blocks index 2-D weights (IndexError on 1-D)",
+}
+"""Optimizers that crash on FSDP1's and DeepSpeed ZeRO's flat 1-D shards (checked on FSDP1 with
+torch 2.13, adam-mini 1.1.1); FSDP2's row-sharded DTensors keep their shapes."""
+
 RANK_FIELDS = ("optimizer_state_bytes", "parameter_bytes", "peak_memory_bytes")
 """Per-rank byte counts that :func:`rank_totals` sums over ranks."""
 
@@ -309,6 +315,13 @@ def optimizer_notes(state: Any, optim: str) -> list[str]:
     """
     sharding = detect_sharding(state)
     _check_launch(state, sharding)
+    if sharding.flat_params and optim in NEEDS_2D_SHARDS:
+        where = "FSDP1" if sharding.kind == "fsdp1" else f"DeepSpeed ZeRO-{sharding.zero_stage}"
+        raise EffitrainError(
+            f"--optim {optim} cannot run under {where}: it "
+            f"hands the optimizer flat 1-D shards, and {NEEDS_2D_SHARDS[optim]}; use FSDP2 "
+            f"(fsdp_version: 2) or {USE_DDP}"
+        )
     return _fsdp_rules(sharding, state, optim) + _deepspeed_rules(sharding, state, optim)
 
 

@@ -274,7 +274,9 @@ def infer_parameter(entry: Mapping[str, Any]) -> tuple[list[int] | None, str]:
     - ``exp_avg`` / ``exp_avg_sq`` / ``momentum_buffer`` / ``variance`` / bitsandbytes ``state1``:
       these have the parameter's shape;
     - torch Adafactor ``row_var`` (…, m, 1) and ``col_var`` (…, 1, n): the parameter is (…, m, n);
-    - transformers Adafactor ``exp_avg_sq_row`` (…, m) and ``exp_avg_sq_col`` (…, n): (…, m, n).
+    - transformers Adafactor ``exp_avg_sq_row`` (…, m) and ``exp_avg_sq_col`` (…, n): (…, m, n);
+    - Adam-mini ``m`` (see ``_adam_mini_parameter``), with ``vmean`` per head, per row or one
+      value, or a full ``v``.
 
     The second moment is ``factored`` (row + column statistics), ``full`` (one value per
     element), ``8-bit`` (bitsandbytes' quantized ``state2``) or ``-`` (none kept).
@@ -288,6 +290,8 @@ def infer_parameter(entry: Mapping[str, Any]) -> tuple[list[int] | None, str]:
     if row is not None and col is not None:
         shape = _shape(row) + _shape(col)[-1:]
         return shape, f"factored ({_shape(row)[-1]:,} + {_shape(col)[-1]:,} values)"
+    if "m" in flat and ("vmean" in flat or "v" in flat):  # Adam-mini (v: its Adam blocks)
+        return _adam_mini_parameter(flat)
     for key in ("exp_avg", "exp_avg_sq", "variance", "state1", "momentum_buffer"):
         shape = _shape(flat.get(key))
         if shape is not None:
@@ -300,6 +304,21 @@ def infer_parameter(entry: Mapping[str, Any]) -> tuple[list[int] | None, str]:
     else:
         kind = "full"
     return shape, kind
+
+
+def _adam_mini_parameter(flat: Mapping[str, Any]) -> tuple[list[int] | None, str]:
+    """Adam-mini's ``m`` has the parameter's shape, except for query/key weights, whose ``m`` is
+    stored as (heads, head size): the shape given is then that view (same element count)."""
+    if "vmean" not in flat:
+        return _shape(flat["m"]), "full"
+    blocks = _numel(_shape(flat["vmean"]))
+    if "head_per_gpu" in flat:
+        kind = f"per head ({blocks:,} values)"
+    elif "neuron_per_gpu" in flat:
+        kind = f"per row ({blocks:,} values)"
+    else:
+        kind = "one value"
+    return _shape(flat["m"]), kind
 
 
 def infer_optimizer(state_dict: Mapping[str, Any]) -> str:
@@ -326,6 +345,8 @@ def infer_optimizer(state_dict: Mapping[str, Any]) -> str:
         )
     if "momentum_buffer" in keys:
         return "torch.optim.SGD"
+    if "vmean" in keys and keys & {"head_per_gpu", "neuron_per_gpu"}:
+        return "adam_mini.Adam_mini"
     return "unknown"
 
 

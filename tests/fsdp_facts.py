@@ -66,6 +66,54 @@ def fsdp2_outcome(name: str, mesh) -> str:
     return "trains"
 
 
+def adam_mini_facts(mesh) -> dict:
+    """Adam-mini on the tiny DistilBERT (the same batch on every rank): FSDP2 against one
+    unsharded process, and FSDP1's 1-D shards under an optimizer built before wrapping."""
+    from effitrain.models import load_model, load_tokenizer
+    from effitrain.optim import build_optimizer
+
+    tokenizer = load_tokenizer("tiny")
+
+    def make():
+        torch.manual_seed(0)
+        return load_model("tiny", 2, ["a", "b"], tokenizer)
+
+    torch.manual_seed(1)
+    ids, labels = torch.randint(5, len(tokenizer), (4, 16)), torch.tensor([0, 1, 1, 0])
+
+    def train(model, optimizer):
+        for _ in range(3):
+            model(input_ids=ids, labels=labels).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    reference = make()
+    train(reference, build_optimizer(reference, "adam-mini", 1e-3, 0.01))
+    model = make()
+    for layer in model.distilbert.transformer.layer:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    train(model, build_optimizer(model, "adam-mini", 1e-3, 0.01))
+    full = [p.full_tensor() for p in model.parameters()]
+    facts = {
+        "fsdp2_max_diff": max(
+            float((a - b).abs().max()) for a, b in zip(full, reference.parameters(), strict=True)
+        ),
+        "fsdp2_moved": max(
+            float((a - b).abs().max()) for a, b in zip(full, make().parameters(), strict=True)
+        ),
+    }
+    model = make()
+    optimizer = build_optimizer(model, "adam-mini", 1e-3, 0.01)  # before wrapping, as effitrain
+    wrapped = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
+    try:
+        train(wrapped, optimizer)
+        facts["fsdp1"] = "trains"
+    except IndexError:
+        facts["fsdp1"] = "IndexError"
+    return facts
+
+
 def main() -> None:
     state = PartialState(cpu=True)
     mesh = init_device_mesh("cpu", (state.num_processes,))
@@ -87,6 +135,7 @@ def main() -> None:
     before = checksum(wrapped)
     train_steps(wrapped, optimizer)
     facts["fsdp1"]["orig_params_false_trains"] = checksum(wrapped) != before
+    facts["adam-mini"] = adam_mini_facts(mesh)
     out_dir = Path(os.environ["FSDP_FACTS_DIR"])
     (out_dir / f"rank-{state.process_index}.json").write_text(json.dumps(facts))
 

@@ -251,6 +251,10 @@ def test_fsdp_facts_behind_the_rules(tmp_path):
         assert rank_facts["fsdp1"]["param_dims"] == [1]
         # FSDP1, use_orig_params=False, optimizer built before wrapping: nothing trains.
         assert rank_facts["fsdp1"]["orig_params_false_trains"] is False
+        # Adam-mini: FSDP2's row shards give exactly one process's result; FSDP1's 1-D crash.
+        mini = rank_facts["adam-mini"]
+        assert mini["fsdp2_max_diff"] == 0.0 and mini["fsdp2_moved"] > 1e-3, mini
+        assert mini["fsdp1"] == "IndexError"
 
 
 # --------------------------------------------------------------------------------------------
@@ -516,3 +520,33 @@ def test_shipped_accelerate_configs_load():
     )
     zero3 = load_config_from_file(str(folder / "deepspeed-zero3.yaml")).deepspeed_config
     assert zero3["zero_stage"] == 3 and zero3["offload_optimizer_device"] == "none"
+
+
+@pytest.mark.parametrize(
+    ("state", "where"), [(fsdp(1), "FSDP1"), (deepspeed(2), "DeepSpeed ZeRO-2")]
+)
+def test_adam_mini_is_refused_on_flat_shards(state, where):
+    with pytest.raises(EffitrainError) as error:
+        distributed.optimizer_notes(state, "adam-mini")
+    message = str(error.value)
+    assert "\n" not in message and f"--optim adam-mini cannot run under {where}" in message
+    assert "flat 1-D shards" in message and "use FSDP2" in message and "or DDP" in message
+
+
+@pytest.mark.parametrize("state", [fsdp(2), fake_state("MULTI_GPU")])
+def test_adam_mini_runs_on_fsdp2_and_ddp(state):
+    assert distributed.optimizer_notes(state, "adam-mini") == []
+
+
+@pytest.mark.slow
+def test_adam_mini_ddp_matches_one_process(no_dropout_model_dir, train_cli, tmp_path):
+    """DDP: replicated weights, so Adam-mini's blocks need no collective of their own."""
+    common = ("train", "--model", str(no_dropout_model_dir), "--optim", "adam-mini", *STEPS)
+    two = launch(*common, "--batch-size", "8", "--output-dir", str(tmp_path / "two"))
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    one = train_cli(*common, "--batch-size", "16", "--output-dir", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stdout + one.stderr
+    difference = max_abs_difference(
+        load_parameters(tmp_path / "two" / "final"), load_parameters(tmp_path / "one" / "final")
+    )
+    assert difference < 1e-5

@@ -64,7 +64,7 @@ def assert_same_end(straight, resumed, step):
     ]
 
 
-@pytest.mark.parametrize("optim", ["adamw", "adafactor", "adamw-8bit"])
+@pytest.mark.parametrize("optim", ["adamw", "adafactor", "adamw-8bit", "adam-mini"])
 def test_resume_mid_epoch_across_epoch_boundary_is_exact(train_cli, data, tmp_path, optim):
     # Resume at step 4 of a 6-step epoch; the resumed part crosses into epoch 2 and ends at 8.
     options = ("--optim", optim, "--max-steps", "8", "--save-every", "4")
