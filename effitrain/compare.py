@@ -264,10 +264,12 @@ def plot(data: dict[str, Any], path: Path) -> dict[str, Any]:
         linewidths=2, label="peak tensors (all at once)",
     )  # fmt: skip
     drawn["peak_tensors"] = peaks
-    for x, total, peak in zip(positions, bottom, peaks, strict=True):
+    from effitrain.memory import format_bytes
+
+    for x, total, peak, row in zip(positions, bottom, peaks, rows, strict=True):
         bars.annotate(
-            f"{peak:,.1f} {unit}", (x, max(total, peak)), ha="center", va="bottom", fontsize=9,
-            xytext=(0, 3), textcoords="offset points",
+            format_bytes(row["peak_tensor_bytes"]), (x, max(total, peak)), ha="center",
+            va="bottom", fontsize=9, xytext=(0, 3), textcoords="offset points",
         )  # fmt: skip
     bars.set_xticks(list(positions), [label.replace(" +", "\n+") for label in labels], fontsize=9)
     bars.set_ylabel(f"memory in one optimizer step ({unit})")
