@@ -116,6 +116,34 @@ def _sgd(groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
     return torch.optim.SGD(groups, lr=lr, momentum=0.9)
 
 
+def _muon(model: torch.nn.Module, groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
+    from effitrain.optim_split import build_muon
+
+    return build_muon(model, groups, lr)
+
+
+def _galore(model: torch.nn.Module, groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
+    from effitrain.optim_split import build_galore
+
+    return build_galore(model, groups, lr)
+
+
+def _apollo(model: torch.nn.Module, groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
+    from effitrain.optim_split import build_apollo
+
+    return build_apollo(model, groups, lr)
+
+
+def _apollo_mini(model: torch.nn.Module, groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
+    from effitrain.optim_split import build_apollo
+
+    return build_apollo(model, groups, lr, mini=True)
+
+
+def _by_model_only(groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
+    raise EffitrainError("this optimizer is built over the model (OptimizerSpec.model_factory)")
+
+
 OPTIMIZERS: dict[str, OptimizerSpec] = {
     spec.name: spec
     for spec in (
@@ -181,6 +209,62 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             bytes_per_param="4",
             factory=_sgd,
             caveat="its defaults fail the demo from scratch and long texts (see README)",
+        ),
+        OptimizerSpec(
+            name="muon",
+            class_path="torch.optim.Muon + torch.optim.AdamW",
+            module="torch",
+            install="pip install 'torch>=2.9'",
+            scratch=Defaults(1e-3, 0.06, "linear"),
+            fine_tune=Defaults(2e-4, 0.1, "linear"),
+            description="Muon (orthogonalised momentum, lr matched to AdamW's RMS) on the body's "
+            "2-D hidden matrices; AdamW on embeddings, head and 1-D",
+            state="momentum_buffer (Muon); step, exp_avg, exp_avg_sq (AdamW)",
+            bytes_per_param="MEASURE",
+            factory=_by_model_only,
+            model_factory=_muon,
+        ),
+        OptimizerSpec(
+            name="galore",
+            class_path="pytorch_optimizer.GaLore",
+            module="pytorch_optimizer",
+            install="pip install 'effitrain[galore]'  (pytorch-optimizer)",
+            scratch=Defaults(1e-3, 0.06, "linear"),
+            fine_tune=Defaults(2e-4, 0.1, "linear"),
+            description="Adam on hidden matrices' gradients projected to rank min(128, width/4) "
+            "(SVD every 200 steps, scale 0.25); AdamW on the rest",
+            state="exp_avg, exp_avg_sq (projected), projector.ortho_matrix (rank x n)",
+            bytes_per_param="MEASURE",
+            factory=_by_model_only,
+            model_factory=_galore,
+        ),
+        OptimizerSpec(
+            name="apollo",
+            class_path="apollo_torch.APOLLOAdamW",
+            module="apollo_torch",
+            install="pip install 'effitrain[apollo]'  (apollo-torch)",
+            scratch=Defaults(1e-3, 0.06, "linear"),
+            fine_tune=Defaults(2e-4, 0.1, "linear"),
+            description="AdamW's moments in a random rank min(128, width/4) projection scale "
+            "the raw gradient channel-wise on hidden matrices; AdamW on the rest",
+            state="exp_avg, exp_avg_sq (projected), projector.ortho_matrix, seed, scaled_grad",
+            bytes_per_param="MEASURE",
+            factory=_by_model_only,
+            model_factory=_apollo,
+        ),
+        OptimizerSpec(
+            name="apollo-mini",
+            class_path="apollo_torch.APOLLOAdamW",
+            module="apollo_torch",
+            install="pip install 'effitrain[apollo]'  (apollo-torch)",
+            scratch=Defaults(1e-3, 0.06, "linear"),
+            fine_tune=Defaults(2e-4, 0.1, "linear"),
+            description="APOLLO-Mini: rank-1 projection, one scaling factor per matrix "
+            "(scale 128); AdamW on the rest",
+            state="as apollo, rank 1",
+            bytes_per_param="MEASURE",
+            factory=_by_model_only,
+            model_factory=_apollo_mini,
         ),
     )
 }
