@@ -217,8 +217,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             install="pip install 'torch>=2.9'",
             scratch=Defaults(1e-3, 0.06, "linear"),
             fine_tune=Defaults(2e-4, 0.1, "linear"),
-            description="Muon (orthogonalised momentum, lr matched to AdamW's RMS) on the body's "
-            "2-D hidden matrices; AdamW on embeddings, head and 1-D",
+            description="Muon on hidden matrices (lr matched to AdamW's RMS), AdamW on the rest",
             state="momentum_buffer (Muon); step, exp_avg, exp_avg_sq (AdamW)",
             bytes_per_param="5.42 (measured, distilbert-base: 4 on hidden matrices, 8 on the rest)",
             factory=_by_model_only,
@@ -231,8 +230,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             install="pip install 'effitrain[galore]'  (pytorch-optimizer)",
             scratch=Defaults(1e-3, 0.06, "linear"),
             fine_tune=Defaults(2e-4, 0.1, "linear"),
-            description="Adam on hidden matrices' gradients projected to rank min(128, width/4) "
-            "(SVD every 200 steps, scale 0.25); AdamW on the rest",
+            description="hidden matrices: Adam on SVD-projected gradients (rank <= 128); rest AdamW",
             state="exp_avg, exp_avg_sq (projected), projector.ortho_matrix (rank x n)",
             bytes_per_param="3.91 (measured, distilbert-base, rank 128)",
             factory=_by_model_only,
@@ -245,9 +243,8 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             install="pip install 'effitrain[apollo]'  (apollo-torch)",
             scratch=Defaults(1e-3, 0.06, "linear"),
             fine_tune=Defaults(2e-4, 0.1, "linear"),
-            description="AdamW's moments in a random rank min(128, width/4) projection scale "
-            "the raw gradient channel-wise on hidden matrices; AdamW on the rest",
-            state="exp_avg, exp_avg_sq (projected), projector.ortho_matrix, seed, scaled_grad",
+            description="hidden matrices: gradient scaled by random-projected Adam; rest AdamW",
+            state="exp_avg, exp_avg_sq (projected), projector, seed, scaled_grad",
             bytes_per_param="3.91 (measured, distilbert-base, rank 128)",
             factory=_by_model_only,
             model_factory=_apollo,
@@ -259,8 +256,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             install="pip install 'effitrain[apollo]'  (apollo-torch)",
             scratch=Defaults(1e-3, 0.06, "linear"),
             fine_tune=Defaults(2e-4, 0.1, "linear"),
-            description="APOLLO-Mini: rank-1 projection, one scaling factor per matrix "
-            "(scale 128); AdamW on the rest",
+            description="APOLLO-Mini: rank 1, one scale per matrix; rest AdamW",
             state="as apollo, rank 1",
             bytes_per_param="2.84 (measured, distilbert-base)",
             factory=_by_model_only,
