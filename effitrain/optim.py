@@ -219,7 +219,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             fine_tune=Defaults(2e-4, 0.1, "linear"),
             description="Muon on hidden matrices (lr matched to AdamW's RMS), AdamW on the rest",
             state="momentum_buffer (Muon); step, exp_avg, exp_avg_sq (AdamW)",
-            bytes_per_param="5.42 (measured, distilbert-base: 4 on hidden matrices, 8 on the rest)",
+            bytes_per_param="5.42 (measured, distilbert-base; hidden 4, rest 8)",
             factory=_by_model_only,
             model_factory=_muon,
         ),
