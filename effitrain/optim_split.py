@@ -361,6 +361,11 @@ def build_apollo(
     every 200 steps), channel-wise scaling of the raw gradient, scale 1 (the Trainer's
     defaults); ``mini``: APOLLO-Mini, rank 1 with tensor-wise scaling and scale 128 (the
     authors' setting)."""
+    import logging
+
+    # apollo_torch imports bitsandbytes, which logs a warning about an optional 4-bit CPU kernel
+    # that has nothing to do with APOLLO (as for adamw-8bit in effitrain.optim).
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     from apollo_torch import APOLLOAdamW
 
     name = "apollo-mini" if mini else "apollo"
