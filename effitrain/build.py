@@ -192,7 +192,7 @@ def build_run(config: TrainConfig, reporter: Reporter) -> Run:
         num_labels=data.num_labels,
         spec=spec,
         tokenizer=tokenizer,
-        info=describe(config, accelerator, model, data, plan),
+        info=describe(config, accelerator, model, data, plan, optimizer),
         sharding=sharding,
     )
 
@@ -219,9 +219,14 @@ def build_optimization(
 
 
 def describe(
-    config: TrainConfig, accelerator: Accelerator, model: Any, data: LoadedData, plan: Plan
+    config: TrainConfig,
+    accelerator: Accelerator,
+    model: Any,
+    data: LoadedData,
+    plan: Plan,
+    optimizer: Any = None,
 ) -> RunInfo:
-    """What the run is about to do, for the banner."""
+    """What the run is about to do, for the banner (``optimizer``: built, possibly prepared)."""
     spec = precision.optimizer_spec(config)
     n = accelerator.num_processes
     return RunInfo(
@@ -253,4 +258,7 @@ def describe(
         num_processes=n,
         mixed_precision=accelerator.mixed_precision,
         levers=levers.describe(config, accelerator.unwrap_model(model)),
+        optimizer_split=getattr(
+            getattr(optimizer, "optimizer", optimizer), "split_description", ""
+        ),
     )

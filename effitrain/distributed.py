@@ -40,6 +40,15 @@ if TYPE_CHECKING:
 FACTORED_OPTIMIZERS = frozenset({"adafactor", "adafactor-hf"})
 """Optimizers whose savings come from factoring the second moment of >=2-D weights."""
 
+MATRIX_OPTIMIZERS = {
+    "muon": "Muon orthogonalises",
+    "galore": "GaLore projects",
+    "apollo": "APOLLO projects",
+    "apollo-mini": "APOLLO-Mini projects",
+}
+"""Optimizers that need each hidden matrix whole, as the model's 2-D shape
+(:mod:`effitrain.optim_split`)."""
+
 DTENSOR_INCOMPATIBLE = {
     "adafactor": "torch.optim.Adafactor",
     "adafactor-hf": "transformers' Adafactor",
@@ -321,6 +330,14 @@ def optimizer_notes(state: Any, optim: str) -> list[str]:
             f"--optim {optim} cannot run under {where}: it "
             f"hands the optimizer flat 1-D shards, and {NEEDS_2D_SHARDS[optim]}; use FSDP2 "
             f"(fsdp_version: 2) or {USE_DDP}"
+        )
+    if optim in MATRIX_OPTIMIZERS and sharding.kind in ("fsdp1", "fsdp2", "deepspeed"):
+        # FSDP1/DeepSpeed hand the optimizer flat 1-D shards; FSDP2 row shards (DTensor) would
+        # make every step gather each matrix, and effitrain has not checked it on 2 processes.
+        raise EffitrainError(
+            f"--optim {optim} cannot run under {sharding.description}: "
+            f"{MATRIX_OPTIMIZERS[optim]} each whole 2-D hidden matrix, and the optimizer gets "
+            f"shards; use {USE_DDP} or one process"
         )
     return _fsdp_rules(sharding, state, optim) + _deepspeed_rules(sharding, state, optim)
 

@@ -292,6 +292,17 @@ def infer_parameter(entry: Mapping[str, Any]) -> tuple[list[int] | None, str]:
         return shape, f"factored ({_shape(row)[-1]:,} + {_shape(col)[-1]:,} values)"
     if "m" in flat and ("vmean" in flat or "v" in flat):  # Adam-mini (v: its Adam blocks)
         return _adam_mini_parameter(flat)
+    projector = flat.get("projector")
+    ortho = _shape(projector.get("ortho_matrix")) if isinstance(projector, Mapping) else None
+    low = _shape(flat.get("exp_avg"))
+    if ortho is not None and low is not None and len(ortho) == len(low) == 2:
+        # GaLore/APOLLO 'std': a tall (m, n) gradient is projected on the right,
+        # G (m, n) @ P.T (n, r) = (m, r); a wide one on the left, P.T (r, m) @ G = (r, n).
+        if ortho[0] == low[1] and low[0] >= ortho[1]:
+            shape = [low[0], ortho[1]]
+        else:
+            shape = [ortho[0], low[1]]
+        return shape, f"projected (rank {min(ortho)}: {_numel(low):,} values)"
     for key in ("exp_avg", "exp_avg_sq", "variance", "state1", "momentum_buffer"):
         shape = _shape(flat.get(key))
         if shape is not None:
@@ -338,6 +349,15 @@ def infer_optimizer(state_dict: Mapping[str, Any]) -> str:
         return "torch.optim.Adafactor"
     if keys & {"exp_avg_sq_row", "exp_avg_sq_col", "RMS"}:
         return "transformers.optimization.Adafactor"
+    if "projector" in keys:  # GaLore/APOLLO (optim_split.keep_projectors_in_state_dict)
+        if {"seed", "scaled_grad"} & keys:
+            return "apollo_torch.APOLLOAdamW (APOLLO)"
+        return "pytorch_optimizer.GaLore (GaLore)"
+    muon = any("ns_steps" in g for g in groups)
+    if muon and {"exp_avg", "exp_avg_sq"} <= keys:
+        return "torch.optim.Muon + torch.optim.AdamW (Muon + AdamW)"
+    if muon:
+        return "torch.optim.Muon"
     if {"exp_avg", "exp_avg_sq"} <= keys:
         decoupled = groups[0].get("decoupled_weight_decay")
         return {True: "torch.optim.AdamW", False: "torch.optim.Adam"}.get(

@@ -290,6 +290,10 @@ def optimizer_state_ledger(optimizer_or_state: Any) -> OptimizerStateLedger:
       names, so a saved bnb checkpoint shows the same keys as the live optimizer:
       ``state1``, ``qmap1`` …). Any other nested dict gives keys joined as ``"parent.child"``;
     - list/tuple: each item counted under the same key;
+    - a plain Python object (GaLore's and APOLLO's ``projector``, which holds the projection
+      matrix ``ortho_matrix``): its attributes (``vars``), as a dict: ``"projector.ortho_matrix"``,
+      ``"projector.rank"`` … (the keys a saved checkpoint has, see
+      :func:`effitrain.optim_split.keep_projectors_in_state_dict`);
     - anything else (``None``, strings): ignored.
 
     When several state tensors are views into one flat buffer, the whole buffer is charged to
@@ -335,6 +339,10 @@ def optimizer_state_ledger(optimizer_or_state: Any) -> OptimizerStateLedger:
         if isinstance(value, (list, tuple)):
             for item in value:
                 visit(key, item)
+            return
+        attributes = getattr(value, "__dict__", None)
+        if isinstance(attributes, dict) and not isinstance(value, type) and not callable(value):
+            visit(key, attributes)
 
     for entry in (e for e in state.values() if isinstance(e, Mapping)):
         ledger.params_with_state += len(entry) > 0

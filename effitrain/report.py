@@ -87,6 +87,8 @@ class Reporter:
             f"  optimizer [cyan]{info.optimizer}[/] ({info.optimizer_class}), "
             f"lr {info.lr:g}{lr_note}"
         )
+        if info.optimizer_split:
+            self._line(f"  split     {info.optimizer_split}")
         schedule_note = f" ({info.schedule_note})" if info.schedule_note else ""
         self._line(
             f"  schedule  {info.total_steps} steps ({info.epochs} epoch(s) × "

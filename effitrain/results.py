@@ -43,6 +43,9 @@ class RunInfo:
     mixed_precision: str
     levers: list[str] = field(default_factory=list)
     """One banner line per memory lever that is on (``effitrain.levers.describe``)."""
+    optimizer_split: str = ""
+    """How the optimizer splits the parameters (Muon, GaLore, APOLLO: hidden matrices vs the
+    rest, ``effitrain.optim_split``); empty for one update rule everywhere."""
 
 
 @dataclass
