@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from effitrain.errors import EffitrainError, first_line
+from effitrain.optim import set_train_mode
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -643,7 +644,11 @@ class Checkpointer:
         self.last_path: Path | None = None
 
     def save(self, progress: TrainingProgress) -> Path:
-        """Write ``checkpoint-<global step>`` now (all processes)."""
+        """Write ``checkpoint-<global step>`` now (all processes).
+
+        Always in the optimizer's train mode (schedule-free), whatever it was in: a resumed run
+        continues from the very weights and state that the uninterrupted run trains on."""
+        set_train_mode(self.optimizer, True)
         metadata = build_metadata(
             config=self.config,
             progress=progress.state_dict(),
