@@ -144,6 +144,14 @@ def _adamw_schedule_free(groups: ParamGroups, lr: float) -> torch.optim.Optimize
     return AdamWScheduleFree(groups, lr=lr)
 
 
+IN_BACKWARD_REFUSED = {
+    "adamw-schedule-free": "its step count and averaging weights live in the parameter group, "
+    "which each per-parameter optimizer would keep apart from the checkpoint (resume would "
+    "restart the average)"
+}
+"""Per-parameter optimizers that still cannot run in backward, and why."""
+
+
 def set_train_mode(optimizer: Any, train: bool) -> None:
     """``optimizer.train()`` or ``.eval()`` where it has them (schedule-free: eval mode holds the
     averaged weights, the ones to evaluate and save); otherwise nothing.

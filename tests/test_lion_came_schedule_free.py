@@ -297,3 +297,16 @@ def test_tiny_demo_learns(train_cli, tmp_path, name):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(metrics.read_text())
     assert result["eval"]["accuracy"] >= 0.8, result["eval_history"]
+
+
+def test_schedule_free_refuses_optimizer_in_backward():
+    with pytest.raises(EffitrainError) as error:
+        TrainConfig(optim="adamw-schedule-free", optimizer_in_backward=True).validate()
+    message = str(error.value)
+    assert "--optim adamw-schedule-free cannot combine with --optimizer-in-backward" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("name", ["lion", "lion-8bit", "came"])
+def test_elementwise_entries_accept_optimizer_in_backward(name):
+    TrainConfig(optim=name, optimizer_in_backward=True).validate()
