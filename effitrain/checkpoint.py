@@ -342,8 +342,12 @@ def _check_shapes(saved: dict[str, Any], current: dict[str, list[int]], checkpoi
 
 # The scheduler owns lr; its saved state is loaded with the rest. torch-optimi (bf16 weights)
 # keeps its step counter, a setup flag and the kernel it chose at the first step (triton) in
-# each param group: state, not options, also loaded with the rest.
-_SCHEDULED = frozenset({"lr", "initial_lr", "step", "setup", "triton"})
+# each param group: state, not options, also loaded with the rest. So do pytorch-optimizer's
+# CAME (step) and schedule-free (k, its average's weight_sum and lr_max, scheduled_lr, and
+# train_mode).
+_SCHEDULED = frozenset({"lr", "initial_lr", "step", "setup", "triton"}) | frozenset(
+    {"k", "weight_sum", "lr_max", "scheduled_lr", "train_mode"}
+)
 
 
 def _check_hyperparameters(
