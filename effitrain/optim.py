@@ -250,7 +250,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             state="exp_avg",
             bytes_per_param="4.00 (measured, distilbert-base)",
             factory=_lion,
-            caveat="fine-tuning at 3e-5 ends a few points below AdamW and still rising (README)",
+            caveat="fine-tuning at 3e-5 ends below AdamW, still rising (README)",
         ),
         OptimizerSpec(
             name="lion-8bit",
@@ -261,7 +261,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             fine_tune=Defaults(3e-5, 0.1, "linear"),
             description="Lion with a block-wise 8-bit quantized momentum (bitsandbytes)",
             state="state1 (uint8), absmax1, qmap1 (shared)",
-            bytes_per_param="1.02 (measured, distilbert-base; tensors < 4096 elements stay fp32: 4)",
+            bytes_per_param="1.02 (measured, distilbert-base; < 4096 elements: fp32, 4)",
             factory=_lion_8bit,
         ),
         OptimizerSpec(
@@ -272,7 +272,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             scratch=Defaults(1e-3, 0.06, "linear"),
             fine_tune=Defaults(2e-4, 0.1, "linear"),
             description="Adafactor-like factored second moment plus a factored confidence term",
-            state="exp_avg; exp_avg_sq_row/col + exp_avg_res_row/col (>=2-D) or exp_avg_sq; RMS",
+            state="exp_avg; exp_avg_sq_row/col, exp_avg_res_row/col (1-D: exp_avg_sq); RMS",
             bytes_per_param="4.02 (measured, distilbert-base)",
             factory=_came,
         ),
@@ -283,8 +283,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             install="pip install 'effitrain[schedulefree]'  (schedulefree)",
             scratch=Defaults(2e-3, 0.06, "constant"),
             fine_tune=Defaults(5e-4, 0.1, "constant"),
-            description="AdamW without a decaying schedule (iterate averaging); evaluated and "
-            "saved in its eval mode",
+            description="AdamW with iterate averaging instead of a schedule (eval mode: the average)",
             state="z, exp_avg_sq",
             bytes_per_param="8.00 (measured, distilbert-base)",
             factory=_adamw_schedule_free,
