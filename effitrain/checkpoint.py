@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from effitrain.errors import EffitrainError, first_line
+from effitrain.optim import set_train_mode
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -341,8 +342,12 @@ def _check_shapes(saved: dict[str, Any], current: dict[str, list[int]], checkpoi
 
 # The scheduler owns lr; its saved state is loaded with the rest. torch-optimi (bf16 weights)
 # keeps its step counter, a setup flag and the kernel it chose at the first step (triton) in
-# each param group: state, not options, also loaded with the rest.
-_SCHEDULED = frozenset({"lr", "initial_lr", "step", "setup", "triton"})
+# each param group: state, not options, also loaded with the rest. So do pytorch-optimizer's
+# CAME (step) and schedule-free (k, its average's weight_sum and lr_max, scheduled_lr, and
+# train_mode).
+_SCHEDULED = frozenset({"lr", "initial_lr", "step", "setup", "triton"}) | frozenset(
+    {"k", "weight_sum", "lr_max", "scheduled_lr", "train_mode"}
+)
 
 
 def _check_hyperparameters(
@@ -643,7 +648,11 @@ class Checkpointer:
         self.last_path: Path | None = None
 
     def save(self, progress: TrainingProgress) -> Path:
-        """Write ``checkpoint-<global step>`` now (all processes)."""
+        """Write ``checkpoint-<global step>`` now (all processes).
+
+        Always in the optimizer's train mode (schedule-free), whatever it was in: a resumed run
+        continues from the very weights and state that the uninterrupted run trains on."""
+        set_train_mode(self.optimizer, True)
         metadata = build_metadata(
             config=self.config,
             progress=progress.state_dict(),

@@ -20,7 +20,7 @@ from typing import Any
 
 from effitrain.errors import EffitrainError
 from effitrain.models import PRESETS
-from effitrain.optim import FINE_TUNE, SCRATCH, Defaults, get_spec
+from effitrain.optim import FINE_TUNE, IN_BACKWARD_REFUSED, SCRATCH, Defaults, get_spec
 
 SCHEDULERS = ("linear", "cosine", "constant")
 MIXED_PRECISION = ("no", "fp16", "bf16")
@@ -274,6 +274,11 @@ class TrainConfig:
                 f"--optim {self.optim} cannot combine with --optimizer-in-backward: it is built "
                 "over the whole model, not one parameter at a time; use another --optim or "
                 "leave the lever out"
+            )
+        if self.optim in IN_BACKWARD_REFUSED:
+            raise EffitrainError(
+                f"--optim {self.optim} cannot combine with --optimizer-in-backward: "
+                f"{IN_BACKWARD_REFUSED[self.optim]}; use another --optim or leave the lever out"
             )
         if self.max_grad_norm is not None and self.max_grad_norm > 0:
             raise EffitrainError(

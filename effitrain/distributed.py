@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 
-FACTORED_OPTIMIZERS = frozenset({"adafactor", "adafactor-hf"})
+FACTORED_OPTIMIZERS = frozenset({"adafactor", "adafactor-hf", "came"})
 """Optimizers whose savings come from factoring the second moment of >=2-D weights."""
 
 MATRIX_OPTIMIZERS = {
@@ -49,10 +49,20 @@ MATRIX_OPTIMIZERS = {
 """Optimizers that need each hidden matrix whole, as the model's 2-D shape
 (:mod:`effitrain.optim_split`)."""
 
+_FLAT_COST = {"came": "8 bytes per parameter with its exp_avg, as much as AdamW, not ~4"}
+"""What a factored optimizer keeps on flat 1-D shards, where not Adafactor's 4 bytes."""
+
+
+def _flat_cost(optim: str) -> str:
+    return _FLAT_COST.get(optim, "4 bytes per parameter, half of AdamW, not ~0")
+
+
 DTENSOR_INCOMPATIBLE = {
     "adafactor": "torch.optim.Adafactor",
     "adafactor-hf": "transformers' Adafactor",
     "adamw-8bit": "bitsandbytes' 8-bit AdamW",
+    "lion-8bit": "bitsandbytes' 8-bit Lion",
+    "came": "pytorch-optimizer's CAME",
 }
 """Optimizers that crash on FSDP2's DTensor parameters (checked with torch 2.13, bnb 0.50.2)."""
 
@@ -250,8 +260,7 @@ def _check_launch(state: Any, sharding: Sharding) -> None:
 def _fsdp_rules(sharding: Sharding, state: Any, optim: str) -> list[str]:
     if sharding.kind == "fsdp2" and optim in DTENSOR_INCOMPATIBLE:
         alternative = (
-            f"use {USE_DDP}, where Adafactor keeps its factored savings, "
-            "or --optim adamw with FSDP2"
+            f"use {USE_DDP}, where {optim} keeps its factored savings, or --optim adamw with FSDP2"
             if optim in FACTORED_OPTIMIZERS
             else f"use {USE_DDP}, FSDP1 with fsdp_use_orig_params: true, "
             "or --optim adamw with FSDP2"
@@ -271,8 +280,8 @@ def _fsdp_rules(sharding: Sharding, state: Any, optim: str) -> list[str]:
     if optim in FACTORED_OPTIMIZERS:
         return [
             f"FSDP1 hands the optimizer flattened 1-D parameter shards: {optim} cannot factor "
-            "them and keeps a full second moment (4 bytes per parameter, half of AdamW, not ~0); "
-            f"for Adafactor's savings use {USE_DDP}"
+            f"them and keeps a full second moment ({_flat_cost(optim)}); "
+            f"for its factored savings use {USE_DDP}"
         ]
     return []
 
@@ -306,8 +315,8 @@ def _deepspeed_rules(sharding: Sharding, state: Any, optim: str) -> list[str]:
     if sharding.flat_params and optim in FACTORED_OPTIMIZERS:
         notes.append(
             f"DeepSpeed ZeRO-{sharding.zero_stage} hands the optimizer flat 1-D partitions: "
-            f"{optim} cannot factor them and keeps a full second moment (4 bytes per parameter, "
-            f"half of AdamW, not ~0); for Adafactor's savings use {USE_DDP}"
+            f"{optim} cannot factor them and keeps a full second moment ({_flat_cost(optim)}); "
+            f"for its factored savings use {USE_DDP}"
         )
     return notes
 

@@ -277,6 +277,7 @@ def infer_parameter(entry: Mapping[str, Any]) -> tuple[list[int] | None, str]:
     - transformers Adafactor ``exp_avg_sq_row`` (…, m) and ``exp_avg_sq_col`` (…, n): (…, m, n);
     - Adam-mini ``m`` (see ``_adam_mini_parameter``), with ``vmean`` per head, per row or one
       value, or a full ``v``.
+      CAME too (with ``exp_avg_res_row/col``, factored alike); schedule-free ``z``: the shape.
 
     The second moment is ``factored`` (row + column statistics), ``full`` (one value per
     element), ``8-bit`` (bitsandbytes' quantized ``state2``) or ``-`` (none kept).
@@ -289,7 +290,10 @@ def infer_parameter(entry: Mapping[str, Any]) -> tuple[list[int] | None, str]:
     row, col = flat.get("exp_avg_sq_row"), flat.get("exp_avg_sq_col")
     if row is not None and col is not None:
         shape = _shape(row) + _shape(col)[-1:]
-        return shape, f"factored ({_shape(row)[-1]:,} + {_shape(col)[-1]:,} values)"
+        kind = f"factored ({_shape(row)[-1]:,} + {_shape(col)[-1]:,} values)"
+        if "exp_avg_res_row" in flat:  # CAME: its confidence term is factored the same way
+            kind = f"factored ({_shape(row)[-1]:,} + {_shape(col)[-1]:,} values, twice)"
+        return shape, kind
     if "m" in flat and ("vmean" in flat or "v" in flat):  # Adam-mini (v: its Adam blocks)
         return _adam_mini_parameter(flat)
     projector = flat.get("projector")
@@ -303,7 +307,7 @@ def infer_parameter(entry: Mapping[str, Any]) -> tuple[list[int] | None, str]:
         else:
             shape = [ortho[0], low[1]]
         return shape, f"projected (rank {min(ortho)}: {_numel(low):,} values)"
-    for key in ("exp_avg", "exp_avg_sq", "variance", "state1", "momentum_buffer"):
+    for key in ("exp_avg", "exp_avg_sq", "variance", "state1", "momentum_buffer", "z"):
         shape = _shape(flat.get(key))
         if shape is not None:
             break
@@ -343,10 +347,14 @@ def infer_optimizer(state_dict: Mapping[str, Any]) -> str:
         return (
             "bitsandbytes 8-bit optimizer (AdamW8bit/Adam8bit)"
             if "state2" in keys
-            else "bitsandbytes 8-bit optimizer (one state)"
+            else "bitsandbytes 8-bit optimizer (one state: Lion8bit, Momentum8bit…)"
         )
     if keys & {"row_var", "col_var", "variance"}:
         return "torch.optim.Adafactor"
+    # CAME keeps Adafactor's exp_avg_sq_row/col plus a factored confidence term, and three
+    # betas (1-D parameters only: no exp_avg_res_*, but still the three betas).
+    if "exp_avg_res_row" in keys or ("RMS" in keys and len(groups[0].get("betas", ())) == 3):
+        return "CAME (pytorch_optimizer.CAME)"
     if keys & {"exp_avg_sq_row", "exp_avg_sq_col", "RMS"}:
         return "transformers.optimization.Adafactor"
     if "projector" in keys:  # GaLore/APOLLO (optim_split.keep_projectors_in_state_dict)
@@ -367,6 +375,12 @@ def infer_optimizer(state_dict: Mapping[str, Any]) -> str:
         return "torch.optim.SGD"
     if "vmean" in keys and keys & {"head_per_gpu", "neuron_per_gpu"}:
         return "adam_mini.Adam_mini"
+    if {"z", "exp_avg_sq"} <= keys:
+        return "schedulefree.AdamWScheduleFree"
+    if keys == {"exp_avg"}:
+        return "Lion (lion_pytorch.Lion)"
+    if "state1" in keys:  # bitsandbytes' 32-bit one-state optimizers (tensors < 4096 elements)
+        return "bitsandbytes optimizer (one state: Lion8bit, Lion, Momentum…)"
     return "unknown"
 
 

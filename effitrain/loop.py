@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import effitrain.checkpoint as checkpoint
 import effitrain.tracking as tracking
 from effitrain.errors import EffitrainError
+from effitrain.optim import set_train_mode
 from effitrain.progress import Stopwatch, TrainingProgress
 from effitrain.results import StepLog
 from effitrain.signals import StopRequest, TrainingStopped
@@ -174,6 +175,7 @@ def fit(
     timer = Stopwatch()
     reporter.progress_started(plan.total_steps, completed=progress.global_step)
     run.model.train()
+    set_train_mode(run.optimizer, True)  # schedule-free: steps only in train mode
     # One optimizer step is measured by kind (effitrain.step_memory): the second, where the
     # optimizer state already exists, as in every later step (the first, in a one-step run).
     probe = StepMemoryProbe(run.model, run.optimizer, run.accelerator.device)
@@ -306,6 +308,7 @@ def evaluate(run: Run) -> dict[str, float]:
 
     model, accelerator = run.model, run.accelerator
     model.eval()
+    set_train_mode(run.optimizer, False)  # schedule-free: evaluate its averaged weights
     predictions, references, losses = [], [], []
     for batch in run.eval_loader:
         with torch.no_grad():
@@ -318,6 +321,7 @@ def evaluate(run: Run) -> dict[str, float]:
         references.append(refs.cpu())
         losses.append(loss.cpu())
     model.train()
+    set_train_mode(run.optimizer, True)
     y_pred = torch.cat(predictions).numpy()
     y_true = torch.cat(references).numpy()
     average = "binary" if run.num_labels == 2 else "macro"

@@ -152,6 +152,63 @@ def _by_model_only(groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
     raise EffitrainError("this optimizer is built over the model (OptimizerSpec.model_factory)")
 
 
+def _lion(groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
+    from lion_pytorch import Lion
+
+    # Plain torch (its optional Triton kernel off): runs on FSDP2's DTensors, unlike bnb's Lion.
+    return Lion(groups, lr=lr)
+
+
+def _lion_8bit(groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    import bitsandbytes as bnb
+
+    return bnb.optim.Lion8bit(groups, lr=lr)
+
+
+def _came(groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
+    from pytorch_optimizer import CAME
+
+    return CAME(groups, lr=lr)
+
+
+def _adamw_schedule_free(groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
+    from schedulefree import AdamWScheduleFree
+
+    # No internal warmup_steps: effitrain's "constant" schedule warms up through the lr, which
+    # schedule-free follows the same way (lr_max and the average's weights), and it is logged.
+    return AdamWScheduleFree(groups, lr=lr)
+
+
+IN_BACKWARD_REFUSED = {
+    "adamw-schedule-free": "its step count and averaging weights live in the parameter group, "
+    "which each per-parameter optimizer would keep apart from the checkpoint (resume would "
+    "restart the average)"
+}
+"""Per-parameter optimizers that still cannot run in backward, and why."""
+
+
+def set_train_mode(optimizer: Any, train: bool) -> None:
+    """``optimizer.train()`` or ``.eval()`` where it has them (schedule-free: eval mode holds the
+    averaged weights, the ones to evaluate and save); otherwise nothing.
+
+    Unwraps Accelerate's ``AcceleratedOptimizer`` (``.optimizer``) and reaches the per-parameter
+    optimizers of ``--optimizer-in-backward`` (``.optimizers``).
+    """
+    inner = getattr(optimizer, "optimizer", None)
+    if inner is not None and inner is not optimizer:
+        set_train_mode(inner, train)
+        return
+    optimizers = getattr(optimizer, "optimizers", None)
+    if isinstance(optimizers, dict):
+        for each in optimizers.values():
+            set_train_mode(each, train)
+        return
+    method = getattr(optimizer, "train" if train else "eval", None)
+    if callable(method):
+        method()
+
+
 OPTIMIZERS: dict[str, OptimizerSpec] = {
     spec.name: spec
     for spec in (
@@ -282,6 +339,55 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             bytes_per_param="2.84 (measured, distilbert-base)",
             factory=_by_model_only,
             model_factory=_apollo_mini,
+        ),
+        OptimizerSpec(
+            name="lion",
+            class_path="lion_pytorch.Lion",
+            module="lion_pytorch",
+            install="pip install 'effitrain[lion]'  (lion-pytorch)",
+            scratch=Defaults(3e-4, 0.06, "linear"),
+            fine_tune=Defaults(3e-5, 0.1, "linear"),
+            description="sign of an interpolated momentum (Lion); lr ~3-10x below AdamW's",
+            state="exp_avg",
+            bytes_per_param="4.00 (measured, distilbert-base)",
+            factory=_lion,
+            caveat="fine-tuning at 3e-5 ends below AdamW, still rising (README)",
+        ),
+        OptimizerSpec(
+            name="lion-8bit",
+            class_path="bitsandbytes.optim.Lion8bit",
+            module="bitsandbytes",
+            install="pip install 'effitrain[8bit]'  (bitsandbytes)",
+            scratch=Defaults(3e-4, 0.06, "linear"),
+            fine_tune=Defaults(3e-5, 0.1, "linear"),
+            description="Lion with a block-wise 8-bit quantized momentum (bitsandbytes)",
+            state="state1 (uint8), absmax1, qmap1 (shared)",
+            bytes_per_param="1.02 (measured, distilbert-base; < 4096 elements: fp32, 4)",
+            factory=_lion_8bit,
+        ),
+        OptimizerSpec(
+            name="came",
+            class_path="pytorch_optimizer.CAME",
+            module="pytorch_optimizer",
+            install="pip install 'effitrain[came]'  (pytorch-optimizer)",
+            scratch=Defaults(1e-3, 0.06, "linear"),
+            fine_tune=Defaults(2e-4, 0.1, "linear"),
+            description="Adafactor-like factored second moment plus a factored confidence term",
+            state="exp_avg; exp_avg_sq_row/col, exp_avg_res_row/col (1-D: exp_avg_sq); RMS",
+            bytes_per_param="4.02 (measured, distilbert-base)",
+            factory=_came,
+        ),
+        OptimizerSpec(
+            name="adamw-schedule-free",
+            class_path="schedulefree.AdamWScheduleFree",
+            module="schedulefree",
+            install="pip install 'effitrain[schedulefree]'  (schedulefree)",
+            scratch=Defaults(2e-3, 0.06, "constant"),
+            fine_tune=Defaults(5e-4, 0.1, "constant"),
+            description="AdamW with iterate averaging instead of a schedule (eval mode: the average)",
+            state="z, exp_avg_sq",
+            bytes_per_param="8.00 (measured, distilbert-base)",
+            factory=_adamw_schedule_free,
         ),
     )
 }

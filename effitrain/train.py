@@ -19,6 +19,7 @@ import effitrain.checkpoint as checkpoint
 import effitrain.distributed as distributed
 import effitrain.levers as levers
 import effitrain.memory as memory
+import effitrain.optim as optim
 import effitrain.tracking as tracking
 from effitrain.build import Run, build_run, check_outputs
 from effitrain.config import TrainConfig
@@ -55,6 +56,7 @@ def train(config: TrainConfig, reporter: Reporter) -> TrainResult:
         tracking.log_evaluation(run, metrics, progress.global_step)
         progress.record_evaluation(metrics, epoch_complete=False)
     final_model_dir = None
+    optim.set_train_mode(run.optimizer, False)  # schedule-free: save the weights it evaluated
     if config.output_dir:
         final_model_dir = checkpoint.save_final(
             run.accelerator, run.model, run.tokenizer, config.output_dir

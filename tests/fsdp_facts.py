@@ -41,6 +41,12 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
         import bitsandbytes as bnb
 
         return bnb.optim.AdamW8bit(params, lr=1e-3)
+    if name in ("lion", "lion-8bit", "came", "adamw-schedule-free"):
+        from effitrain.optim import OPTIMIZERS, set_train_mode
+
+        optimizer = OPTIMIZERS[name].factory([{"params": list(params)}], 1e-4)
+        set_train_mode(optimizer, True)  # schedule-free steps only in train mode
+        return optimizer
     return torch.optim.AdamW(params, lr=1e-3)
 
 
@@ -118,7 +124,10 @@ def main() -> None:
     state = PartialState(cpu=True)
     mesh = init_device_mesh("cpu", (state.num_processes,))
     facts: dict = {"rank": state.process_index, "fsdp2": {}, "fsdp1": {}}
-    for name in ("adamw", "adafactor", "adafactor-hf", "adamw-8bit"):
+    for name in (
+        *("adamw", "adafactor", "adafactor-hf", "adamw-8bit"),
+        *("lion", "lion-8bit", "came", "adamw-schedule-free"),
+    ):
         facts["fsdp2"][name] = fsdp2_outcome(name, mesh)
 
     wrapped = FullyShardedDataParallel(
@@ -128,6 +137,12 @@ def main() -> None:
     train_steps(wrapped, optimizer)
     facts["fsdp1"]["param_dims"] = sorted({p.dim() for p in wrapped.parameters()})
     facts["fsdp1"]["adafactor"] = sorted({k for s in optimizer.state.values() for k in s})
+    wrapped = FullyShardedDataParallel(
+        make_model(), device_id=torch.device("cpu"), use_orig_params=True
+    )
+    optimizer = make_optimizer("came", wrapped.parameters())
+    train_steps(wrapped, optimizer)
+    facts["fsdp1"]["came"] = sorted({k for s in optimizer.state.values() for k in s})
 
     model = make_model()
     optimizer = make_optimizer("adamw", model.parameters())  # built before wrapping, as effitrain

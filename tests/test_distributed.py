@@ -246,8 +246,11 @@ def test_fsdp_facts_behind_the_rules(tmp_path):
         for optim in distributed.DTENSOR_INCOMPATIBLE:
             assert rank_facts["fsdp2"][optim] == "crash", rank_facts
         assert rank_facts["fsdp2"]["adamw"] == "trains"
+        # Element-wise, plain torch: Lion (lion-pytorch) and schedule-free AdamW train.
+        assert rank_facts["fsdp2"]["lion"] == rank_facts["fsdp2"]["adamw-schedule-free"] == "trains"
         # FSDP1, use_orig_params=True: 1-D shards, so Adafactor keeps a full `variance`.
         assert rank_facts["fsdp1"]["adafactor"] == ["step", "variance"]
+        assert rank_facts["fsdp1"]["came"] == ["RMS", "exp_avg", "exp_avg_sq"]  # not factored
         assert rank_facts["fsdp1"]["param_dims"] == [1]
         # FSDP1, use_orig_params=False, optimizer built before wrapping: nothing trains.
         assert rank_facts["fsdp1"]["orig_params_false_trains"] is False
@@ -339,6 +342,8 @@ def test_ddp_accepts_every_optimizer_silently(optim):
         ("adafactor", "torch.optim.Adafactor", "keeps its factored savings"),
         ("adafactor-hf", "transformers' Adafactor", "keeps its factored savings"),
         ("adamw-8bit", "bitsandbytes' 8-bit AdamW", "FSDP1 with fsdp_use_orig_params: true"),
+        ("lion-8bit", "bitsandbytes' 8-bit Lion", "FSDP1 with fsdp_use_orig_params: true"),
+        ("came", "pytorch-optimizer's CAME", "keeps its factored savings"),
     ],
 )
 def test_fsdp2_refuses_dtensor_incompatible_optimizers(optim, library, alternative):
@@ -351,19 +356,22 @@ def test_fsdp2_refuses_dtensor_incompatible_optimizers(optim, library, alternati
     assert "use DDP" in message and alternative in message
 
 
-@pytest.mark.parametrize("optim", ["adamw", "sgd"])
+@pytest.mark.parametrize("optim", ["adamw", "sgd", "lion", "adamw-schedule-free"])
 def test_fsdp2_accepts_elementwise_optimizers(optim):
     assert distributed.optimizer_notes(fsdp(2), optim) == []
 
 
-@pytest.mark.parametrize("optim", ["adafactor", "adafactor-hf"])
+@pytest.mark.parametrize("optim", ["adafactor", "adafactor-hf", "came"])
 def test_fsdp1_warns_that_adafactor_keeps_a_full_second_moment(optim):
     (note,) = distributed.optimizer_notes(fsdp(1), optim)
     assert "FSDP1" in note and "flattened 1-D" in note and "full second moment" in note
     assert "use DDP" in note
+    assert ("as much as AdamW" if optim == "came" else "half of AdamW") in note
 
 
-@pytest.mark.parametrize("optim", ["adamw", "adamw-8bit", "sgd"])
+@pytest.mark.parametrize(
+    "optim", ["adamw", "adamw-8bit", "sgd", "lion", "lion-8bit", "adamw-schedule-free"]
+)
 def test_fsdp1_keeps_elementwise_optimizers_quiet(optim):
     assert distributed.optimizer_notes(fsdp(1), optim) == []
 
@@ -373,7 +381,7 @@ def test_fsdp1_without_orig_params_is_refused():
         distributed.optimizer_notes(fsdp(1, use_orig_params=False), "adamw")
 
 
-@pytest.mark.parametrize("optim", ["adafactor", "adafactor-hf"])
+@pytest.mark.parametrize("optim", ["adafactor", "adafactor-hf", "came"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_deepspeed_warns_that_adafactor_keeps_a_full_second_moment(optim, stage):
     (note,) = distributed.optimizer_notes(deepspeed(stage), optim)
@@ -381,7 +389,7 @@ def test_deepspeed_warns_that_adafactor_keeps_a_full_second_moment(optim, stage)
     assert "full second moment" in note
 
 
-@pytest.mark.parametrize("optim", ["adamw", "adamw-8bit", "sgd"])
+@pytest.mark.parametrize("optim", ["adamw", "adamw-8bit", "sgd", "lion", "adamw-schedule-free"])
 def test_deepspeed_keeps_elementwise_optimizers_quiet(optim):
     assert distributed.optimizer_notes(deepspeed(2), optim) == []
 
