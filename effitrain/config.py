@@ -275,6 +275,12 @@ class TrainConfig:
                 "over the whole model, not one parameter at a time; use another --optim or "
                 "leave the lever out"
             )
+        if get_spec(self.optim).module == "torchao":
+            raise EffitrainError(
+                f"--optim {self.optim} cannot combine with --optimizer-in-backward: torchao's "
+                "optimizers keep lr as a tensor (the per-parameter wrapper sets a float) and "
+                "torch.compile their step; use adamw-8bit or adamw with the lever"
+            )
         if self.max_grad_norm is not None and self.max_grad_norm > 0:
             raise EffitrainError(
                 f"--max-grad-norm {self.max_grad_norm:g} clips the global gradient norm, which "

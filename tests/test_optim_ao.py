@@ -345,3 +345,14 @@ def test_fp8_refusal_through_the_cli(train_cli, tmp_path, monkeypatch):
     proc = train_cli(*train_args(data, tmp_path / "out", "--optim", "adamw-fp8"))
     assert_clean_error(proc, "compute capability >= 8.9")
     assert not (tmp_path / "out" / "checkpoint-1").exists()
+
+
+@pytest.mark.parametrize("name", list(NAMES))
+def test_optimizer_in_backward_is_refused(name):
+    from effitrain.config import TrainConfig
+
+    with pytest.raises(EffitrainError) as error:
+        TrainConfig(optim=name, optimizer_in_backward=True, max_grad_norm=0).validate()
+    message = str(error.value)
+    assert "\n" not in message and f"--optim {name} cannot combine" in message
+    assert "lr as a tensor" in message
