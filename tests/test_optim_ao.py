@@ -356,3 +356,31 @@ def test_optimizer_in_backward_is_refused(name):
     message = str(error.value)
     assert "\n" not in message and f"--optim {name} cannot combine" in message
     assert "lr as a tensor" in message
+
+
+# --------------------------------------------------------------------------------------------
+# sharding rules (facts from 2 gloo CPU ranks, torch 2.13, torchao 0.18: see the README notes)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["adamw-4bit", "adamw-fp8"])
+def test_fsdp2_refuses_4bit_and_fp8(name):
+    from effitrain import distributed
+    from tests.test_distributed import fsdp
+
+    with pytest.raises(EffitrainError) as error:
+        distributed.optimizer_notes(fsdp(2), name)
+    assert f"--optim {name} cannot run under FSDP2: torchao's" in str(error.value)
+
+
+def test_fsdp2_accepts_8bit_ao_and_flat_shards_get_a_note():
+    from effitrain import distributed
+    from tests.test_distributed import deepspeed, fake_state, fsdp
+
+    assert distributed.optimizer_notes(fsdp(2), "adamw-8bit-ao") == []
+    for name, block in (("adamw-8bit-ao", 256), ("adamw-4bit", 128), ("adamw-fp8", 256)):
+        (note,) = distributed.optimizer_notes(fsdp(1), name)
+        assert note.startswith("FSDP1 hands the optimizer flat 1-D shards") and f"{block}" in note
+        (note,) = distributed.optimizer_notes(deepspeed(2), name)
+        assert note.startswith("DeepSpeed ZeRO-2 hands the optimizer flat 1-D shards")
+        assert distributed.optimizer_notes(fake_state("MULTI_GPU"), name) == []
