@@ -308,11 +308,15 @@ def test_resume_is_exact_and_inspect_state_names_it(name, train_cli, tmp_path):
         "class": f"torchao.optim.{NAMES[name]}",
         "inferred": False,
     }
-    rows = {row["parameter"]: row for row in report["largest"]}
-    embedding = rows["distilbert.embeddings.word_embeddings.weight"]
     kind = {"adamw-8bit-ao": "8-bit", "adamw-4bit": "4-bit", "adamw-fp8": "fp8"}[name]
-    assert embedding["second_moment"] == f"{kind} (torchao)"
-    assert math.prod(embedding["shape"]) >= 4096
+    block = LAYOUT[NAMES[name]][1]
+    seen = set()
+    for row in report["largest"]:  # every parameter, named, with its shape
+        is_quantized = quantized(math.prod(row["shape"]), block)
+        expected = f"{kind} (torchao)" if is_quantized else "full"
+        assert row["second_moment"] == expected, row
+        seen.add(is_quantized)
+    assert seen == {True, False}  # both sides of torchao's rule in the tiny model
 
 
 @pytest.mark.slow
