@@ -320,24 +320,6 @@ def test_resume_is_exact_and_inspect_state_names_it(name, train_cli, tmp_path):
 
 
 @pytest.mark.slow
-def test_demo_learns_with_adamw_4bit(train_cli, tmp_path):
-    # The tiny demo from scratch (the default preset, its scratch defaults): above chance.
-    metrics = tmp_path / "m.json"
-    proc = train_cli(
-        "train",
-        "--optim",
-        "adamw-4bit",
-        "--output-dir",
-        str(tmp_path / "out"),
-        "--metrics-json",
-        str(metrics),
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    result = json.loads(metrics.read_text())
-    assert result["eval"]["accuracy"] > 0.7, result["eval"]
-
-
-@pytest.mark.slow
 def test_fp8_refusal_through_the_cli(train_cli, tmp_path, monkeypatch):
     import effitrain.optim_ao as optim_ao
 
