@@ -63,8 +63,26 @@ DTENSOR_INCOMPATIBLE = {
     "adamw-8bit": "bitsandbytes' 8-bit AdamW",
     "lion-8bit": "bitsandbytes' 8-bit Lion",
     "came": "pytorch-optimizer's CAME",
+    "adamw-4bit": "torchao's AdamW4bit",
+    "adamw-fp8": "torchao's AdamWFp8",
 }
-"""Optimizers that crash on FSDP2's DTensor parameters (checked with torch 2.13, bnb 0.50.2)."""
+"""Optimizers that crash on FSDP2's DTensor parameters (checked with torch 2.13, bnb 0.50.2,
+torchao 0.18 on CPU/gloo: its AdamW8bit trains on FSDP2, 4-bit and FP8 crash in their step)."""
+
+TORCHAO_OPTIMIZERS = {"adamw-8bit-ao": 256, "adamw-4bit": 128, "adamw-fp8": 256}
+"""torchao's low-bit AdamW and its block size: it quantizes a local tensor only when it has at
+least 4096 elements and a multiple of the block size; any other keeps fp32 state."""
+
+
+def _flat_shard_note(what: str, optim: str) -> list[str]:
+    if optim not in TORCHAO_OPTIMIZERS:
+        return []
+    return [
+        f"{what} hands the optimizer flat 1-D shards: {optim} quantizes a shard only when its "
+        f"length is a multiple of {TORCHAO_OPTIMIZERS[optim]} (and >= 4096); other shards keep "
+        "fp32 state (8 bytes per parameter, as AdamW): the ledger shows what it kept"
+    ]
+
 
 NEEDS_2D_SHARDS = {
     "adam-mini": "Adam-mini's per-row and per-head blocks index 2-D weights (IndexError on 1-D)",
@@ -277,6 +295,8 @@ def _fsdp_rules(sharding: Sharding, state: Any, optim: str) -> list[str]:
             "holds, so nothing would train; set fsdp_use_orig_params: true in the accelerate "
             "config, or use FSDP2 (fsdp_version: 2)"
         )
+    if optim in TORCHAO_OPTIMIZERS:
+        return _flat_shard_note("FSDP1", optim)
     if optim in FACTORED_OPTIMIZERS:
         return [
             f"FSDP1 hands the optimizer flattened 1-D parameter shards: {optim} cannot factor "
@@ -312,6 +332,8 @@ def _deepspeed_rules(sharding: Sharding, state: Any, optim: str) -> list[str]:
                 "zero_force_ds_cpu_optimizer: false)"
             )
         notes.append(f"DeepSpeed offloads the optimizer to {offload}: --optim {optim} runs there")
+    if sharding.flat_params:
+        notes += _flat_shard_note(f"DeepSpeed ZeRO-{sharding.zero_stage}", optim)
     if sharding.flat_params and optim in FACTORED_OPTIMIZERS:
         notes.append(
             f"DeepSpeed ZeRO-{sharding.zero_stage} hands the optimizer flat 1-D partitions: "

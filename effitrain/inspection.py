@@ -86,6 +86,8 @@ def safe_load(path: str | Path) -> Any:
         raise EffitrainError(
             f"{path} is not a readable PyTorch checkpoint ({first_line(exc)})"
         ) from None
+    allowed = _torchao_state_classes(unsafe, path)
+    unsafe = [name for name in unsafe if name not in {_full_name(c) for c in allowed}]
     if unsafe:
         shown = ", ".join(unsafe[:5]) + (", ..." if len(unsafe) > 5 else "")
         raise EffitrainError(
@@ -93,13 +95,39 @@ def safe_load(path: str | Path) -> Any:
             "effitrain never unpickles with code execution"
         )
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as exc:
         raise EffitrainError(
             f"{path} refused by the weights-only loader: {first_line(exc)}"
         ) from None
     except (RuntimeError, EOFError, ValueError, OSError) as exc:
         raise EffitrainError(f"{path} is truncated or corrupt ({first_line(exc)})") from None
+
+
+def _full_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _torchao_state_classes(names: list[str], path: Path) -> list[type]:
+    """torchao's optimizer-state tensor subclasses among ``names``: the only classes outside
+    torch's allowlist that effitrain lets the weights-only loader build (plain tensor
+    containers: codes, scales, a lookup table). torchao is imported only when it is needed.
+
+    Raises:
+        EffitrainError: the checkpoint holds torchao state and torchao is not installed.
+    """
+    from effitrain.optim_ao import STATE_CLASSES, state_classes
+
+    if not any(name in STATE_CLASSES for name in names):
+        return []
+    classes = [c for c in state_classes() if _full_name(c) in names]
+    if not classes:
+        raise EffitrainError(
+            f"{path} holds torchao's low-bit optimizer state; reading it needs torchao: "
+            "pip install 'effitrain[ao]'  (torchao)"
+        )
+    return classes
 
 
 # --------------------------------------------------------------------------------------------
@@ -280,7 +308,8 @@ def infer_parameter(entry: Mapping[str, Any]) -> tuple[list[int] | None, str]:
       CAME too (with ``exp_avg_res_row/col``, factored alike); schedule-free ``z``: the shape.
 
     The second moment is ``factored`` (row + column statistics), ``full`` (one value per
-    element), ``8-bit`` (bitsandbytes' quantized ``state2``) or ``-`` (none kept).
+    element), ``8-bit`` (bitsandbytes' quantized ``state2``), ``8-bit|4-bit|fp8 (torchao)`` (its
+    state subclasses, whose shape is the parameter's) or ``-`` (none kept).
     """
     flat = _flat_entry(entry)
     row, col = flat.get("row_var"), flat.get("col_var")
@@ -314,6 +343,8 @@ def infer_parameter(entry: Mapping[str, Any]) -> tuple[list[int] | None, str]:
     second = flat.get("exp_avg_sq", flat.get("variance", flat.get("state2")))
     if second is None:
         kind = "-"
+    elif _torchao_kind(second):
+        kind = f"{_torchao_kind(second)} (torchao)"
     elif str(getattr(second, "dtype", "")) == "torch.uint8":
         kind = "8-bit"
     else:
@@ -336,12 +367,24 @@ def _adam_mini_parameter(flat: Mapping[str, Any]) -> tuple[list[int] | None, str
     return _shape(flat["m"]), kind
 
 
+def _torchao_kind(value: Any) -> str | None:
+    """'8-bit', '4-bit' or 'fp8' for torchao's optimizer-state subclasses, else None."""
+    from effitrain.optim_ao import STATE_CLASSES
+
+    return STATE_CLASSES.get(f"{type(value).__module__}.{type(value).__qualname__}")
+
+
 def infer_optimizer(state_dict: Mapping[str, Any]) -> str:
     """A best guess at the optimizer class from its state keys and hyperparameters."""
+    from effitrain.optim_ao import OPTIMIZER_OF_STATE
+
     keys: set[str] = set()
     for entry in state_dict["state"].values():
         if isinstance(entry, Mapping):
             keys.update(_flat_entry(entry))
+            for value in entry.values():
+                if _torchao_kind(value):  # its keys are Adam's: the state's type tells
+                    return OPTIMIZER_OF_STATE[type(value).__name__]
     groups = state_dict.get("param_groups") or [{}]
     if {"state1", "qmap1"} <= keys:
         return (

@@ -343,7 +343,10 @@ def _memory_caption(result: TrainResult) -> str:
             "max_memory_allocated, beside what the tracker saw)"
         )
     else:
-        lines.append("activations and peak tensor memory not measured (needs torch >= 2.5)")
+        lines.append(
+            "activations and peak tensor memory not measured (needs torch >= 2.5, and a step "
+            "torch.compile does not run: torchao's optimizers compile theirs)"
+        )
     return "\n".join(lines)
 
 

@@ -90,6 +90,12 @@ def available() -> bool:
     return True
 
 
+def _compiles_step(optimizer: Any) -> bool:
+    """torchao's optimizers ``torch.compile(fullgraph=True)`` their step, which refuses to run
+    under a ``TorchDispatchMode`` such as ``MemTracker``: their step is not measured by kind."""
+    return type(optimizer).__module__.startswith("torchao.")
+
+
 class StepMemoryProbe:
     """Measures one optimizer step: ``start()`` before its first micro-batch, ``stop()`` after
     ``optimizer.step()``.
@@ -125,7 +131,7 @@ class StepMemoryProbe:
         import torch
 
         self.done = True
-        if not available():
+        if not available() or _compiles_step(self.optimizer):
             return
         # ModTracker warns on each backward hook of a module that was garbage-collected.
         warnings.filterwarnings("ignore", message="Module is None. Skipping", category=UserWarning)

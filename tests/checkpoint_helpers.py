@@ -88,6 +88,11 @@ def assert_identical(a: Any, b: Any, where: str = "") -> int:
     """
     import torch
 
+    if isinstance(a, torch.Tensor) and type(a) not in (torch.Tensor, torch.nn.Parameter):
+        # A tensor subclass (torchao's quantized optimizer state): its inner tensors.
+        names, context = a.__tensor_flatten__()
+        assert type(b) is type(a) and b.__tensor_flatten__() == (names, context), where
+        return sum(assert_identical(getattr(a, n), getattr(b, n), f"{where}.{n}") for n in names)
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), where
         assert a.dtype == b.dtype and a.shape == b.shape, where

@@ -174,6 +174,10 @@ def _quiet_libraries() -> None:
     # bitsandbytes warns about an optional 4-bit CPU kernel when imported, which happens
     # whenever peft is installed (transformers imports it, and it imports bitsandbytes).
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    # Likewise torchao (transformers imports it when installed): CUDA-only kernels it cannot
+    # load on a CPU build, and a torch pytree deprecation notice about two of its enums.
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
