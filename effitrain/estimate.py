@@ -166,12 +166,17 @@ def estimate(config: TrainConfig) -> dict[str, Any]:
     from effitrain import levers, precision
     from effitrain.data import load_data
     from effitrain.models import load_tokenizer
-    from effitrain.optim import build_optimizer
+    from effitrain.optim import build_optimizer, set_train_mode
     from effitrain.step_memory import StepMemoryProbe
 
     if config.mixed_precision == "fp16":
         raise EffitrainError(
             "effitrain estimate does not model fp16 loss scaling; use --mixed-precision bf16 or no"
+        )
+    if spec_module(config) == "torchao":
+        raise EffitrainError(
+            f"cannot estimate --optim {config.optim}: torchao compiles its step, which cannot run "
+            "on fake tensors; measure it instead: effitrain train --max-steps 2 with the same options"
         )
     data = load_data(config)
     tokenizer = load_tokenizer(config.model)
@@ -200,6 +205,7 @@ def estimate(config: TrainConfig) -> dict[str, Any]:
             spec=spec,
             in_backward=config.optimizer_in_backward,
         )
+        set_train_mode(optimizer, True)  # as fit() does (schedule-free)
         # As effitrain.data.tokenize: capped by the tokenizer's model_max_length.
         length = min(config.max_length, tokenizer.model_max_length)
         batch = _batch(tokenizer, config.batch_size, length)
@@ -302,3 +308,9 @@ def per_device(result: dict[str, Any], num_processes: int, sharding: str) -> dic
         "peak_tensor_bytes": peak if at_peak else None,
         "modeled": "sharded parts divided by the number of processes",
     }
+
+
+def spec_module(config: TrainConfig) -> str:
+    from effitrain.optim import get_spec
+
+    return get_spec(config.optim).module

@@ -124,6 +124,7 @@ def estimate(
         import json
 
         from effitrain.config import build_config
+        from effitrain.errors import EffitrainError
         from effitrain.estimate import estimate as run_estimate
         from effitrain.optim import OPTIMIZERS, get_spec
 
@@ -136,10 +137,16 @@ def estimate(
 
         if sharding not in SHARDED:
             per_device({}, num_processes, sharding)  # the one-line error
-        results = []
+        results, skipped = [], []
         for name in names:
             config = build_config(config_file, {**overrides, "optim": name})
-            result = run_estimate(config)
+            try:
+                result = run_estimate(config)
+            except EffitrainError as exc:
+                if not (_given(ctx, "optim") and optim == "all"):
+                    raise
+                skipped.append(str(exc))  # --optim all: the others still get their column
+                continue
             if num_processes > 1:
                 result["per_device"] = per_device(result, num_processes, sharding)
             results.append(result)
@@ -155,6 +162,8 @@ def estimate(
             typer.echo(json.dumps(out, indent=2))
             return
         _print(results, measured)
+        for line in skipped:
+            typer.echo(f"note: {line}")
 
 
 def _given(ctx: typer.Context, name: str) -> bool:
@@ -204,12 +213,12 @@ def _print(results: list[dict[str, Any]], measured: dict[str, Any] | None) -> No
 
     console = Console(highlight=False)
     first = results[0]["estimate"]
+    if len(results) > 4 and measured is None:
+        console.print(_rows_table(results, first))
+        _print_notes(console, results)
+        return
     table = Table(
-        title=(
-            f"Estimate: {first['model']}, batch {first['batch_size']} x {first['max_length']} "
-            f"tokens"
-            + (f", {first['grad_accum']} micro-batches" if first["grad_accum"] > 1 else "")
-        ),
+        title=_title(first),
         title_justify="left",
     )
     table.add_column("what")
@@ -231,6 +240,13 @@ def _print(results: list[dict[str, Any]], measured: dict[str, Any] | None) -> No
             ]
         table.add_row(label, *cells)
     console.print(table)
+    _print_notes(console, results)
+    if measured is not None and compared is not None:
+        for note in _mismatches(compared, measured):
+            console.print(f"note: {note}")
+
+
+def _print_notes(console: Any, results: list[dict[str, Any]]) -> None:
     if "per_device" in results[0]:
         _print_per_device(console, results)
     console.print(
@@ -240,9 +256,6 @@ def _print(results: list[dict[str, Any]], measured: dict[str, Any] | None) -> No
     )
     for note in dict.fromkeys(n for r in results for n in r["notes"]):
         console.print(f"note: {note}")
-    if measured is not None and compared is not None:
-        for note in _mismatches(compared, measured):
-            console.print(f"note: {note}")
 
 
 def _compared(results: list[dict[str, Any]], measured: dict[str, Any]) -> dict[str, Any]:
@@ -307,3 +320,32 @@ def _print_per_device(console: Any, results: list[dict[str, Any]]) -> None:
         "Not included: FSDP's all-gathered layer (one layer's full parameters at a time) and "
         "DDP's gradient buckets."
     )
+
+
+def _title(first: dict[str, Any]) -> str:
+    micro = f", {first['grad_accum']} micro-batches" if first["grad_accum"] > 1 else ""
+    return f"Estimate: {first['model']}, batch {first['batch_size']} x {first['max_length']} tokens{micro}"
+
+
+def _rows_table(results: list[dict[str, Any]], first: dict[str, Any]) -> Any:
+    """Many optimizers (--optim all): one row each, the parts as columns."""
+    from rich.table import Table
+
+    from effitrain.memory import format_bytes
+
+    table = Table(title=_title(first), title_justify="left")
+    table.add_column("optimizer")
+    columns = (
+        ("params", "parameter_bytes"),
+        ("grads", "gradient_bytes"),
+        ("state", "optimizer_state.bytes"),
+        ("activations", "activation_bytes"),
+        ("peak", "peak_tensor_bytes"),
+    )
+    for label, _ in columns:
+        table.add_column(label, justify="right")
+    for result in results:
+        table.add_row(
+            result["optimizer"], *(format_bytes(field(result, k) or 0) for _, k in columns)
+        )
+    return table
