@@ -215,6 +215,9 @@ class SplitOptimizer(torch.optim.Optimizer):
                     ],
                 }
             )
+        # torch's load_state_dict gives each inner optimizer new group dicts: point ours at
+        # them again, or the lr scheduler would set an lr no inner optimizer reads.
+        self.param_groups = [g for o in self.optimizers for g in o.param_groups]
 
 
 # --------------------------------------------------------------------------------------------

@@ -200,6 +200,31 @@ def test_muon_looks_like_one_optimizer_to_the_scheduler_and_state_dict():
     assert set(saved["state"][12]) == {"step", "exp_avg", "exp_avg_sq"}
 
 
+def test_muon_scheduler_still_drives_the_inner_optimizers_after_load_state_dict():
+    """Accelerate's prepare (and resume) calls load_state_dict; the lr the scheduler sets must
+    still reach Muon and AdamW afterwards (it once did not: nothing trained)."""
+    from effitrain.optim import build_scheduler
+
+    model = tiny()
+    optimizer = build_optimizer(model, "muon", 1e-3, 0.01)
+    optimizer.load_state_dict(optimizer.state_dict())
+    scheduler = build_scheduler(optimizer, "linear", 10, 2)
+    scheduler.step()
+    muon, adamw = optimizer.optimizers
+    assert muon.param_groups[0]["lr"] == adamw.param_groups[0]["lr"] == 1e-3 / 2
+    assert all(
+        a is b
+        for a, b in zip(optimizer.param_groups, muon.param_groups + adamw.param_groups, strict=True)
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    one_step(model, optimizer)
+    assert all(
+        not torch.equal(a, p)
+        for a, p in zip(before, model.parameters(), strict=True)
+        if p.ndim == 2
+    )
+
+
 @pytest.mark.parametrize("optim", SPLIT)
 def test_state_dict_round_trip_continues_bit_exact(optim):
     model_a = tiny()
