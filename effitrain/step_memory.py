@@ -105,12 +105,17 @@ class StepMemoryProbe:
     error mid-step leaves no tracker (a dispatch mode) active.
     """
 
-    def __init__(self, model: Any, optimizer: Any, device: Any):
+    def __init__(self, model: Any, optimizer: Any, device: Any, compiled_step: bool | None = None):
         self.model = model
         # accelerate's AcceleratedOptimizer keeps the real one as .optimizer.
         self.optimizer = getattr(optimizer, "optimizer", optimizer)
         self.device = device
         self._tracker: Any = None
+        self.compiled_step = (
+            _compiles_step(self.optimizer) if compiled_step is None else compiled_step
+        )
+        """Its step is torch.compile'd (torchao): not measured (``effitrain estimate`` runs it
+        without the compiled update and says False)."""
 
     done = False
     """It measured its step (or could not): it does not start again."""
@@ -131,7 +136,7 @@ class StepMemoryProbe:
         import torch
 
         self.done = True
-        if not available() or _compiles_step(self.optimizer):
+        if not available() or self.compiled_step:
             return
         # ModTracker warns on each backward hook of a module that was garbage-collected.
         warnings.filterwarnings("ignore", message="Module is None. Skipping", category=UserWarning)
