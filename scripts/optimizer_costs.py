@@ -80,7 +80,7 @@ def table(rows: list[dict], finetune: dict[tuple[str, str], float]) -> str:
             f"| `{row['optimizer']}` | {format_bytes(row['optimizer_state_bytes'])} "
             f"| {row['bytes_per_param']:.2f} "
             f"| {row['optimizer_state_bytes'] / row['adamw_equivalent_bytes']:.2f}× "
-            f"| {format_bytes(row['peak_tensor_bytes'])} "
+            f"| {format_bytes(row['peak_tensor_bytes']) if row['peak_tensor_bytes'] else '–'} "
             f"| {row['seconds_per_step']:.2f} "
             f"| {row['seconds_per_step'] / base['seconds_per_step']:.2f}× | "
             + " | ".join(accuracy)
