@@ -22,6 +22,7 @@ from effitrain.errors import EffitrainError
 from effitrain.models import load_model, load_tokenizer
 from effitrain.optim import OptimizerSpec, build_optimizer, build_scheduler
 from effitrain.results import RunInfo
+from effitrain.wrapped import base_model
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -231,7 +232,7 @@ def describe(
     n = accelerator.num_processes
     return RunInfo(
         model=config.model,
-        model_class=type(levers.base_model(accelerator.unwrap_model(model))).__name__,
+        model_class=type(base_model(accelerator.unwrap_model(model))).__name__,
         parameters=memory.trainable_parameter_count(model),
         dataset=data.source,
         train_examples=len(data.train),

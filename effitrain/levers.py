@@ -135,16 +135,10 @@ def describe(config: TrainConfig, model: Any) -> list[str]:
 def original_parameters(model: Any) -> Any:
     """The parameters the model had before any lever added some (LoRA's adapters and head
     copies): what "the same model trained whole" trains."""
-    from effitrain.lora import is_lora, original_parameters
+    from effitrain.lora import original_parameters
+    from effitrain.wrapped import is_lora
 
     return original_parameters(model) if is_lora(model) else model
-
-
-def base_model(model: Any) -> Any:
-    """The transformers model under a lever's wrapper (LoRA's peft model), else ``model``."""
-    from effitrain.lora import is_lora
-
-    return model.get_base_model() if is_lora(model) else model
 
 
 def enable_gradient_checkpointing(model: Any) -> None:

@@ -49,11 +49,6 @@ def require_peft() -> None:
         raise EffitrainError(f"--lora-rank needs peft, which is not installed: {INSTALL}")
 
 
-def is_lora(model: Any) -> bool:
-    """Whether ``model`` (unwrapped) is a peft model."""
-    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
-
-
 def head_modules(model: Any) -> list[str]:
     """The classification head: the top-level modules with parameters outside the base model,
     and the base model's ``pooler`` where the head reads it (BERT: ``bert.pooler``)."""

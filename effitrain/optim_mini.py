@@ -11,14 +11,14 @@ We extend its public name sets (the way its own warnings tell users to) for thes
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from effitrain.errors import EffitrainError
 
 if TYPE_CHECKING:
     import torch
 
-    from effitrain.optim import ParamGroups
+ParamGroups = list[dict[str, Any]]  # as effitrain.optim's (not imported: it imports this module)
 
 EXTRA_NAMES = {
     # DistilBERT; BERT's query/key/value are already in Adam-mini's own sets.
