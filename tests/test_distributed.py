@@ -243,7 +243,9 @@ def test_fsdp_facts_behind_the_rules(tmp_path):
     assert len(facts) == 2, proc.stdout  # one file per rank
     for rank_facts in facts:
         # FSDP2: the DTensor-incompatible optimizers crash, AdamW trains.
-        for optim in distributed.DTENSOR_INCOMPATIBLE:
+        # (torchao's are checked by scripts/torchao_fsdp_facts.py: one class per process, each
+        # compiling its step for a minute on a CPU.)
+        for optim in set(distributed.DTENSOR_INCOMPATIBLE) - {"adamw-4bit", "adamw-fp8"}:
             assert rank_facts["fsdp2"][optim] == "crash", rank_facts
         assert rank_facts["fsdp2"]["adamw"] == "trains"
         # Element-wise, plain torch: Lion (lion-pytorch) and schedule-free AdamW train.
