@@ -11,7 +11,7 @@ import pytest
 
 from effitrain import memory
 from effitrain.config import TrainConfig
-from effitrain.optim import OPTIMIZERS, build_optimizer, get_spec
+from effitrain.optim import OPTIMIZERS, build_optimizer, get_spec, set_train_mode
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +32,7 @@ def measured_bytes_per_param(model, name: str) -> float:
 
     spec = get_spec(name)
     optimizer = build_optimizer(model, name, spec.fine_tune.lr, TrainConfig().weight_decay)
+    set_train_mode(optimizer, True)  # as a run does (schedule-free refuses to step otherwise)
     input_ids = torch.randint(0, model.config.vocab_size, (2, 16))
     model(input_ids=input_ids, labels=torch.tensor([0, 1])).loss.backward()
     optimizer.step()
