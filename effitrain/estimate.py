@@ -247,24 +247,7 @@ def estimate(config: TrainConfig) -> dict[str, Any]:
                 optimizer.zero_grad(set_to_none=True)
                 if step == STEPS - 1:
                     step_memory = probe.stop()
-        kind_peaks = step_memory.get("kind_peaks", {})
-        result = {
-            "optimizer": spec.name,
-            "optimizer_class": spec.class_path,
-            "lr": config.effective_lr,
-            "optimizer_state": memory.optimizer_state_ledger(optimizer).to_dict(),
-            "parameter_bytes": memory.parameter_bytes(model),
-            "trainable_parameters": memory.trainable_parameter_count(model),
-            "trainable_parameter_bytes": memory.trainable_parameter_bytes(model),
-            "gradient_bytes": kind_peaks.get("gradients", 0),
-            "adamw_equivalent_bytes": memory.adamw_equivalent_bytes(model),
-            "adamw_equivalent_elements": memory.adamw_equivalent_elements(model),
-            "activation_bytes": kind_peaks.get("activations"),
-            "peak_tensor_bytes": step_memory.get("peak_tensor_bytes"),
-            "step_memory": step_memory,
-            "levers": levers.active(config),
-            "baseline": memory.fp32_adamw_baseline(levers.original_parameters(model)),
-        }
+        result = _measured(config, spec, model, optimizer, step_memory)
         if config.optimizer_in_backward:
             optimizer.remove_hooks()
     result["estimate"] = {
@@ -326,4 +309,31 @@ def per_device(result: dict[str, Any], num_processes: int, sharding: str) -> dic
         "activation_bytes": result["activation_bytes"],
         "peak_tensor_bytes": peak if at_peak else None,
         "modeled": "sharded parts divided by the number of processes",
+    }
+
+
+def _measured(
+    config: TrainConfig, spec: Any, model: Any, optimizer: Any, step_memory: dict[str, Any]
+) -> dict[str, Any]:
+    """What a run's metrics JSON would say (the same fields, computed the same way as
+    ``effitrain.train`` does), from the fake model and optimizer after the measured step."""
+    from effitrain import levers
+
+    kind_peaks = step_memory.get("kind_peaks", {})
+    return {
+        "optimizer": spec.name,
+        "optimizer_class": spec.class_path,
+        "lr": config.effective_lr,
+        "optimizer_state": memory.optimizer_state_ledger(optimizer).to_dict(),
+        "parameter_bytes": memory.parameter_bytes(model),
+        "trainable_parameters": memory.trainable_parameter_count(model),
+        "trainable_parameter_bytes": memory.trainable_parameter_bytes(model),
+        "gradient_bytes": kind_peaks.get("gradients", 0),
+        "adamw_equivalent_bytes": memory.adamw_equivalent_bytes(model),
+        "adamw_equivalent_elements": memory.adamw_equivalent_elements(model),
+        "activation_bytes": kind_peaks.get("activations"),
+        "peak_tensor_bytes": step_memory.get("peak_tensor_bytes"),
+        "step_memory": step_memory,
+        "levers": levers.active(config),
+        "baseline": memory.fp32_adamw_baseline(levers.original_parameters(model)),
     }
