@@ -198,11 +198,10 @@ def build_run(config: TrainConfig, reporter: Reporter) -> Run:
     )
 
 
-def build_optimization(
-    config: TrainConfig, model: Any, spec: OptimizerSpec, plan: Plan, accelerator: Accelerator
-) -> tuple[Any, Any]:
-    """The optimizer (one per parameter with --optimizer-in-backward) and its lr scheduler."""
-    optimizer = build_optimizer(
+def configured_optimizer(config: TrainConfig, model: Any, spec: OptimizerSpec) -> Any:
+    """``spec``'s optimizer over ``model`` with the run's lr, weight decay and lever
+    (``effitrain estimate`` builds the same one)."""
+    return build_optimizer(
         model,
         spec.name,
         config.effective_lr,
@@ -210,6 +209,13 @@ def build_optimization(
         spec=spec,
         in_backward=config.optimizer_in_backward,
     )
+
+
+def build_optimization(
+    config: TrainConfig, model: Any, spec: OptimizerSpec, plan: Plan, accelerator: Accelerator
+) -> tuple[Any, Any]:
+    """The optimizer (one per parameter with --optimizer-in-backward) and its lr scheduler."""
+    optimizer = configured_optimizer(config, model, spec)
     # Accelerate's prepared scheduler steps once per process on every optimizer step, so its
     # lengths are counted in process-steps.
     n = accelerator.num_processes

@@ -177,9 +177,10 @@ def estimate(config: TrainConfig) -> dict[str, Any]:
     import torch
 
     from effitrain import levers, precision
+    from effitrain.build import configured_optimizer
     from effitrain.data import load_data
     from effitrain.models import load_tokenizer
-    from effitrain.optim import build_optimizer, set_train_mode
+    from effitrain.optim import set_train_mode
     from effitrain.step_memory import StepMemoryProbe
 
     if config.mixed_precision == "fp16":
@@ -205,14 +206,7 @@ def estimate(config: TrainConfig) -> dict[str, Any]:
     with _fake_mode():
         _materialize(model, device)
         model.train()
-        optimizer = build_optimizer(
-            model,
-            spec.name,
-            config.effective_lr,
-            config.weight_decay,
-            spec=spec,
-            in_backward=config.optimizer_in_backward,
-        )
+        optimizer = configured_optimizer(config, model, spec)
         set_train_mode(optimizer, True)  # as fit() does (schedule-free)
         # As effitrain.data.tokenize: capped by the tokenizer's model_max_length.
         length = min(config.max_length, tokenizer.model_max_length)
