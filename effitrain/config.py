@@ -24,6 +24,7 @@ from effitrain.optim import FINE_TUNE, IN_BACKWARD_REFUSED, SCRATCH, Defaults, g
 
 SCHEDULERS = ("linear", "cosine", "constant")
 MIXED_PRECISION = ("no", "fp16", "bf16")
+TASKS = ("sequence-classification", "causal-lm")
 WEIGHTS_DTYPES = ("fp32", "bf16")
 SAVE_STRATEGIES = ("steps", "epoch", "no")
 TRACKERS = (
@@ -60,6 +61,11 @@ class TrainConfig:
     """Everything one ``effitrain train`` run needs. Field docs are shown by ``effitrain train --help``."""
 
     # --- model and data ---
+    task: str | None = _opt(
+        None,
+        "sequence-classification or causal-lm. Default: causal-lm for a causal-LM preset, or a "
+        "*ForCausalLM model with no label column in the data; else sequence-classification.",
+    )
     model: str = _opt(
         "tiny", "Built-in preset name, a hub id, or a local folder saved with save_pretrained."
     )
@@ -79,7 +85,24 @@ class TrainConfig:
         None, "One or two text columns; auto-detected when not given."
     )
     label_column: str | None = _opt(None, "Label column; auto-detected when not given.")
-    max_length: int = _opt(128, "Truncate inputs to this many tokens.")
+    max_length: int = _opt(
+        128, "Truncate inputs to this many tokens (causal-lm: the length of packed blocks)."
+    )
+    packing: bool | None = _opt(
+        None,
+        "causal-lm: concatenate examples into --max-length blocks (attention kept inside each "
+        "example) instead of padding each one. Default: on for plain text, off for "
+        "instruction and chat data.",
+    )
+    completion_only_loss: bool | None = _opt(
+        None,
+        "causal-lm: compute the loss on completions (assistant turns) only, not on prompts. "
+        "Default: on for prompt/completion, instruction and chat data.",
+    )
+    sample_prompt: str | None = _opt(
+        None,
+        "causal-lm: after each evaluation, print a short greedy continuation of this prompt.",
+    )
 
     # --- optimizer and schedule ---
     optim: str = _opt("adamw", "Optimizer name from `effitrain optimizers`.")
@@ -211,6 +234,8 @@ class TrainConfig:
                 f"unknown --mixed-precision '{self.mixed_precision}'; "
                 f"choose one of: {', '.join(MIXED_PRECISION)}"
             )
+        if self.task is not None and self.task not in TASKS:
+            raise EffitrainError(f"unknown --task '{self.task}'; choose one of: {', '.join(TASKS)}")
         if self.text_columns is not None and not 1 <= len(self.text_columns) <= 2:
             raise EffitrainError(
                 f"--text-columns takes one or two column names (got {len(self.text_columns)})"

@@ -33,6 +33,8 @@ METAVARS = {
     "dataset_config": "NAME",
     "train_file": "FILE",
     "validation_file": "FILE",
+    "task": "NAME",
+    "sample_prompt": "TEXT",
     "text_columns": "COL[,COL]",
     "label_column": "COL",
     "optim": "NAME",
@@ -49,17 +51,22 @@ METAVARS = {
 """What a value looks like, where the type alone (``<str>``) says little."""
 
 
-def _opt(name: str, panel: str, extra: str = "", **kwargs: object) -> typer.models.OptionInfo:
+def _opt(
+    name: str, panel: str, extra: str = "", flag: str | None = None, **kwargs: object
+) -> typer.models.OptionInfo:
     """The option for config field ``name``: its flag and help text come from the config; the
-    parameter's default (``D(name)``) is the config's, so --help shows it."""
+    parameter's default (``D(name)``) is the config's, so --help shows it. ``flag``: a
+    ``--on/--off`` pair for a setting whose default depends on the data."""
     per_optimizer = "per optimizer, see effitrain optimizers" if name in PER_OPTIMIZER else None
+    if flag is not None:
+        per_optimizer = "per data format"
     return typer.Option(
-        option(name),
+        flag or option(name),
         help=help_for(name) + extra,
         rich_help_panel=panel,
         show_default=per_optimizer or DEFAULT_TEXT.get(name) or True,
         # A flag takes no value: no type tag.
-        metavar="" if isinstance(D(name), bool) else METAVARS.get(name),
+        metavar="" if isinstance(D(name), bool) or flag else METAVARS.get(name),
         **kwargs,
     )
 
@@ -75,6 +82,7 @@ def train(
             rich_help_panel=OUT,
         ),
     ] = None,
+    task: Annotated[str | None, _opt("task", MODEL)] = None,
     model: Annotated[str, _opt("model", MODEL, f" Presets: {_PRESETS_HELP}.")] = D("model"),
     dataset: Annotated[str, _opt("dataset", MODEL)] = D("dataset"),
     dataset_config: Annotated[str | None, _opt("dataset_config", MODEL)] = None,
@@ -85,6 +93,12 @@ def train(
     ] = None,
     label_column: Annotated[str | None, _opt("label_column", MODEL)] = None,
     max_length: Annotated[int, _opt("max_length", MODEL)] = D("max_length"),
+    packing: Annotated[bool | None, _opt("packing", MODEL, flag="--packing/--no-packing")] = None,
+    completion_only_loss: Annotated[
+        bool | None,
+        _opt("completion_only_loss", MODEL, flag="--completion-only-loss/--full-loss"),
+    ] = None,
+    sample_prompt: Annotated[str | None, _opt("sample_prompt", MODEL)] = None,
     optim: Annotated[str, _opt("optim", OPTIM)] = D("optim"),
     lr: Annotated[float | None, _opt("lr", OPTIM)] = None,
     weight_decay: Annotated[float, _opt("weight_decay", OPTIM)] = D("weight_decay"),
