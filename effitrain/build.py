@@ -17,9 +17,17 @@ import effitrain.levers as levers
 import effitrain.memory as memory
 import effitrain.precision as precision
 from effitrain.config import TrainConfig
-from effitrain.data import LoadedData, build_dataloaders, load_data, steps_per_epoch
+from effitrain.data import build_dataloaders, load_data, steps_per_epoch
 from effitrain.errors import EffitrainError
-from effitrain.models import load_model, load_tokenizer
+from effitrain.models import (
+    CAUSAL_LM,
+    CAUSAL_PRESETS,
+    SEQUENCE_CLASSIFICATION,
+    load_causal_lm,
+    load_model,
+    load_tokenizer,
+    model_task,
+)
 from effitrain.optim import OptimizerSpec, build_optimizer, build_scheduler
 from effitrain.results import RunInfo
 from effitrain.wrapped import base_model
@@ -74,10 +82,12 @@ class Run:
     eval_loader: DataLoader
     plan: Plan
     num_labels: int
+    """0 for causal-lm."""
     spec: OptimizerSpec | None = None
     tokenizer: Any = None
     info: RunInfo | None = None
     sharding: distributed.Sharding | None = None
+    task: str = SEQUENCE_CLASSIFICATION
 
 
 def check_outputs(config: TrainConfig) -> None:
@@ -154,12 +164,19 @@ def build_run(config: TrainConfig, reporter: Reporter) -> Run:
     levers.check_launch(config, accelerator.state)
     # The main process goes first so it alone fills the datasets cache.
     with accelerator.main_process_first():
-        data = load_data(config)
+        task = resolve_task(config)
+        data = load_task_data(config, task)
+    for note in getattr(data, "notes", []):
+        reporter.note(note)
     tokenizer = load_tokenizer(config.model)
-    model = load_model(config.model, data.num_labels, data.label_names, tokenizer)
+    if task == CAUSAL_LM:
+        model = load_causal_lm(config.model, tokenizer)
+    else:
+        model = load_model(config.model, data.num_labels, data.label_names, tokenizer)
     model = levers.apply_to_model(model, config, reporter)
     with accelerator.main_process_first():
-        train_loader, eval_loader = build_dataloaders(
+        train_loader, eval_loader = build_task_dataloaders(
+            task,
             data,
             tokenizer,
             config,
@@ -190,12 +207,57 @@ def build_run(config: TrainConfig, reporter: Reporter) -> Run:
         train_loader=train_loader,
         eval_loader=eval_loader,
         plan=plan,
-        num_labels=data.num_labels,
+        num_labels=getattr(data, "num_labels", 0),
         spec=spec,
         tokenizer=tokenizer,
-        info=describe(config, accelerator, model, data, plan, optimizer),
+        info=describe(config, accelerator, model, data, plan, optimizer, task, train_loader),
         sharding=sharding,
+        task=task,
     )
+
+
+def resolve_task(config: TrainConfig) -> str:
+    """``--task``, else the model's: a preset's own task; for a hub or folder causal LM,
+    causal-lm unless the data has a label column (a decoder can classify too).
+
+    Raises:
+        EffitrainError: the model's config or the data cannot be read.
+    """
+    if config.task is not None:
+        return config.task
+    task = model_task(config.model)
+    if task != CAUSAL_LM or config.model in CAUSAL_PRESETS:
+        return task or SEQUENCE_CLASSIFICATION
+    if config.label_column is not None:
+        return SEQUENCE_CLASSIFICATION
+    if config.dataset == "demo" and config.train_file is None:
+        return SEQUENCE_CLASSIFICATION  # the built-in demo is labelled sentence pairs
+    from effitrain.data import _load_splits
+    from effitrain.lm_data import has_label_column
+
+    splits, _ = _load_splits(config)
+    first = splits.get("train") or next(iter(splits.values()))
+    return SEQUENCE_CLASSIFICATION if has_label_column(first.column_names) else CAUSAL_LM
+
+
+def load_task_data(config: TrainConfig, task: str) -> Any:
+    """The task's raw splits: ``LoadedData`` (classification) or ``lm_data.LMData``."""
+    if task == CAUSAL_LM:
+        from effitrain.lm_data import load_lm_data
+
+        return load_lm_data(config)
+    return load_data(config)
+
+
+def build_task_dataloaders(
+    task: str, data: Any, tokenizer: Any, config: TrainConfig, pad_to_multiple_of: int | None
+) -> tuple[DataLoader, DataLoader]:
+    """Tokenized training and evaluation loaders for the task."""
+    if task == CAUSAL_LM:
+        from effitrain.lm_data import build_lm_dataloaders
+
+        return build_lm_dataloaders(data, tokenizer, config, pad_to_multiple_of)
+    return build_dataloaders(data, tokenizer, config, pad_to_multiple_of=pad_to_multiple_of)
 
 
 def configured_optimizer(config: TrainConfig, model: Any, spec: OptimizerSpec) -> Any:
@@ -229,14 +291,31 @@ def describe(
     config: TrainConfig,
     accelerator: Accelerator,
     model: Any,
-    data: LoadedData,
+    data: Any,
     plan: Plan,
     optimizer: Any = None,
+    task: str = SEQUENCE_CLASSIFICATION,
+    train_loader: Any = None,
 ) -> RunInfo:
-    """What the run is about to do, for the banner (``optimizer``: built, possibly prepared)."""
+    """What the run is about to do, for the banner (``optimizer``: built, possibly prepared;
+    ``data``: ``LoadedData`` or, for causal-lm, ``lm_data.LMData``)."""
     spec = precision.optimizer_spec(config)
     n = accelerator.num_processes
+    if task == CAUSAL_LM:
+        columns, label_column, num_labels = data.columns, "", 0
+        sequences = len(train_loader.dataset) if train_loader is not None else 0
+        lm = {
+            "data_format": data.format,
+            "packing": data.packing,
+            "completion_only": data.completion_only,
+            "train_sequences": sequences,
+        }
+    else:
+        columns, label_column, num_labels = data.text_columns, data.label_column, data.num_labels
+        lm = {}
     return RunInfo(
+        task=task,
+        **lm,
         model=config.model,
         model_class=type(base_model(accelerator.unwrap_model(model))).__name__,
         parameters=memory.trainable_parameter_count(model),
@@ -244,9 +323,9 @@ def describe(
         train_examples=len(data.train),
         validation_examples=len(data.validation),
         validation_source=data.validation_source,
-        text_columns=data.text_columns,
-        label_column=data.label_column,
-        num_labels=data.num_labels,
+        text_columns=columns,
+        label_column=label_column,
+        num_labels=num_labels,
         optimizer=spec.name,
         optimizer_class=spec.class_path,
         lr=config.effective_lr,

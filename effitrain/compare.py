@@ -45,6 +45,7 @@ COLUMNS = (
     ("s/step", "seconds_per_step"),
     ("final loss", "final_loss"),
     ("eval accuracy", "eval_accuracy"),
+    ("eval perplexity", "eval_perplexity"),
 )
 """The table's and the CSV's numeric columns."""
 
@@ -143,6 +144,7 @@ def summarize(configuration: Configuration, runs: list[dict[str, Any]]) -> dict[
         "seconds_per_step": statistics.median(r["seconds_per_step"] for r in runs),
         "final_loss": (first.get("loss_history") or [{"loss": first["train_loss"]}])[-1]["loss"],
         "eval_accuracy": first["eval"].get("accuracy"),
+        "eval_perplexity": first["eval"].get("perplexity"),
         "loss_history": first.get("loss_history", []),
         "repeats": len(runs),
     }

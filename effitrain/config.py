@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from effitrain.errors import EffitrainError
-from effitrain.models import PRESETS
+from effitrain.models import CAUSAL_LM, CAUSAL_PRESETS, PRESETS, is_preset
 from effitrain.optim import FINE_TUNE, IN_BACKWARD_REFUSED, SCRATCH, Defaults, get_spec
 
 SCHEDULERS = ("linear", "cosine", "constant")
@@ -236,6 +236,7 @@ class TrainConfig:
             )
         if self.task is not None and self.task not in TASKS:
             raise EffitrainError(f"unknown --task '{self.task}'; choose one of: {', '.join(TASKS)}")
+        self._validate_task()
         if self.text_columns is not None and not 1 <= len(self.text_columns) <= 2:
             raise EffitrainError(
                 f"--text-columns takes one or two column names (got {len(self.text_columns)})"
@@ -245,6 +246,27 @@ class TrainConfig:
         get_spec(self.optim)
         self._validate_levers()
         return self
+
+    def _validate_task(self) -> None:
+        """A preset is built for one task; the causal-LM options need that task."""
+        if self.task == CAUSAL_LM and self.model in PRESETS:
+            raise EffitrainError(
+                f"--model {self.model} is a sequence-classification preset; for --task causal-lm "
+                f"use one of: {', '.join(CAUSAL_PRESETS)} (or a causal LM's hub id or folder)"
+            )
+        if self.task not in (None, CAUSAL_LM) and self.model in CAUSAL_PRESETS:
+            raise EffitrainError(
+                f"--model {self.model} is a causal-LM preset; use --task causal-lm, or a "
+                f"classification preset: {', '.join(PRESETS)}"
+            )
+        if self.task not in (None, CAUSAL_LM):
+            given = [
+                option(name)
+                for name in ("packing", "completion_only_loss", "sample_prompt")
+                if getattr(self, name) is not None
+            ]
+            if given:
+                raise EffitrainError(f"{given[0]} needs --task causal-lm; drop it")
 
     def _validate_levers(self) -> None:
         """The memory levers' values, and the combinations that cannot work (effitrain.levers)."""
@@ -374,7 +396,7 @@ class TrainConfig:
     @property
     def regime(self) -> str:
         """``SCRATCH`` for a built-in preset (random init), else ``FINE_TUNE`` (pretrained)."""
-        return SCRATCH if self.model in PRESETS else FINE_TUNE
+        return SCRATCH if is_preset(self.model) else FINE_TUNE
 
     @property
     def uses_lora_defaults(self) -> bool:
@@ -552,6 +574,10 @@ def build_config(
         values = merge(values, load_yaml(config_file), source=str(config_file))
     cli = {k: v for k, v in (overrides or {}).items() if v is not None}
     values = merge(values, cli, source="command line")
+    if values["task"] == CAUSAL_LM and values["model"] == default_for("model"):
+        given = {k.replace("-", "_") for k in (load_yaml(config_file) if config_file else {})}
+        if "model" not in given | set(cli):
+            values["model"] = next(iter(CAUSAL_PRESETS))  # the task's own tiny preset
     return TrainConfig(**values).validate()
 
 

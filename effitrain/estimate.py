@@ -66,25 +66,35 @@ def _fake_mode() -> Any:
 
 
 def _build_model(
-    config: TrainConfig, num_labels: int, label_names: list[str], tokenizer: Any
+    config: TrainConfig,
+    num_labels: int,
+    label_names: list[str],
+    tokenizer: Any,
+    causal_lm: bool = False,
 ) -> Any:
     """The model a run would train, built from its config only (no weights are read)."""
-    from effitrain.models import PRESETS, load_model
+    from effitrain.models import CAUSAL_PRESETS, PRESETS, load_causal_lm, load_model
 
     if config.model in PRESETS:
         return load_model(config.model, num_labels, label_names, tokenizer)
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    if config.model in CAUSAL_PRESETS:
+        return load_causal_lm(config.model, tokenizer)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from effitrain.models import _cannot_load
 
     id2label = dict(enumerate(label_names))
+    labels = (
+        {}
+        if causal_lm
+        else {
+            "num_labels": num_labels,
+            "id2label": id2label,
+            "label2id": {label: i for i, label in id2label.items()},
+        }
+    )
     try:
-        model_config = AutoConfig.from_pretrained(
-            config.model,
-            num_labels=num_labels,
-            id2label=id2label,
-            label2id={label: i for i, label in id2label.items()},
-        )
+        model_config = AutoConfig.from_pretrained(config.model, **labels)
     except (OSError, ValueError, KeyError) as exc:
         raise _cannot_load("model", config.model, exc) from exc
     if getattr(model_config, "pad_token_id", None) is None:
@@ -92,7 +102,8 @@ def _build_model(
     # from_pretrained keeps the checkpoint's dtype; from_config, fp32 unless told.
     dtype = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
     kwargs = {"dtype": dtype} if dtype is not None and not isinstance(dtype, str) else {}
-    return AutoModelForSequenceClassification.from_config(model_config, **kwargs)
+    auto = AutoModelForCausalLM if causal_lm else AutoModelForSequenceClassification
+    return auto.from_config(model_config, **kwargs)
 
 
 @contextmanager
@@ -147,9 +158,10 @@ def _materialize(model: Any, device: Any) -> None:
                 module._buffers[name] = fake(buffer, parameter=False)
 
 
-def _batch(tokenizer: Any, batch_size: int, length: int) -> dict[str, Any]:
+def _batch(tokenizer: Any, batch_size: int, length: int, causal_lm: bool = False) -> dict[str, Any]:
     """A full batch as the run's collator makes it (the tokenizer's own inputs: token type ids
-    where the model takes them), every example ``length`` tokens long."""
+    where the model takes them), every example ``length`` tokens long (causal-lm: every token
+    labelled, as a packed block)."""
     import torch
 
     batch = dict(
@@ -162,7 +174,10 @@ def _batch(tokenizer: Any, batch_size: int, length: int) -> dict[str, Any]:
         )
     )
     batch["attention_mask"] = torch.ones_like(batch["attention_mask"])
-    batch["labels"] = torch.zeros(batch_size, dtype=torch.long)
+    if causal_lm:
+        batch["labels"] = batch["input_ids"].clone()
+    else:
+        batch["labels"] = torch.zeros(batch_size, dtype=torch.long)
     return batch
 
 
@@ -177,9 +192,9 @@ def estimate(config: TrainConfig) -> dict[str, Any]:
     import torch
 
     from effitrain import levers, precision
-    from effitrain.build import configured_optimizer
+    from effitrain.build import configured_optimizer, resolve_task
     from effitrain.data import load_data
-    from effitrain.models import load_tokenizer
+    from effitrain.models import CAUSAL_LM, load_tokenizer
     from effitrain.optim import set_train_mode
     from effitrain.step_memory import StepMemoryProbe
 
@@ -187,7 +202,9 @@ def estimate(config: TrainConfig) -> dict[str, Any]:
         raise EffitrainError(
             "effitrain estimate does not model fp16 loss scaling; use --mixed-precision bf16 or no"
         )
-    data = load_data(config)
+    causal_lm = resolve_task(config) == CAUSAL_LM
+    # A causal LM needs no labels from the data: its shapes come from the model alone.
+    data = None if causal_lm else load_data(config)
     tokenizer = load_tokenizer(config.model)
     notes: list[str] = []
     spec = precision.optimizer_spec(config)
@@ -201,7 +218,13 @@ def estimate(config: TrainConfig) -> dict[str, Any]:
     # Built on the meta device (shapes only; module conversions such as the bf16 cast work
     # there, not on fake parameters), then given fake storage on the run's device.
     with torch.device("meta"):
-        model = _build_model(config, data.num_labels, data.label_names, tokenizer)
+        model = _build_model(
+            config,
+            data.num_labels if data else 0,
+            data.label_names if data else [],
+            tokenizer,
+            causal_lm,
+        )
         model = levers.apply_to_model(model, config, _Silent(notes))
     with _fake_mode():
         _materialize(model, device)
@@ -210,7 +233,7 @@ def estimate(config: TrainConfig) -> dict[str, Any]:
         set_train_mode(optimizer, True)  # as fit() does (schedule-free)
         # As effitrain.data.tokenize: capped by the tokenizer's model_max_length.
         length = min(config.max_length, tokenizer.model_max_length)
-        batch = _batch(tokenizer, config.batch_size, length)
+        batch = _batch(tokenizer, config.batch_size, length, causal_lm)
         step_memory: dict[str, Any] = {}
         torchao = spec.module == "torchao"
         if torchao:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import effitrain.checkpoint as checkpoint
 import effitrain.tracking as tracking
 from effitrain.errors import EffitrainError
+from effitrain.models import CAUSAL_LM
 from effitrain.optim import set_train_mode
 from effitrain.progress import Stopwatch, TrainingProgress
 from effitrain.results import StepLog
@@ -64,7 +65,8 @@ def train_step(
     with accelerator.accumulate(model):
         loss = model(**batch).loss
         accelerator.backward(loss)
-        progress.add_micro_batch(loss, len(batch["labels"]))  # summed on the device: no sync
+        # Summed on the device: no sync.
+        progress.add_micro_batch(loss, len(batch["labels"]), batch_tokens(batch))
         if accelerator.sync_gradients:
             progress.measure_gradients(model)  # once, at the first step
             grad_norm = None
@@ -77,6 +79,12 @@ def train_step(
         lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     return StepOutcome(accelerator.sync_gradients, stop)
+
+
+def batch_tokens(batch: dict[str, Any]) -> Any:
+    """The batch's input tokens, padding left out (a device tensor: no sync)."""
+    mask = batch.get("attention_mask")
+    return mask.sum() if mask is not None else batch["input_ids"].numel()
 
 
 class StepGuard:
@@ -255,6 +263,7 @@ def log_line(run: Run, progress: TrainingProgress, timer: Stopwatch) -> StepLog:
         lr=run.lr_scheduler.get_last_lr()[0],
         samples_per_second=samples / elapsed if elapsed > 0 else 0.0,
         eta_seconds=remaining * timer.recent_mean(run.config.log_every),
+        tokens_per_second=progress.window_tokens / elapsed if elapsed > 0 else 0.0,
     )
     progress.loss_history.append({"step": log.step, "loss": log.loss})
     tracking.log_train(run, log)
@@ -296,8 +305,9 @@ def _report_saved(reporter: Reporter, path: Any, progress: TrainingProgress) -> 
         reporter.checkpoint_saved(str(path), progress.global_step)
 
 
-def evaluate(run: Run) -> dict[str, float]:
-    """Loss, accuracy and F1 over the whole validation set, each example counted once.
+def evaluate(run: Run) -> dict[str, Any]:
+    """Loss, accuracy and F1 over the whole validation set, each example counted once
+    (causal-lm: token loss and perplexity, and a sample, see :mod:`effitrain.lm_eval`).
 
     ``gather_for_metrics`` drops the samples that the last batch repeats to even out processes.
     F1 is binary for two labels and macro-averaged otherwise (scikit-learn).
@@ -306,6 +316,10 @@ def evaluate(run: Run) -> dict[str, float]:
     import torch.nn.functional as F
     from sklearn.metrics import accuracy_score, f1_score
 
+    if run.task == CAUSAL_LM:
+        from effitrain.lm_eval import evaluate_lm
+
+        return evaluate_lm(run)
     model, accelerator = run.model, run.accelerator
     model.eval()
     set_train_mode(run.optimizer, False)  # schedule-free: evaluate its averaged weights

@@ -51,7 +51,12 @@ def require_peft() -> None:
 
 def head_modules(model: Any) -> list[str]:
     """The classification head: the top-level modules with parameters outside the base model,
-    and the base model's ``pooler`` where the head reads it (BERT: ``bert.pooler``)."""
+    and the base model's ``pooler`` where the head reads it (BERT: ``bert.pooler``). A causal
+    LM has none that trains in full: its ``lm_head`` is pretrained (often the embeddings)."""
+    from effitrain.wrapped import is_causal_lm
+
+    if is_causal_lm(model):
+        return []
 
     def has_parameters(module: Any) -> bool:
         return any(True for _ in module.parameters())
@@ -163,13 +168,15 @@ def apply(model: Any, config: TrainConfig) -> Any:
 
     head = head_modules(model)
     targets, _ = resolve_targets(model, config.lora_target_modules, head)
+    from effitrain.wrapped import is_causal_lm
+
     lora_config = LoraConfig(
-        task_type=TaskType.SEQ_CLS,
+        task_type=TaskType.CAUSAL_LM if is_causal_lm(model) else TaskType.SEQ_CLS,
         r=config.lora_rank,
         lora_alpha=config.effective_lora_alpha,
         lora_dropout=config.effective_lora_dropout,
         target_modules=targets,
-        modules_to_save=head,
+        modules_to_save=head or None,
     )
     try:
         with warnings.catch_warnings():
@@ -207,17 +214,18 @@ def describe(model: Any, config: TrainConfig) -> str:
     alpha = "" if config.lora_alpha is not None else " (2 x rank)"
     return (
         f"LoRA r={config.lora_rank} alpha={config.effective_lora_alpha:g}{alpha} dropout "
-        f"{config.effective_lora_dropout:g} on {', '.join(targeted)} ({why}); head "
-        f"{', '.join(head)} trains in full; {trainable_parameter_count(peft_model):,} of "
+        f"{config.effective_lora_dropout:g} on {', '.join(targeted)} ({why}); "
+        + (f"head {', '.join(head)} trains in full; " if head else "")
+        + f"{trainable_parameter_count(peft_model):,} of "
         f"{total:,} parameters train"
     )
 
 
 def final_note(config: TrainConfig) -> str | None:
     """What to say when ``final/`` holds adapters whose base weights are saved nowhere."""
-    from effitrain.models import PRESETS
+    from effitrain.models import is_preset
 
-    if config.model in PRESETS and not config.lora_merge:
+    if is_preset(config.model) and not config.lora_merge:
         return (
             f"final/ holds the LoRA adapters only; the '{config.model}' preset's random base "
             "weights are saved nowhere else: add --lora-merge for a complete model"

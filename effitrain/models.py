@@ -46,6 +46,43 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+SEQUENCE_CLASSIFICATION, CAUSAL_LM = "sequence-classification", "causal-lm"
+
+# name -> (description, transformers config class, settings). "tiny-llama"'s settings come from
+# the causal-LM demo (effitrain.demo.lm) and the vocabulary from its tokenizer.
+CAUSAL_PRESETS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "tiny-llama": (
+        "causal-lm: tiny Llama-style decoder, random init (default for --task causal-lm; "
+        "trains the LM demo in under a minute)",
+        "LlamaConfig",
+        {},
+    ),
+    "qwen2.5-0.5b": (
+        "causal-lm: Qwen2.5-0.5B's exact architecture (494M params, 151,936-token vocabulary), "
+        "random init: real-size memory numbers",
+        "Qwen2Config",
+        {
+            "vocab_size": 151936,
+            "hidden_size": 896,
+            "intermediate_size": 4864,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 14,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 32768,
+            "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True,
+            "hidden_act": "silu",
+        },
+    ),
+}
+
+
+def is_preset(name: str) -> bool:
+    """A built-in preset of either task (random init: trained from scratch)."""
+    return name in PRESETS or name in CAUSAL_PRESETS
+
+
 def is_offline() -> bool:
     """True when the Hugging Face hub is switched off by environment."""
     return any(
@@ -63,7 +100,7 @@ def _cannot_load(what: str, name: str, exc: BaseException) -> EffitrainError:
         reason = "not a preset or local folder, and the hub is offline (HF_HUB_OFFLINE=1)"
     else:
         reason = first_line(exc)
-    presets = ", ".join(PRESETS)
+    presets = ", ".join([*PRESETS, *CAUSAL_PRESETS])
     return EffitrainError(f"cannot load {what} '{name}': {reason}. Presets: {presets}")
 
 
@@ -85,6 +122,11 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
 
         max_positions = preset_settings(name)["max_position_embeddings"]
         return build_tokenizer(model_max_length=max_positions)
+    if name in CAUSAL_PRESETS:
+        from effitrain.demo.lm import build_lm_tokenizer
+
+        max_positions = causal_preset_settings(name)["max_position_embeddings"]
+        return build_lm_tokenizer(model_max_length=max_positions)
     from transformers import AutoTokenizer
 
     try:
@@ -142,4 +184,61 @@ def load_model(
         )
     except (OSError, ValueError, KeyError) as exc:
         raise _cannot_load("model", name, exc) from exc
+    return model
+
+
+def causal_preset_settings(name: str) -> dict[str, Any]:
+    """Config keyword arguments of a causal-LM preset (vocab_size at least the tokenizer's)."""
+    from effitrain.demo.lm import tiny_llama_config
+
+    return {**tiny_llama_config(), **CAUSAL_PRESETS[name][2]}
+
+
+def model_task(name: str) -> str | None:
+    """The task a model is built for: a preset's, or from a hub/folder config's architectures
+    (``*ForCausalLM``/``*LMHeadModel``: causal-lm); None when it cannot be told."""
+    if name in PRESETS:
+        return SEQUENCE_CLASSIFICATION
+    if name in CAUSAL_PRESETS:
+        return CAUSAL_LM
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name)
+    except (OSError, ValueError, KeyError) as exc:
+        raise _cannot_load("model", name, exc) from exc
+    architectures = getattr(config, "architectures", None) or []
+    if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
+        return CAUSAL_LM
+    return SEQUENCE_CLASSIFICATION if architectures else None
+
+
+def load_causal_lm(name: str, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """Build a causal-LM preset (random init) or load a pretrained ``AutoModelForCausalLM``.
+
+    Raises:
+        EffitrainError: the model cannot be loaded, or has no causal-LM head.
+    """
+    import transformers
+
+    if name in CAUSAL_PRESETS:
+        settings = causal_preset_settings(name)
+        settings["vocab_size"] = max(settings["vocab_size"], len(tokenizer))
+        for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            settings[key] = getattr(tokenizer, key)
+        config = getattr(transformers, CAUSAL_PRESETS[name][1])(**settings)
+        return transformers.AutoModelForCausalLM.from_config(config)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(name)
+    except ValueError as exc:
+        if "Unrecognized configuration class" in str(exc):
+            raise EffitrainError(
+                f"'{name}' has no causal-LM head (its architecture is not a decoder language "
+                "model); use --task sequence-classification, or a causal LM"
+            ) from exc
+        raise _cannot_load("model", name, exc) from exc
+    except (OSError, KeyError) as exc:
+        raise _cannot_load("model", name, exc) from exc
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
     return model

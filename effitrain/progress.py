@@ -44,6 +44,8 @@ class TrainingProgress:
     total_loss: float = 0.0
     total_batches: float = 0.0
     total_samples: float = 0.0
+    total_tokens: float = 0.0
+    """Input tokens trained on (padding left out)."""
     eval_history: list[dict[str, float]] = field(default_factory=list)
     gradient_bytes: int = 0
     """Bytes of the gradients, measured once, at the first optimizer step."""
@@ -65,8 +67,10 @@ class TrainingProgress:
             setattr(self, f.name, _default(f))
         self._reduce = reduce or (lambda tensor: tensor)
         self._is_main_process = is_main_process
-        # Since the last log line: [sum of losses, micro-batches, samples].
-        self._window = torch.zeros(3, device=device, dtype=torch.float64)
+        # Since the last log line: [sum of losses, micro-batches, samples, tokens].
+        self._window = torch.zeros(_WINDOW, device=device, dtype=torch.float64)
+        self.window_tokens = 0.0
+        """Tokens in the window that the last :meth:`flush_window` emptied (all processes)."""
 
     @classmethod
     def for_accelerator(cls, accelerator: Accelerator) -> TrainingProgress:
@@ -78,15 +82,20 @@ class TrainingProgress:
 
     # --- during a step -----------------------------------------------------------------------
 
-    def add_micro_batch(self, loss: torch.Tensor, samples: int) -> None:
-        """Add one micro-batch's loss and size to the window (on the device: no sync)."""
+    def add_micro_batch(
+        self, loss: torch.Tensor, samples: int, tokens: torch.Tensor | int = 0
+    ) -> None:
+        """Add one micro-batch's loss and size (``tokens``: its non-padding tokens, a device
+        tensor or a number) to the window (on the device: no sync)."""
         import torch
 
+        device = self._window.device
         self._window += torch.stack(
             [
                 loss.detach().to(torch.float64),
-                torch.ones((), device=self._window.device, dtype=torch.float64),
-                torch.tensor(samples, device=self._window.device, dtype=torch.float64),
+                torch.ones((), device=device, dtype=torch.float64),
+                torch.tensor(samples, device=device, dtype=torch.float64),
+                torch.as_tensor(tokens, device=device).to(torch.float64),
             ]
         )
 
@@ -112,11 +121,13 @@ class TrainingProgress:
         Returns (sum of losses, micro-batches, samples) since the last call: all processes.
         A collective under several processes, and one host sync.
         """
-        loss_sum, batches, samples = self._reduce(self._window).tolist()
+        loss_sum, batches, samples, tokens = self._reduce(self._window).tolist()
         self._window.zero_()
         self.total_loss += loss_sum
         self.total_batches += batches
         self.total_samples += samples
+        self.total_tokens += tokens
+        self.window_tokens = tokens
         return loss_sum, batches, samples
 
     @property
@@ -157,8 +168,12 @@ class TrainingProgress:
             default = _default(f)
             # int(), float() and list() of the saved JSON values (gradient_bytes came later).
             setattr(self, f.name, type(default)(state.get(f.name, default)))
-        window = [float(x) for x in state["window"]] if self._is_main_process else [0.0] * 3
+        window = [float(x) for x in state["window"]] if self._is_main_process else []
+        window += [0.0] * (_WINDOW - len(window))  # a checkpoint from before tokens were counted
         self._window = torch.tensor(window, device=self._window.device, dtype=torch.float64)
+
+
+_WINDOW = 4
 
 
 def _default(f: Field[Any]) -> Any:

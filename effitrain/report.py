@@ -55,6 +55,8 @@ class Reporter:
         self.console = console or Console(highlight=False)
         self._progress: Any = None
         self._task: Any = None
+        self._causal_lm = False
+        """causal-lm: speed in tokens/s, evaluation as perplexity (set by run_started)."""
 
     def _line(self, text: str) -> None:
         # soft_wrap: never insert hard line breaks (log files and narrow terminals stay greppable).
@@ -70,6 +72,7 @@ class Reporter:
             self._line(f"[yellow]note:[/] {message}")
 
     def run_started(self, info: RunInfo) -> None:
+        self._causal_lm = info.task == "causal-lm"
         if not self._chatty:
             return
         self._line(
@@ -77,10 +80,18 @@ class Reporter:
             f"{_count(info.parameters)} params)"
         )
         columns = " + ".join(info.text_columns)
+        if self._causal_lm:
+            what = (
+                f"{info.data_format} ({columns}), "
+                + ("packed" if info.packing else "padded")
+                + f" into {info.train_sequences:,} training sequences"
+                + (", loss on completions only" if info.completion_only else "")
+            )
+        else:
+            what = f"text {columns}, label {info.label_column} ({info.num_labels} classes)"
         self._line(
             f"  data      {info.dataset}: {info.train_examples:,} train / "
-            f"{info.validation_examples:,} validation ({info.validation_source}); "
-            f"text {columns}, label {info.label_column} ({info.num_labels} classes)"
+            f"{info.validation_examples:,} validation ({info.validation_source}); {what}"
         )
         lr_note = f" ({info.lr_note})" if info.lr_note else ""
         self._line(
@@ -138,7 +149,12 @@ class Reporter:
     def logged(self, log: StepLog) -> None:
         if not self._chatty:
             return
-        stats = f"loss {log.loss:.4f} · lr {log.lr:.2e} · {log.samples_per_second:,.0f} samples/s"
+        speed = (
+            f"{log.tokens_per_second:,.0f} tokens/s"
+            if self._causal_lm
+            else f"{log.samples_per_second:,.0f} samples/s"
+        )
+        stats = f"loss {log.loss:.4f} · lr {log.lr:.2e} · {speed}"
         if self._progress is not None:
             self._progress.update(self._task, completed=log.step, stats=stats)
         else:
@@ -151,10 +167,11 @@ class Reporter:
         if not self._chatty:
             return
         where = "end" if final else f"epoch {epoch}"
-        self._line(
-            f"eval ({where}) · loss {metrics['loss']:.4f} · accuracy {metrics['accuracy']:.4f} "
-            f"· f1 {metrics['f1']:.4f}"
-        )
+        self._line(f"eval ({where}) · {_eval_text(metrics, loss_first=True)}")
+        if "sample" in metrics:
+            from rich.markup import escape
+
+            self._line(f"  sample    {escape(repr(metrics['sample']))}")
 
     def progress_finished(self) -> None:
         if self._progress is not None:
@@ -168,11 +185,15 @@ class Reporter:
         self.progress_finished()
         c = self.console
         ev = result.eval
+        speed = (
+            f"{result.tokens_per_second:,.0f} tokens/s"
+            if result.task == "causal-lm"
+            else f"{result.samples_per_second:,.0f} samples/s"
+        )
         self._line(
             f"[bold green]done[/] · {result.global_steps} steps in {result.train_seconds:.1f} s "
-            f"({result.seconds_per_step * 1000:.1f} ms/step, "
-            f"{result.samples_per_second:,.0f} samples/s) · train loss {result.train_loss:.4f} · "
-            f"eval accuracy {ev['accuracy']:.4f} · f1 {ev['f1']:.4f} · loss {ev['loss']:.4f}"
+            f"({result.seconds_per_step * 1000:.1f} ms/step, {speed}) · "
+            f"train loss {result.train_loss:.4f} · eval {_eval_text(ev)}"
         )
         c.print(optimizer_state_table(result))
         c.print(memory_table(result))
@@ -470,3 +491,12 @@ def print_state_report(report: StateReport, top: int, console: Console | None = 
             f"[yellow]note:[/] {report.params_without_shape} parameter(s) with state of unknown "
             "shape are left out of the AdamW figure"
         )
+
+
+def _eval_text(metrics: dict[str, Any], loss_first: bool = False) -> str:
+    """An evaluation's numbers: loss and perplexity (causal-lm), or accuracy, F1 and loss."""
+    loss = f"loss {metrics['loss']:.4f}"
+    if "perplexity" in metrics:
+        return f"{loss} · perplexity {metrics['perplexity']:.2f}"
+    scores = f"accuracy {metrics['accuracy']:.4f} · f1 {metrics['f1']:.4f}"
+    return f"{loss} · {scores}" if loss_first else f"{scores} · {loss}"

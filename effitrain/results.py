@@ -43,6 +43,13 @@ class RunInfo:
     mixed_precision: str
     levers: list[str] = field(default_factory=list)
     """One banner line per memory lever that is on (``effitrain.levers.describe``)."""
+    task: str = "sequence-classification"
+    data_format: str = ""
+    """causal-lm: text, prompt-completion, instruction or messages."""
+    packing: bool = False
+    completion_only: bool = False
+    train_sequences: int = 0
+    """causal-lm: training sequences after tokenizing (packed blocks or padded examples)."""
     optimizer_split: str = ""
     """How the optimizer splits the parameters (Muon, GaLore, APOLLO: hidden matrices vs the
     rest, ``effitrain.optim_split``); empty for one update rule everywhere."""
@@ -59,6 +66,7 @@ class StepLog:
     lr: float
     samples_per_second: float
     eta_seconds: float
+    tokens_per_second: float = 0.0
 
 
 @dataclass
@@ -88,6 +96,9 @@ class TrainResult:
     mixed_precision: str
     device: str
     config: dict[str, Any] = field(default_factory=dict)
+    task: str = "sequence-classification"
+    tokens_per_second: float = 0.0
+    """Non-padding input tokens per second of training, all processes."""
     last_checkpoint: str | None = None
     """The newest checkpoint this run wrote (None when it wrote none)."""
     final_model_dir: str | None = None

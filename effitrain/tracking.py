@@ -82,6 +82,7 @@ def log_train(run: Run, log: StepLog) -> None:
             "train/loss": log.loss,
             "train/lr": log.lr,
             "train/samples_per_second": log.samples_per_second,
+            "train/tokens_per_second": log.tokens_per_second,
             "train/epoch": log.epoch,
         }
         run.accelerator.log(values, step=log.step)
@@ -90,7 +91,12 @@ def log_train(run: Run, log: StepLog) -> None:
 def log_evaluation(run: Run, metrics: dict[str, float], step: int) -> None:
     if run.config.trackers:
         run.accelerator.log(
-            {f"eval/{k}": metrics[k] for k in ("loss", "accuracy", "f1")}, step=step
+            {
+                f"eval/{k}": metrics[k]
+                for k in ("loss", "accuracy", "f1", "perplexity")
+                if k in metrics
+            },
+            step=step,
         )
 
 

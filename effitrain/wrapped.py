@@ -14,3 +14,10 @@ def is_lora(model: Any) -> bool:
 def base_model(model: Any) -> Any:
     """The transformers model under a lever's wrapper (LoRA's peft model), else ``model``."""
     return model.get_base_model() if is_lora(model) else model
+
+
+def is_causal_lm(model: Any) -> bool:
+    """Whether ``model`` (unwrapped, under LoRA or not) is a transformers causal LM."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return type(base_model(model)).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())

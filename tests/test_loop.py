@@ -280,18 +280,19 @@ def test_progress_state_dict_round_trip():
         "total_loss": 0.75,
         "total_batches": 2.0,
         "total_samples": 8.0,
+        "total_tokens": 0.0,
         "eval_history": [{"accuracy": 0.5, "epoch": 1, "step": 2}],
         "gradient_bytes": 0,
         "step_memory": {"peak_tensor_bytes": 10, "at_peak": {"activations": 6}},
         "loss_history": [{"step": 2, "loss": 0.5}],
-        "window": [1.0, 1.0, 2.0],
+        "window": [1.0, 1.0, 2.0, 0.0],
     }
     restored = TrainingProgress()
     restored.load_state_dict(state)
     assert restored == progress and restored.state_dict() == state
     other_rank = TrainingProgress(is_main_process=False)
     other_rank.load_state_dict(state)
-    assert other_rank.state_dict()["window"] == [0.0, 0.0, 0.0]  # summed into the main's once
+    assert other_rank.state_dict()["window"] == [0.0, 0.0, 0.0, 0.0]  # summed into the main's once
 
 
 def test_progress_reads_a_v0_1_checkpoint_without_gradient_bytes():

@@ -64,6 +64,7 @@ def compare(
     epochs: Annotated[
         int | None, typer.Option("--epochs", min=1, help="Epochs per run.", rich_help_panel=RUNS)
     ] = None,
+    task: Annotated[str | None, _opt("task", MODEL)] = None,
     model: Annotated[
         str, _opt("model", MODEL, " Here the default is the distilbert-base preset.")
     ] = "distilbert-base",
@@ -95,6 +96,7 @@ def compare(
         )
         common = ["--model", model, "--dataset", dataset, "--max-length", str(max_length)]
         for flag, value in (
+            ("--task", task),
             ("--dataset-config", dataset_config),
             ("--train-file", train_file),
             ("--validation-file", validation_file),
@@ -147,6 +149,8 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
     for row in rows:
         table.add_column(row["label"].replace(" +", "\n+"), justify="right")
     for label, key in COLUMNS:
+        if all(row[key] is None for row in rows):
+            continue  # eval accuracy for a causal LM, perplexity for a classifier
         cells = []
         for row in rows:
             value, ref = row[key], base[key]

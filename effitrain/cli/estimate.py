@@ -36,6 +36,7 @@ def estimate(
             "--config", help="YAML file of `effitrain train` options.", rich_help_panel=OUT
         ),
     ] = None,
+    task: Annotated[str | None, _opt("task", MODEL)] = None,
     model: Annotated[str, _opt("model", MODEL)] = D("model"),
     dataset: Annotated[str, _opt("dataset", MODEL, " Read for its number of labels.")] = D(
         "dataset"

@@ -1,0 +1,92 @@
+"""Causal-LM evaluation: token-weighted validation loss and perplexity, and a greedy sample.
+
+Every token with a label counts once: each process sums the per-token losses of each sequence,
+``gather_for_metrics`` drops the sequences that the last batch repeats to even out processes,
+and the sums are divided by the token count. Perplexity is ``exp(loss)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from effitrain.optim import set_train_mode
+
+if TYPE_CHECKING:
+    from effitrain.build import Run
+
+SAMPLE_TOKENS = 40
+"""Tokens a ``--sample-prompt`` continuation runs to (greedy, stops earlier at eos)."""
+
+
+def evaluate_lm(run: Run) -> dict[str, Any]:
+    """Validation loss and perplexity over every labelled token; with a sample prompt (given,
+    or the built-in demo's), its greedy continuation under ``"sample"``."""
+    import torch
+    import torch.nn.functional as F
+
+    model, accelerator = run.model, run.accelerator
+    model.eval()
+    set_train_mode(run.optimizer, False)  # schedule-free: evaluate its averaged weights
+    loss_sums, token_counts = [], []
+    for batch in run.eval_loader:
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        with torch.no_grad():
+            logits = model(**inputs).logits
+        # Position t predicts token t + 1, as the model's own loss shifts the labels.
+        labels = batch["labels"][:, 1:]
+        token_loss = F.cross_entropy(
+            logits[:, :-1].float().transpose(1, 2), labels, ignore_index=-100, reduction="none"
+        )
+        sums, counts = accelerator.gather_for_metrics(
+            (token_loss.sum(dim=-1), (labels != -100).sum(dim=-1))
+        )
+        loss_sums.append(sums.double().cpu())
+        token_counts.append(counts.cpu())
+    tokens = int(torch.cat(token_counts).sum())
+    loss = float(torch.cat(loss_sums).sum()) / max(tokens, 1)
+    metrics: dict[str, Any] = {
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 700.0)),  # exp overflows a float past ~709
+        "tokens": tokens,
+        "examples": int(sum(len(c) for c in token_counts)),
+    }
+    prompt = sample_prompt(run)
+    if prompt:
+        metrics["sample"] = generate_sample(run, prompt)
+    model.train()
+    set_train_mode(run.optimizer, True)
+    return metrics
+
+
+def sample_prompt(run: Run) -> str | None:
+    """``--sample-prompt``, else the demo corpus's own prompt when training on it."""
+    config = run.config
+    if config.sample_prompt is not None:
+        return config.sample_prompt or None
+    if config.dataset == "demo" and config.train_file is None:
+        from effitrain.demo.lm import DEMO_SAMPLE_PROMPT
+
+        return DEMO_SAMPLE_PROMPT
+    return None
+
+
+def generate_sample(run: Run, prompt: str, max_new_tokens: int = SAMPLE_TOKENS) -> str:
+    """The greedy continuation of ``prompt`` (the new text only).
+
+    Every process generates (under FSDP each forward is a collective); the main one prints.
+    """
+    import torch
+
+    tokenizer = run.tokenizer
+    model = run.accelerator.unwrap_model(run.model)
+    encoded = tokenizer(prompt, return_tensors="pt").to(run.accelerator.device)
+    with torch.no_grad():
+        output = model.generate(
+            **encoded,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    new = output[0, encoded["input_ids"].shape[1] :]
+    return tokenizer.decode(new, skip_special_tokens=True)
