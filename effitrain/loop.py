@@ -84,7 +84,10 @@ def train_step(
 def batch_tokens(batch: dict[str, Any]) -> Any:
     """The batch's input tokens, padding left out (a device tensor: no sync)."""
     mask = batch.get("attention_mask")
-    return mask.sum() if mask is not None else batch["input_ids"].numel()
+    if mask is not None:
+        return mask.sum()
+    ids = batch.get("input_ids")
+    return ids.numel() if ids is not None else 0
 
 
 class StepGuard:
