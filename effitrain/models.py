@@ -179,8 +179,10 @@ def load_model(
         )
         if getattr(config, "pad_token_id", None) is None:
             config.pad_token_id = tokenizer.pad_token_id
+        # fp32, whatever the checkpoint's dtype (transformers 5 keeps it by default): the
+        # weights' dtype is --weights-dtype's choice (effitrain.levers casts for bf16).
         model = AutoModelForSequenceClassification.from_pretrained(
-            name, config=config, ignore_mismatched_sizes=True
+            name, config=config, ignore_mismatched_sizes=True, dtype="float32"
         )
     except (OSError, ValueError, KeyError) as exc:
         raise _cannot_load("model", name, exc) from exc
@@ -229,7 +231,8 @@ def load_causal_lm(name: str, tokenizer: PreTrainedTokenizerBase) -> PreTrainedM
         config = getattr(transformers, CAUSAL_PRESETS[name][1])(**settings)
         return transformers.AutoModelForCausalLM.from_config(config)
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(name)
+        # fp32 whatever the checkpoint's dtype, as load_model.
+        model = transformers.AutoModelForCausalLM.from_pretrained(name, dtype="float32")
     except ValueError as exc:
         if "Unrecognized configuration class" in str(exc):
             raise EffitrainError(
