@@ -166,11 +166,12 @@ def build_run(config: TrainConfig, reporter: Reporter) -> Run:
     with accelerator.main_process_first():
         task = resolve_task(config)
         data = load_task_data(config, task)
-    for note in getattr(data, "notes", []):
-        reporter.note(note)
     tokenizer = load_tokenizer(config.model)
     if task == CAUSAL_LM:
+        from effitrain.lm_data import check_packing
+
         model = load_causal_lm(config.model, tokenizer)
+        check_packing(data, model.config.model_type, config)
     else:
         model = load_model(config.model, data.num_labels, data.label_names, tokenizer)
     model = levers.apply_to_model(model, config, reporter)
@@ -182,6 +183,8 @@ def build_run(config: TrainConfig, reporter: Reporter) -> Run:
             config,
             pad_to_multiple_of=8 if config.mixed_precision != "no" else None,
         )
+    for note in getattr(data, "notes", []):
+        reporter.note(note)
     train_loader, eval_loader = accelerator.prepare(train_loader, eval_loader)
     plan = Plan.from_config(config, len(train_loader))
 

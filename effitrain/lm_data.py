@@ -62,6 +62,49 @@ CHATML_TEMPLATE = (
 ``<|im_start|>role\\ncontent<|im_end|>\\n`` per message."""
 
 
+PACKING_KEEPS_DOCUMENTS_APART = frozenset(
+    {
+        "llama", "llama4_text", "mistral", "ministral", "mixtral", "qwen2", "qwen3",
+        "qwen3_moe", "gemma", "gemma2", "gemma3_text", "phi", "phi3", "smollm3", "gpt2",
+        "gpt_neox", "gptj", "codegen", "gpt_bigcode", "falcon", "olmo", "olmo2", "olmo3",
+        "granite", "granitemoe", "stablelm", "starcoder2", "cohere", "glm4", "helium",
+    }
+)  # fmt: skip
+"""Architectures (``config.model_type``) whose attention follows per-document position_ids in
+a packed block (transformers 5.24, sdpa and eager: packed logits equal each document's alone;
+``scripts/lm_packing.py --architectures`` re-checks)."""
+
+PACKING_MIXES_DOCUMENTS = frozenset({"opt", "bloom", "mpt", "xglm", "biogpt"})
+"""Architectures measured to let packed documents attend to each other."""
+
+
+def check_packing(data: LMData, model_type: str, config: TrainConfig) -> None:
+    """Packing only where the model keeps packed documents apart: refuse ``--packing`` where
+    it is known not to, and pad by default where it is not known to.
+
+    Raises:
+        EffitrainError: --packing with an architecture that mixes packed documents.
+    """
+    if not data.packing or model_type in PACKING_KEEPS_DOCUMENTS_APART:
+        return
+    if config.packing:
+        if model_type in PACKING_MIXES_DOCUMENTS:
+            raise EffitrainError(
+                f"--packing: {model_type} models ignore per-document position ids, so packed "
+                "documents would attend to each other; use --no-packing"
+            )
+        data.notes.append(
+            f"--packing with {model_type}: not verified to keep packed documents apart "
+            "(scripts/lm_packing.py --architectures checks it)"
+        )
+        return
+    data.packing = False
+    data.notes.append(
+        f"padding instead of packing: {model_type} is not known to keep packed documents "
+        "apart (force it with --packing)"
+    )
+
+
 @dataclass
 class LMData:
     """Raw train/validation splits of causal-LM data, with their format and options resolved."""

@@ -86,6 +86,7 @@ def generate_sample(run: Run, prompt: str, max_new_tokens: int = SAMPLE_TOKENS) 
             **encoded,
             max_new_tokens=max_new_tokens,
             do_sample=False,
+            use_cache=True,  # off for training (effitrain.models), on for generating
             pad_token_id=tokenizer.pad_token_id,
         )
     new = output[0, encoded["input_ids"].shape[1] :]

@@ -229,7 +229,7 @@ def load_causal_lm(name: str, tokenizer: PreTrainedTokenizerBase) -> PreTrainedM
         for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
             settings[key] = getattr(tokenizer, key)
         config = getattr(transformers, CAUSAL_PRESETS[name][1])(**settings)
-        return transformers.AutoModelForCausalLM.from_config(config)
+        return _for_training(transformers.AutoModelForCausalLM.from_config(config), tokenizer)
     try:
         # fp32 whatever the checkpoint's dtype, as load_model.
         model = transformers.AutoModelForCausalLM.from_pretrained(name, dtype="float32")
@@ -244,4 +244,13 @@ def load_causal_lm(name: str, tokenizer: PreTrainedTokenizerBase) -> PreTrainedM
         raise _cannot_load("model", name, exc) from exc
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
+    return _for_training(model, tokenizer)
+
+
+def _for_training(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """No key/value cache in training forwards (with one, transformers skips the packed-document
+    mask: packed documents would attend to each other); generation asks for it. Padding on the
+    right, where absolute positions (GPT-2) stay those of the text."""
+    model.config.use_cache = False
+    tokenizer.padding_side = "right"
     return model
