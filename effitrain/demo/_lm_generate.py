@@ -35,6 +35,9 @@ _REACTIONS = (
 )
 _CRITICS = ("Critics", "Supporters", "Analysts", "Local residents")
 _ORDINALS = ("first", "second", "third")
+#: a few round prices: with 2-99 they were spread so thin that a greedy sample stuttered
+#: ("worth worth worth ...") instead of naming one
+_PRICES = (5, 10, 15, 20, 25, 30, 40, 50)
 #: verb groups (indexes into ``SLOTS["verb"]``) that follow a vote, and that involve a price
 _VOTED = {0, 1}
 _PRICED = {4, 5}
@@ -54,7 +57,7 @@ def _follow_ups(meaning: dict, rng: random.Random) -> list[str]:
         high = rng.randrange(4, 10)
         sentences.append(f"The vote was {high} to {rng.randrange(1, high)}.")
     if meaning["verb"] in _PRICED:
-        sentences.append(f"The {noun} is worth {rng.randrange(2, 100)} million dollars.")
+        sentences.append(f"The {noun} is worth {rng.choice(_PRICES)} million dollars.")
     sentences.append(f"A spokesperson for {subject} said the {noun} {rng.choice(_QUOTES)}.")
     sentences.append(f"{rng.choice(_CRITICS)} said the decision was {rng.choice(_REACTIONS)}.")
     if rng.random() < 0.5:
