@@ -165,6 +165,7 @@ def build_run(config: TrainConfig, reporter: Reporter) -> Run:
     # The main process goes first so it alone fills the datasets cache.
     with accelerator.main_process_first():
         task = resolve_task(config)
+        config.check_causal_options(task)
         data = load_task_data(config, task)
     tokenizer = load_tokenizer(config.model)
     if task == CAUSAL_LM:

@@ -259,14 +259,22 @@ class TrainConfig:
                 f"--model {self.model} is a causal-LM preset; use --task causal-lm, or a "
                 f"classification preset: {', '.join(PRESETS)}"
             )
-        if self.task not in (None, CAUSAL_LM):
-            given = [
-                option(name)
-                for name in ("packing", "completion_only_loss", "sample_prompt")
-                if getattr(self, name) is not None
-            ]
-            if given:
-                raise EffitrainError(f"{given[0]} needs --task causal-lm; drop it")
+        if self.task not in (None, CAUSAL_LM) or (self.task is None and self.model in PRESETS):
+            self.check_causal_options(self.task or "sequence-classification")
+
+    def check_causal_options(self, task: str) -> None:
+        """The causal-LM options are refused for another task (build checks a resolved task).
+
+        Raises:
+            EffitrainError: one was given and ``task`` is not causal-lm.
+        """
+        given = [
+            option(name)
+            for name in ("packing", "completion_only_loss", "sample_prompt")
+            if getattr(self, name) is not None
+        ]
+        if given and task != CAUSAL_LM:
+            raise EffitrainError(f"{given[0]} needs --task causal-lm (this run is {task}); drop it")
 
     def _validate_levers(self) -> None:
         """The memory levers' values, and the combinations that cannot work (effitrain.levers)."""

@@ -75,7 +75,8 @@ def test_demo_defaults_run_a_few_steps_and_report_perplexity(train_cli, tmp_path
     assert isinstance(metrics["eval_history"][-1]["sample"], str)
     assert metrics["tokens_per_second"] > 0
     # The whole memory breakdown, as for classification.
-    assert metrics["optimizer_state"]["bytes"] == 8 * metrics["trainable_parameters"]
+    # exp_avg and exp_avg_sq in fp32, plus a 4-byte step per parameter tensor
+    assert 0 < metrics["optimizer_state"]["bytes"] - 8 * metrics["trainable_parameters"] < 400
     assert metrics["gradient_bytes"] > 0 and metrics["activation_bytes"] > 0
     assert "optimizer state" in proc.stdout.lower()
 
@@ -98,7 +99,7 @@ def test_instruction_jsonl_trains_on_completions_only(train_cli, tmp_path, rows,
         "--metrics-json", str(out), *SHORT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"{fmt} (" in proc.stdout and "loss on completions only" in proc.stdout
+    assert f"{fmt} data" in proc.stdout and "loss on completions only" in proc.stdout
     assert "padded" in proc.stdout  # instruction data is padded by default
     assert metrics_of(out)["eval"]["tokens"] > 0
 
@@ -111,7 +112,7 @@ def test_text_file_is_packed_and_learns(train_cli, tmp_path):
         "--epochs", "4", "--metrics-json", str(out), *SHORT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "text (text), packed" in proc.stdout
+    assert "text data in column text, packed" in proc.stdout
     history = metrics_of(out)["eval_history"]
     assert history[-1]["loss"] < history[0]["loss"]
 
@@ -123,7 +124,7 @@ def test_padding_instead_of_packing(train_cli, tmp_path):
         "--no-packing", "--max-steps", "2", *SHORT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "text (text), padded" in proc.stdout
+    assert "text data in column text, padded" in proc.stdout
 
 
 def test_pretrained_style_folder_is_fine_tuned_and_the_task_detected(
@@ -197,7 +198,7 @@ def test_estimate_a_causal_lm(cli):
     rows = json.loads(proc.stdout)
     rows = rows if isinstance(rows, list) else rows.get("rows", [rows])
     adamw = next(r for r in rows if r["optimizer"] == "adamw")
-    assert adamw["optimizer_state"]["bytes"] == 8 * adamw["trainable_parameters"]
+    assert 0 < adamw["optimizer_state"]["bytes"] - 8 * adamw["trainable_parameters"] < 400
 
 
 @pytest.mark.parametrize(
@@ -218,7 +219,11 @@ def test_option_refusals(cli, options, fragments):
     [
         ("", "empty.jsonl", ("empty",)),
         ('{"title": "a", "body": "b"}\n' * 5, "cols.jsonl", ("column", "title")),
-        ('{"text": "a"}\n' * 20, "short.jsonl", ("too short",)),
+        (
+            (json.dumps({"prompt": "word " * 60, "completion": "answer"}) + "\n") * 10,
+            "cut.jsonl",
+            ("--max-length",),
+        ),
     ],
 )
 def test_bad_data_gets_one_line(cli, tmp_path, content, name, fragments):
