@@ -72,7 +72,8 @@ def sample_prompt(run: Run) -> str | None:
 
 
 def generate_sample(run: Run, prompt: str, max_new_tokens: int = SAMPLE_TOKENS) -> str:
-    """The greedy continuation of ``prompt`` (the new text only).
+    """The greedy continuation of ``prompt`` (the new text only). With instruction or chat
+    data, the prompt is a user turn rendered by the chat template the data was rendered with.
 
     Every process generates (under FSDP each forward is a collective); the main one prints.
     """
@@ -80,7 +81,14 @@ def generate_sample(run: Run, prompt: str, max_new_tokens: int = SAMPLE_TOKENS) 
 
     tokenizer = run.tokenizer
     model = run.accelerator.unwrap_model(run.model)
-    encoded = tokenizer(prompt, return_tensors="pt").to(run.accelerator.device)
+    if run.info is not None and run.info.data_format in ("instruction", "messages"):
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        encoded = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+    else:
+        encoded = tokenizer(prompt, return_tensors="pt")
+    encoded = encoded.to(run.accelerator.device)
     with torch.no_grad():
         output = model.generate(
             **encoded,

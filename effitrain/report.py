@@ -82,7 +82,7 @@ class Reporter:
         columns = " + ".join(info.text_columns)
         if self._causal_lm:
             what = (
-                f"{info.data_format} data in column {columns}, "
+                f"{info.data_format} data in column{'s' if len(info.text_columns) > 1 else ''} {columns}, "
                 + ("packed" if info.packing else "padded")
                 + f" into {info.train_sequences:,} training sequences"
                 + (", loss on completions only" if info.completion_only else "")

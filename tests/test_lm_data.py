@@ -626,3 +626,35 @@ def test_error_tokenizer_without_eos(tmp_path, fresh_tok):
     assert "no end-of-sequence token" in error(
         lambda: build_lm_dataloaders(data, fresh_tok, config(path))
     )
+
+
+@pytest.mark.parametrize(
+    "packing, model_type, expect_packing, note",
+    [
+        (None, "llama", True, None),
+        (None, "opt", False, "padding instead of packing"),
+        (None, "some_new_arch", False, "padding instead of packing"),
+        (True, "some_new_arch", True, "not verified"),
+        (False, "llama", False, None),
+    ],
+)
+def test_packing_follows_what_the_architecture_keeps_apart(
+    tmp_path, packing, model_type, expect_packing, note
+):
+    from effitrain.lm_data import check_packing
+
+    (tmp_path / "t.txt").write_text("\n\n".join(SENTENCES))
+    cfg = config(tmp_path / "t.txt", packing=packing)
+    data = load_lm_data(cfg)
+    check_packing(data, model_type, cfg)
+    assert data.packing is expect_packing
+    assert any(note in n for n in data.notes) if note else not data.notes
+
+
+def test_packing_refused_where_documents_would_mix(tmp_path):
+    from effitrain.lm_data import check_packing
+
+    (tmp_path / "t.txt").write_text("\n\n".join(SENTENCES))
+    cfg = config(tmp_path / "t.txt", packing=True)
+    with pytest.raises(EffitrainError, match="--no-packing"):
+        check_packing(load_lm_data(cfg), "bloom", cfg)
