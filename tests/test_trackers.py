@@ -17,7 +17,13 @@ from effitrain.config import TRACKERS, build_config
 from tests.checkpoint_helpers import write_data
 from tests.conftest import assert_clean_error
 
-TRAIN_TAGS = ("train/loss", "train/lr", "train/samples_per_second", "train/epoch")
+TRAIN_TAGS = (
+    "train/loss",
+    "train/lr",
+    "train/samples_per_second",
+    "train/tokens_per_second",
+    "train/epoch",
+)
 EVAL_TAGS = ("eval/loss", "eval/accuracy", "eval/f1")
 MEMORY = {
     "memory/optimizer_state_bytes": lambda m: m["optimizer_state"]["bytes"],
@@ -138,7 +144,11 @@ def test_resumed_run_continues_the_curve(train_cli, data, tmp_path):
     assert [step for step, _ in after["train/loss"]] == [1, 2, 3, 4]
     assert [step for step, _ in after["eval/accuracy"]] == [3, 4]
     for tag in (*TRAIN_TAGS, *EVAL_TAGS, *MEMORY):
-        if tag not in ("train/samples_per_second", "memory/peak_memory_bytes"):
+        if tag not in (
+            "train/samples_per_second",
+            "train/tokens_per_second",
+            "memory/peak_memory_bytes",
+        ):
             assert after[tag] == before[tag], tag  # exact resume: the same numbers
 
 
