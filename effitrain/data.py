@@ -345,17 +345,25 @@ def build_dataloaders(
     config: TrainConfig,
     pad_to_multiple_of: int | None = None,
 ) -> tuple[DataLoader, DataLoader]:
-    """Shuffled training and ordered evaluation loaders with dynamic padding.
+    """Shuffled training and ordered evaluation loaders with dynamic padding."""
+    from transformers import DataCollatorWithPadding
+
+    train, validation = tokenize(data, tokenizer, config.max_length)
+    collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
+    return loaders(train, validation, collator, config)
+
+
+def loaders(
+    train: Any, validation: Any, collator: Any, config: TrainConfig
+) -> tuple[DataLoader, DataLoader]:
+    """A shuffled training loader and an ordered evaluation loader (both tasks).
 
     The training loader has its own seeded generator so that data order and, after a resume,
     everything drawn from it are reproducible.
     """
     import torch
     from torch.utils.data import DataLoader
-    from transformers import DataCollatorWithPadding
 
-    train, validation = tokenize(data, tokenizer, config.max_length)
-    collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
     generator = torch.Generator().manual_seed(config.seed)
     train_loader = DataLoader(
         train, batch_size=config.batch_size, shuffle=True, collate_fn=collator, generator=generator

@@ -24,6 +24,7 @@ from effitrain.data import (
     _hold_out,
     _load_splits,
     _train_and_validation,
+    loaders,
 )
 from effitrain.errors import EffitrainError
 
@@ -554,8 +555,6 @@ def build_lm_dataloaders(
     model with ``use_cache=False``) or ``attention_mask`` when padded. A tokenizer without a pad
     token gets its eos token as pad token (pads are never trained on).
     """
-    import torch
-    from torch.utils.data import DataLoader
     from transformers import DataCollatorForSeq2Seq
 
     if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
@@ -571,14 +570,4 @@ def build_lm_dataloaders(
             pad_to_multiple_of=pad_to_multiple_of,
             label_pad_token_id=IGNORE_INDEX,
         )
-    generator = torch.Generator().manual_seed(config.seed)
-    train_loader = DataLoader(
-        train, batch_size=config.batch_size, shuffle=True, collate_fn=collator, generator=generator
-    )
-    eval_loader = DataLoader(
-        validation,
-        batch_size=config.eval_batch_size or 2 * config.batch_size,
-        shuffle=False,
-        collate_fn=collator,
-    )
-    return train_loader, eval_loader
+    return loaders(train, validation, collator, config)
