@@ -237,9 +237,9 @@ def resolve_task(config: TrainConfig) -> str:
     if config.dataset == "demo" and config.train_file is None:
         return SEQUENCE_CLASSIFICATION  # the built-in demo is labelled sentence pairs
     from effitrain.data import _load_splits
-    from effitrain.lm_data import has_label_column
+    from effitrain.lm_data import LM_FORMATS, has_label_column
 
-    splits, _ = _load_splits(config)
+    splits, _ = _load_splits(config, formats=LM_FORMATS)  # .txt files too
     first = splits.get("train") or next(iter(splits.values()))
     return SEQUENCE_CLASSIFICATION if has_label_column(first.column_names) else CAUSAL_LM
 

@@ -286,3 +286,15 @@ def test_a_real_pretrained_causal_lm_fine_tunes_with_the_default_lr(train_cli, t
     history = metrics["eval_history"]
     assert history[-1]["loss"] < history[0]["loss"]
     assert history[-1]["loss"] < 0.5 * first_loss, (first_loss, history)
+
+
+def test_a_text_file_with_a_folder_causal_lm_is_detected_as_causal_lm(
+    train_cli, tmp_path, lm_model_dir
+):
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    proc = train_cli(
+        "train", "--model", str(lm_model_dir), "--dataset", str(tmp_path / "corpus.txt"),
+        "--max-steps", "1", *SHORT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "perplexity" in proc.stdout and "packed" in proc.stdout
