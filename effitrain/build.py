@@ -234,7 +234,7 @@ def resolve_task(config: TrainConfig) -> str:
         return task or SEQUENCE_CLASSIFICATION
     if config.label_column is not None:
         return SEQUENCE_CLASSIFICATION
-    if config.dataset == "demo" and config.train_file is None:
+    if config.uses_builtin_data:
         return SEQUENCE_CLASSIFICATION  # the built-in demo is labelled sentence pairs
     from effitrain.data import _load_splits
     from effitrain.lm_data import LM_FORMATS, has_label_column

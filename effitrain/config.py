@@ -397,6 +397,11 @@ class TrainConfig:
         return bool(self.output_dir) and self.wants_periodic_checkpoints
 
     @property
+    def uses_builtin_data(self) -> bool:
+        """The built-in data of the task: ``--dataset demo`` and no ``--train-file``."""
+        return self.dataset == "demo" and self.train_file is None
+
+    @property
     def trackers(self) -> list[str]:
         """The trackers ``--report-to`` names, for Accelerate's ``log_with`` ([] for none)."""
         return [name for name in self.report_to or [] if name != "none"]

@@ -64,7 +64,7 @@ def sample_prompt(run: Run) -> str | None:
     config = run.config
     if config.sample_prompt is not None:
         return config.sample_prompt or None
-    if config.dataset == "demo" and config.train_file is None:
+    if config.uses_builtin_data:
         from effitrain.demo.lm import DEMO_SAMPLE_PROMPT
 
         return DEMO_SAMPLE_PROMPT

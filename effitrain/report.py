@@ -149,11 +149,7 @@ class Reporter:
     def logged(self, log: StepLog) -> None:
         if not self._chatty:
             return
-        speed = (
-            f"{log.tokens_per_second:,.0f} tokens/s"
-            if self._causal_lm
-            else f"{log.samples_per_second:,.0f} samples/s"
-        )
+        speed = _speed(log, self._causal_lm)
         stats = f"loss {log.loss:.4f} · lr {log.lr:.2e} · {speed}"
         if self._progress is not None:
             self._progress.update(self._task, completed=log.step, stats=stats)
@@ -185,11 +181,7 @@ class Reporter:
         self.progress_finished()
         c = self.console
         ev = result.eval
-        speed = (
-            f"{result.tokens_per_second:,.0f} tokens/s"
-            if result.task == "causal-lm"
-            else f"{result.samples_per_second:,.0f} samples/s"
-        )
+        speed = _speed(result, result.task == "causal-lm")
         self._line(
             f"[bold green]done[/] · {result.global_steps} steps in {result.train_seconds:.1f} s "
             f"({result.seconds_per_step * 1000:.1f} ms/step, {speed}) · "
@@ -491,6 +483,13 @@ def print_state_report(report: StateReport, top: int, console: Console | None = 
             f"[yellow]note:[/] {report.params_without_shape} parameter(s) with state of unknown "
             "shape are left out of the AdamW figure"
         )
+
+
+def _speed(record: StepLog | TrainResult, tokens: bool) -> str:
+    """Throughput: tokens/s (causal-lm, padding left out) or samples/s."""
+    if tokens:
+        return f"{record.tokens_per_second:,.0f} tokens/s"
+    return f"{record.samples_per_second:,.0f} samples/s"
 
 
 def _eval_text(metrics: dict[str, Any], loss_first: bool = False) -> str:
