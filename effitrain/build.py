@@ -274,6 +274,7 @@ def configured_optimizer(config: TrainConfig, model: Any, spec: OptimizerSpec) -
         config.weight_decay,
         spec=spec,
         in_backward=config.optimizer_in_backward,
+        fp32_embedding_state=config.fp32_embedding_state,
     )
 
 

@@ -292,12 +292,14 @@ def check_resumable(
     optimizer_class: str,
     param_groups: list[dict[str, Any]],
     parameter_shapes: dict[str, list[int]],
+    fp32_embedding_state: bool = False,
 ) -> None:
     """Fail with one line when the checkpoint cannot continue this run exactly as configured.
 
-    Checked: the optimizer (name and class), the model's parameter names and shapes, and every
+    Checked: the optimizer (name and class), the model's parameter names and shapes, every
     optimizer hyperparameter (``Optimizer.load_state_dict`` would otherwise silently replace this
-    run's hyperparameters with the checkpoint's, or accept another optimizer's state).
+    run's hyperparameters with the checkpoint's, or accept another optimizer's state), and the
+    embeddings' state width (bitsandbytes would apply a 32-bit update to 8-bit state).
 
     Raises:
         EffitrainError: naming the first difference and how to fix it.
@@ -316,6 +318,15 @@ def check_resumable(
             "or start a new --output-dir"
         )
     _check_shapes(meta.get("parameters", {}), parameter_shapes, checkpoint)
+    saved_fp32 = bool(meta.get("config", {}).get("fp32_embedding_state"))
+    if saved_fp32 != fp32_embedding_state:
+        width = {True: "32-bit", False: "8-bit"}
+        flag = "add" if saved_fp32 else "drop"
+        raise EffitrainError(
+            f"{checkpoint} keeps {width[saved_fp32]} optimizer state for the embeddings, this "
+            f"run {width[fp32_embedding_state]}; {flag} --fp32-embedding-state to resume, or "
+            "start a new --output-dir"
+        )
     _check_hyperparameters(
         saved.get("param_groups", []), param_group_hyperparameters(param_groups), checkpoint
     )

@@ -129,6 +129,11 @@ class TrainConfig:
         None,
         "Clip the global gradient norm to this value; 0 disables clipping.",
     )
+    fp32_embedding_state: bool = _opt(
+        False,
+        "adamw-8bit, lion-8bit: keep 32-bit optimizer state for embedding weights, as the "
+        "Trainer does (4x their 8-bit state; bitsandbytes advises it for stability).",
+    )
 
     # --- loop ---
     epochs: int = _opt(5, "Number of passes over the training set.")
@@ -244,6 +249,11 @@ class TrainConfig:
         self._validate_checkpointing()
         self._validate_report_to()
         get_spec(self.optim)
+        if self.fp32_embedding_state and get_spec(self.optim).module != "bitsandbytes":
+            raise EffitrainError(
+                f"--fp32-embedding-state is for bitsandbytes' 8-bit optimizers (adamw-8bit, "
+                f"lion-8bit); --optim {self.optim} has no 8-bit state to override: drop it"
+            )
         self._validate_levers()
         return self
 

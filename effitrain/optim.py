@@ -476,13 +476,15 @@ def build_optimizer(
     weight_decay: float,
     spec: OptimizerSpec | None = None,
     in_backward: bool = False,
+    fp32_embedding_state: bool = False,
 ) -> torch.optim.Optimizer:
     """Build the optimizer ``name`` over ``model``'s trainable parameters.
 
     ``weight_decay`` applies to >=2-D weights only (see ``param_groups``). ``spec``: a variant
     of the registry's entry to build instead (bf16 weights: ``effitrain.precision``).
     ``in_backward``: one such optimizer per parameter, stepped inside backward
-    (:mod:`effitrain.in_backward`).
+    (:mod:`effitrain.in_backward`). ``fp32_embedding_state``: bitsandbytes' 8-bit optimizers
+    keep 32-bit state for embedding weights (see ``keep_embeddings_32bit``).
 
     Raises:
         EffitrainError: unknown optimizer, or its library is not installed.
@@ -494,6 +496,26 @@ def build_optimizer(
             f"{spec.install}"
         )
     groups = param_groups(model, weight_decay)
+    if spec.module == "bitsandbytes":
+        kept = keep_embeddings_32bit(model if fp32_embedding_state else None)
+        if fp32_embedding_state:
+            optimizer = _build(spec, model, groups, lr, in_backward)
+            # The banner's split line (as Muon's and GaLore's).
+            optimizer.split_description = (
+                f"32-bit state for the embedding weights ({kept:,} params), 8-bit for the "
+                "other tensors of 4096+ elements"
+            )
+            return optimizer
+    return _build(spec, model, groups, lr, in_backward)
+
+
+def _build(
+    spec: OptimizerSpec,
+    model: torch.nn.Module,
+    groups: ParamGroups,
+    lr: float,
+    in_backward: bool,
+) -> torch.optim.Optimizer:
     if spec.model_factory is not None:
         if in_backward:  # refused earlier, in TrainConfig; a direct caller gets the same line
             raise EffitrainError(
@@ -506,6 +528,46 @@ def build_optimizer(
 
         return InBackwardOptimizer(groups, spec.factory, lr)
     return spec.factory(groups, lr)
+
+
+_BNB_OVERRIDES: set[int] = set()
+"""``id()`` of the parameters whose bitsandbytes config effitrain overrode (see below)."""
+
+
+def embedding_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The trainable weights of ``model``'s ``nn.Embedding`` modules, each once (tied ones too)."""
+    import torch
+
+    found = {
+        id(module.weight): module.weight
+        for module in model.modules()
+        if isinstance(module, torch.nn.Embedding) and module.weight.requires_grad
+    }
+    return list(found.values())
+
+
+def keep_embeddings_32bit(model: torch.nn.Module | None) -> int:
+    """Make bitsandbytes' 8-bit optimizers keep 32-bit state for ``model``'s embedding weights.
+
+    This is what ``Trainer.create_optimizer`` does for every bitsandbytes 8-bit optimizer, and
+    what bitsandbytes recommends for stable NLP training. Its ``GlobalOptimManager`` is one per
+    process and keyed by ``id(parameter)``, and it reads the override at every step, so the
+    overrides of an earlier build in this process are removed first (a freed parameter's id can
+    be reused). ``None``: only that removal. Returns the number of parameters overridden.
+    """
+    from bitsandbytes.optim import GlobalOptimManager
+
+    manager = GlobalOptimManager.get_instance()
+    for key in _BNB_OVERRIDES:
+        manager.pid2config.pop(key, None)
+    _BNB_OVERRIDES.clear()
+    if model is None:
+        return 0
+    weights = embedding_weights(model)
+    for weight in weights:
+        manager.override_config(weight, "optim_bits", 32)
+        _BNB_OVERRIDES.add(id(weight))
+    return sum(weight.numel() for weight in weights)
 
 
 def build_scheduler(

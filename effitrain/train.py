@@ -120,6 +120,7 @@ def resume(
         optimizer_class=checkpointer.optimizer_class,
         param_groups=run.optimizer.param_groups,
         parameter_shapes=checkpointer.parameter_shapes,
+        fp32_embedding_state=config.fp32_embedding_state,
     )
     differences = checkpoint.config_differences(meta, config)
     if differences:

@@ -28,8 +28,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-DEFAULT_PAIRS = ["adamw_torch:adamw", "adafactor:adafactor-hf", "adamw_bnb_8bit:adamw-8bit"]
-"""Trainer ``optim`` : effitrain ``--optim`` that build the same optimizer class and update."""
+DEFAULT_PAIRS = [
+    "adamw_torch:adamw",
+    "adafactor:adafactor-hf",
+    "adamw_bnb_8bit:adamw-8bit+fp32-embedding-state",
+    "adamw_bnb_8bit:adamw-8bit",
+]
+"""Trainer ``optim`` : effitrain ``--optim`` (``+option[=value]``: more ``train`` options).
+The first three build the same optimizer class and update on both sides (the Trainer keeps
+32-bit state for embeddings with every bitsandbytes 8-bit optimizer); the last is effitrain's
+default 8-bit AdamW, which quantizes the embeddings' state too."""
 TRAINER_SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}
 """effitrain's schedules always warm up; transformers' 'constant' does not."""
 SIDES = ("effitrain", "trainer")
@@ -54,12 +62,18 @@ def run(cmd: list[str], out: Path, log: Path) -> tuple[dict, int]:
     return json.loads(out.read_text()), peak
 
 
-def pair_settings(trainer_optim: str, effitrain_optim: str, args: argparse.Namespace) -> dict:
+def pair_settings(trainer_optim: str, effitrain_side: str, args: argparse.Namespace) -> dict:
     """lr, schedule and warmup for a pair: the options, else effitrain's fine-tuning defaults
-    for its optimizer; passed explicitly to both sides."""
+    for its optimizer; passed explicitly to both sides. ``effitrain_side``: ``--optim``'s value,
+    then any ``+option[=value]`` for effitrain's side only."""
     from effitrain.errors import EffitrainError
     from effitrain.optim import get_spec
 
+    effitrain_optim, *extra = effitrain_side.split("+")
+    options = []
+    for item in extra:
+        name, sep, value = item.partition("=")
+        options += [f"--{name}", value] if sep else [f"--{name}"]
     try:
         spec = get_spec(effitrain_optim)
     except EffitrainError as exc:
@@ -70,6 +84,8 @@ def pair_settings(trainer_optim: str, effitrain_optim: str, args: argparse.Names
     return {
         "trainer_optim": trainer_optim,
         "effitrain_optim": effitrain_optim,
+        "effitrain_options": options,
+        "label": f"{trainer_optim} : {' '.join([effitrain_optim, *options])}",
         "lr": args.lr if args.lr is not None else defaults.lr,
         "scheduler": args.scheduler or defaults.scheduler,
         "warmup_ratio": args.warmup_ratio
@@ -104,6 +120,7 @@ def commands(side: str, pair: dict, args: argparse.Namespace, model: Path, out: 
     return [
         sys.executable, script, "--child", "effitrain", str(out.with_suffix(".threads.json")),
         "train", "--quiet", *common, "--optim", pair["effitrain_optim"],
+        *pair["effitrain_options"],
         "--save-strategy", "no", "--metrics-json", str(out),
     ]  # fmt: skip
 
@@ -209,21 +226,21 @@ def main() -> None:
         pairs.append(pair_settings(trainer_optim, effitrain_optim, args))
 
     def label(pair: dict) -> str:
-        return f"{pair['trainer_optim']} : {pair['effitrain_optim']}"
+        return pair["label"]
 
     results = {label(p): {side: [] for side in SIDES} for p in pairs}
     with tempfile.TemporaryDirectory(prefix="vs_trainer-") as tmp:
         for i in range(args.repeats):
-            for pair in pairs:
+            for index, pair in enumerate(pairs):
                 order = SIDES if i % 2 == 0 else SIDES[::-1]
                 for side in order:
-                    out = Path(tmp) / f"{side}-{pair['effitrain_optim']}-{i}.json"
+                    out = Path(tmp) / f"{side}-{index}-{pair['effitrain_optim']}-{i}.json"
                     cmd = commands(side, pair, args, model, out)
                     data, peak = run(cmd, out, out.with_suffix(".log"))
                     result = record(side, data, peak, out)
                     results[label(pair)][side].append(result)
                     print(
-                        f"run {i + 1}/{args.repeats} {label(pair):27s} {side:9s} "
+                        f"run {i + 1}/{args.repeats} {label(pair):50s} {side:9s} "
                         f"{result['seconds_per_step'] * 1000:8.2f} ms/step "
                         f"peak {result['peak_rss_bytes'] / 2**20:7.1f} MiB "
                         f"accuracy {result['accuracy']:.4f} loss {result['eval_loss']:.4f} "
@@ -356,10 +373,15 @@ def check_notes(pairs: list[dict], results: dict, label) -> list[str]:
                 f"{name}: optimizer state by key, effitrain / Trainer: {', '.join(differing)}"
             )
         if t.get("fp32_override_params"):
+            ours = (
+                "so does effitrain (--fp32-embedding-state)"
+                if "--fp32-embedding-state" in pair["effitrain_options"]
+                else "effitrain quantizes them"
+            )
             notes.append(
                 f"{name}: the Trainer keeps 32-bit state for nn.Embedding weights "
                 f"({t['fp32_override_params']:,} parameters; bitsandbytes GlobalOptimManager "
-                "override in Trainer.create_optimizer); effitrain quantizes them"
+                f"override in Trainer.create_optimizer); {ours}"
             )
         for side in SIDES:
             for r in runs[side]:

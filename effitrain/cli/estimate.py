@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from effitrain.cli.errors import user_errors
-from effitrain.cli.train import LEVERS, LOOP, MODEL, OPTIM, OUT, _opt
+from effitrain.cli.train import LEVERS, LOOP, MODEL, OPTIM, OUT, _opt, _quiet_libraries
 from effitrain.config import default_for as D
 
 FIELDS = (
@@ -61,6 +61,9 @@ def estimate(
     lr: Annotated[float | None, _opt("lr", OPTIM)] = None,
     weight_decay: Annotated[float, _opt("weight_decay", OPTIM)] = D("weight_decay"),
     max_grad_norm: Annotated[float | None, _opt("max_grad_norm", OPTIM)] = None,
+    fp32_embedding_state: Annotated[bool, _opt("fp32_embedding_state", OPTIM)] = D(
+        "fp32_embedding_state"
+    ),
     batch_size: Annotated[int, _opt("batch_size", LOOP)] = D("batch_size"),
     grad_accum: Annotated[int, _opt("grad_accum", LOOP)] = D("grad_accum"),
     mixed_precision: Annotated[str, _opt("mixed_precision", LOOP)] = D("mixed_precision"),
@@ -129,18 +132,23 @@ def estimate(
         from effitrain.estimate import estimate as run_estimate
         from effitrain.optim import OPTIMIZERS, get_spec
 
+        # --fp32-embedding-state applies to the bitsandbytes optimizers among several.
+        fp32 = overrides.pop("fp32_embedding_state", None)
         from_file = build_config(config_file, overrides)
         names = _names(optim if _given(ctx, "optim") else from_file.optim, OPTIMIZERS)
         for name in names:
             get_spec(name)
-        _quiet()
+        _quiet_libraries()
         from effitrain.estimate import SHARDED, per_device
 
         if sharding not in SHARDED:
             per_device({}, num_processes, sharding)  # the one-line error
         results, skipped = [], []
         for name in names:
-            config = build_config(config_file, {**overrides, "optim": name})
+            only = {"optim": name}
+            if fp32 is not None and (len(names) == 1 or get_spec(name).module == "bitsandbytes"):
+                only["fp32_embedding_state"] = fp32
+            config = build_config(config_file, {**overrides, **only})
             try:
                 result = run_estimate(config)
             except EffitrainError as exc:
@@ -195,15 +203,6 @@ def _errors(result: dict[str, Any], measured: dict[str, Any]) -> dict[str, float
         estimate, truth = field(result, key), field(measured, key)
         out[key] = (estimate - truth) / truth if estimate is not None and truth else None
     return out
-
-
-def _quiet() -> None:
-    import logging
-
-    import transformers
-
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-    transformers.logging.set_verbosity_error()
 
 
 def _print(results: list[dict[str, Any]], measured: dict[str, Any] | None) -> None:

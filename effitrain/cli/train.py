@@ -106,6 +106,9 @@ def train(
     warmup_ratio: Annotated[float | None, _opt("warmup_ratio", OPTIM)] = None,
     warmup_steps: Annotated[int | None, _opt("warmup_steps", OPTIM)] = None,
     max_grad_norm: Annotated[float | None, _opt("max_grad_norm", OPTIM)] = None,
+    fp32_embedding_state: Annotated[bool, _opt("fp32_embedding_state", OPTIM)] = D(
+        "fp32_embedding_state"
+    ),
     epochs: Annotated[int, _opt("epochs", LOOP)] = D("epochs"),
     max_steps: Annotated[int | None, _opt("max_steps", LOOP)] = None,
     batch_size: Annotated[int, _opt("batch_size", LOOP)] = D("batch_size"),
