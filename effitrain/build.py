@@ -175,7 +175,7 @@ def build_run(config: TrainConfig, reporter: Reporter) -> Run:
         check_packing(data, model.config.model_type, config)
     else:
         model = load_model(config.model, data.num_labels, data.label_names, tokenizer)
-    model = levers.apply_to_model(model, config, reporter)
+    model = levers.apply_to_model(model, config)
     with accelerator.main_process_first():
         train_loader, eval_loader = build_task_dataloaders(
             task,

@@ -170,8 +170,8 @@ class TrainConfig:
     lora_dropout: float | None = _opt(None, "Dropout on the LoRA adapters' inputs (default: 0.05).")
     lora_target_modules: list[str] | None = _opt(
         None,
-        "Modules that get adapters, by name; default: peft's choice for the architecture, "
-        "else all-linear (every Linear layer outside the classification head).",
+        "Modules that get adapters, by name, or all-linear (the default: every Linear layer "
+        "outside the classification head).",
     )
     lora_merge: bool = _opt(
         False, "The final save also writes the base model with the adapters merged in."
@@ -321,6 +321,13 @@ class TrainConfig:
             return
         if self.lora_rank <= 0:
             raise EffitrainError(f"--lora-rank must be greater than 0 (got {self.lora_rank})")
+        if self.optim == "adafactor":
+            raise EffitrainError(
+                "--optim adafactor cannot train LoRA adapters: its step is relative to each "
+                "weight's size (RMS), and LoRA's B matrices start at zero, so they barely move "
+                "(all-MiniLM-L6-v2 stayed at chance); use --optim adafactor-hf (the Trainer's "
+                "Adafactor: the same factored state, a plain lr) or adamw"
+            )
         if self.lora_alpha is not None and not self.lora_alpha > 0:
             raise EffitrainError(f"--lora-alpha must be greater than 0 (got {self.lora_alpha})")
         if self.lora_dropout is not None and not 0 <= self.lora_dropout < 1:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import effitrain.memory as memory
@@ -34,16 +33,6 @@ from effitrain.errors import EffitrainError
 
 STEPS = 2
 """Optimizer steps run; the last is measured (the first creates the optimizer state)."""
-
-
-@dataclass
-class _Silent:
-    """A reporter that keeps its notes (levers.apply_to_model takes one)."""
-
-    notes: list[str]
-
-    def note(self, text: str) -> None:
-        self.notes.append(text)
 
 
 def _fake_mode() -> Any:
@@ -225,7 +214,7 @@ def estimate(config: TrainConfig) -> dict[str, Any]:
             tokenizer,
             causal_lm,
         )
-        model = levers.apply_to_model(model, config, _Silent(notes))
+        model = levers.apply_to_model(model, config)
     with _fake_mode():
         _materialize(model, device)
         model.train()

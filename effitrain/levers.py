@@ -82,9 +82,8 @@ def check_launch(config: TrainConfig, state: Any) -> None:
         )
 
 
-def apply_to_model(model: Any, config: TrainConfig, reporter: Any) -> Any:
+def apply_to_model(model: Any, config: TrainConfig) -> Any:
     """Turn on the levers that change the model; returns the model to train (LoRA wraps it).
-    ``reporter`` (:class:`effitrain.report.Reporter`) takes notes for the user.
 
     Raises:
         EffitrainError: the model cannot take a lever (e.g. no gradient checkpointing).
@@ -103,12 +102,6 @@ def apply_to_model(model: Any, config: TrainConfig, reporter: Any) -> Any:
         model = apply(model, config)
         if config.weights_dtype == "bf16":
             keep_trained_fp32(model)
-        if config.optim == "adafactor":
-            reporter.note(
-                "adafactor scales each step by the parameter's size (RMS), and LoRA's B matrices "
-                "start at zero, so they barely move (all-MiniLM-L6-v2 stayed at chance); with "
-                "--lora-rank, prefer adamw or adafactor-hf (a plain lr)"
-            )
     return model
 
 

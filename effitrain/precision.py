@@ -113,10 +113,12 @@ def refusal(config: Any) -> str | None:
         )
     if config.optim not in BF16_VARIANTS and config.lora_rank is None:
         why = _NONE_BECAUSE.get(config.optim, "it has no bf16 variant")
+        # torch's adafactor cannot train LoRA adapters (TrainConfig refuses the pair).
+        lora = "" if config.optim == "adafactor" else ", or --lora-rank (its adapters stay fp32)"
         return (
             "--weights-dtype bf16 needs an optimizer that updates bf16 weights without losing "
             f"small steps (Kahan summation): {', '.join(BF16_VARIANTS)}; --optim {config.optim}: "
-            f"{why}; use --weights-dtype fp32, or --lora-rank (its adapters stay fp32)"
+            f"{why}; use --weights-dtype fp32{lora}"
         )
     return None
 

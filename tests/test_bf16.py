@@ -24,9 +24,14 @@ def data(tmp_path):
     [
         (
             ("--optim", "adafactor"),
-            ("--weights-dtype bf16 needs", "adamw, sgd", "--optim adafactor", "--lora-rank"),
+            (
+                "--weights-dtype bf16 needs",
+                "adamw, sgd",
+                "--optim adafactor",
+                "use --weights-dtype fp32",
+            ),
         ),
-        (("--optim", "adafactor-hf"), ("--optim adafactor-hf", "no Adafactor")),
+        (("--optim", "adafactor-hf"), ("--optim adafactor-hf", "no Adafactor", "--lora-rank")),
         (("--optim", "adamw-8bit"), ("--optim adamw-8bit", "bitsandbytes rounds")),
         (("--mixed-precision", "fp16"), ("--mixed-precision fp16", "drop --mixed-precision")),
         (("--weights-dtype", "fp16"), ("unknown --weights-dtype 'fp16'", "fp32, bf16")),
@@ -41,7 +46,7 @@ def test_refused_before_anything_is_built(train_cli, tmp_path, options, fragment
 
 def test_lora_trains_fp32_adapters_so_any_optimizer_is_allowed():
     # The rule is about the trained parameters' dtype: LoRA adapters stay fp32.
-    for optim in ("adafactor", "adafactor-hf", "adamw-8bit"):
+    for optim in ("adafactor-hf", "adamw-8bit", "lion"):
         TrainConfig(weights_dtype="bf16", optim=optim, lora_rank=8).validate()
         with pytest.raises(EffitrainError, match="needs an optimizer"):
             TrainConfig(weights_dtype="bf16", optim=optim).validate()

@@ -70,7 +70,7 @@ def test_a_model_without_gradient_checkpointing_is_refused():
 
 ALL_LEVERS = (
     "--optim",
-    "adafactor",
+    "adafactor-hf",
     "--gradient-checkpointing",
     "--optimizer-in-backward",
     "--weights-dtype",

@@ -2,7 +2,7 @@
 
 End to end on the checkpoint tests' tiny model folder (DistilBERT with dropout 0.1, so LoRA's own
 dropout and the model's come back on resume); unit tests for the choice of target modules and
-head on DistilBERT (no peft default: all-linear) and BERT (peft's default: query, value).
+head on DistilBERT and BERT (all-linear by default; query, value when asked).
 """
 
 from __future__ import annotations
@@ -73,10 +73,10 @@ def trainable_names(model) -> list[str]:
 def test_distilbert_gets_all_linear_layers_and_its_two_head_layers_train():
     from effitrain.levers import apply_to_model, describe
 
-    model = apply_to_model(tiny_distilbert(), lora_config(lora_rank=4), reporter=None)
+    model = apply_to_model(tiny_distilbert(), lora_config(lora_rank=4))
     names = trainable_names(model)
     adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in names if ".lora_" in n}
-    # peft has no default for distilbert: every Linear layer outside the head.
+    # Every Linear layer outside the head.
     assert adapted == {"q_lin", "k_lin", "v_lin", "out_lin", "lin1", "lin2"}
     head = [n for n in names if ".lora_" not in n]
     assert head == [
@@ -87,15 +87,23 @@ def test_distilbert_gets_all_linear_layers_and_its_two_head_layers_train():
     ]
     (line,) = describe(lora_config(lora_rank=4), model)
     assert line.startswith("LoRA r=4 alpha=8 (2 x rank) dropout 0.05 on q_lin, k_lin, v_lin")
-    assert "(all linear layers: peft has no default for distilbert)" in line
+    assert "(all linear layers, the default)" in line
     assert "head pre_classifier, classifier trains in full" in line
 
 
-def test_bert_gets_peft_default_query_value_and_its_classifier_trains():
+def test_bert_gets_all_linear_by_default_or_the_given_modules_and_its_pooler_trains():
     from effitrain.levers import apply_to_model, describe
 
-    config = lora_config(lora_rank=2, lora_alpha=4.0, lora_dropout=0.0)
-    model = apply_to_model(tiny_bert(), config, reporter=None)
+    model = apply_to_model(tiny_bert(), lora_config(lora_rank=2))
+    adapted = {
+        n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trainable_names(model) if ".lora_" in n
+    }
+    assert adapted == {"query", "key", "value", "dense"}  # attention and feed-forward Linears
+
+    config = lora_config(
+        lora_rank=2, lora_alpha=4.0, lora_dropout=0.0, lora_target_modules=["query", "value"]
+    )
+    model = apply_to_model(tiny_bert(), config)
     names = trainable_names(model)
     adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in names if ".lora_" in n}
     assert adapted == {"query", "value"}
@@ -107,7 +115,7 @@ def test_bert_gets_peft_default_query_value_and_its_classifier_trains():
         "base_model.model.classifier.modules_to_save.default.bias",
     ]
     (line,) = describe(config, model)
-    assert "LoRA r=2 alpha=4 dropout 0 on query, value (peft's default for bert)" in line
+    assert "LoRA r=2 alpha=4 dropout 0 on query, value (--lora-target-modules)" in line
     assert "head bert.pooler, classifier trains in full" in line
 
 
@@ -115,7 +123,7 @@ def test_memory_counts_only_adapters_and_head():
     import effitrain.memory as memory
     from effitrain.levers import apply_to_model
 
-    model = apply_to_model(tiny_distilbert(), lora_config(lora_rank=4), reporter=None)
+    model = apply_to_model(tiny_distilbert(), lora_config(lora_rank=4))
     trainable = [p for p in model.parameters() if p.requires_grad]
     count = sum(p.numel() for p in trainable)
     assert memory.trainable_parameter_count(model) == count
@@ -128,7 +136,7 @@ def test_given_target_modules_get_adapters():
     from effitrain.levers import apply_to_model
 
     config = lora_config(lora_rank=4, lora_target_modules=["q_lin", "v_lin"])
-    model = apply_to_model(tiny_distilbert(), config, reporter=None)
+    model = apply_to_model(tiny_distilbert(), config)
     names = trainable_names(model)
     adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in names if ".lora_" in n}
     assert adapted == {"q_lin", "v_lin"}
@@ -373,9 +381,15 @@ def test_lora_lr_default_for_adamw_on_pretrained_weights():
     assert lora_config(model=pretrained).effective_lr == 2e-4
     assert lora_config(lora_rank=8).effective_lr == 1e-3
     assert lora_config(lora_rank=8).default_note("lr") == "adamw default for training from scratch"
-    adafactor = lora_config(model=pretrained, lora_rank=8, optim="adafactor")
-    assert (adafactor.effective_lr, adafactor.default_note("lr")) == (
-        3e-3,
-        "adafactor default for fine-tuning",
-    )
     assert lora_config(model=pretrained, lora_rank=8, lr=5e-4).effective_lr == 5e-4
+
+
+def test_torch_adafactor_is_refused_with_lora():
+    from effitrain.errors import EffitrainError
+
+    with pytest.raises(EffitrainError) as error:
+        lora_config(model="/some/pretrained-folder", lora_rank=8, optim="adafactor")
+    message = str(error.value)
+    assert message.startswith("--optim adafactor cannot train LoRA adapters")
+    assert "use --optim adafactor-hf" in message and "\n" not in message
+    lora_config(lora_rank=8, optim="adafactor-hf")  # the Trainer's Adafactor: a plain lr
