@@ -237,7 +237,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             state="step, exp_avg, exp_avg_sq",
             bytes_per_param="8.00",
             factory=_adamw,
-            lora=Defaults(1e-3, 0.1, "linear"),
+            lora=Defaults(2e-3, 0.1, "linear"),
         ),
         OptimizerSpec(
             name="adafactor",
@@ -274,7 +274,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             state="state1, state2 (uint8), absmax1/2, qmap1/2 (shared)",
             bytes_per_param="2.04 (tensors < 4096 elements keep fp32 state: 8)",
             factory=_adamw_8bit,
-            lora=Defaults(1e-3, 0.1, "linear"),  # AdamW's update, 8-bit moments: as adamw
+            lora=Defaults(2e-3, 0.1, "linear"),  # AdamW's update, 8-bit moments: as adamw
         ),
         OptimizerSpec(
             name="sgd",

@@ -2,7 +2,8 @@
 
 The distilbert-base preset's shape (65.8M parameters, random init), batch 8 x 128 tokens, on
 synthetic texts long enough to fill 128 tokens. Rows: fp32 AdamW with no levers (the baseline),
-each lever alone, then all levers on together with adafactor. Every run is a fresh
+each lever alone, then all levers on together with adafactor-hf (torch's adafactor
+cannot train LoRA's zero-initialised adapters, and is refused with LoRA). Every run is a fresh
 ``effitrain train`` process; with --repeats N the rows run in turn, N times (A B C … A B C …), so
 machine noise hits every row alike. Per row: each memory part of one optimizer step (effitrain's
 breakdown: parameters, gradients at their peak, optimizer state, activations at their peak, peak
@@ -33,9 +34,9 @@ ROWS = {
     "optimizer-in-backward": ["--optimizer-in-backward"],
     "bf16-weights": ["--weights-dtype", "bf16"],
     "lora": ["--lora-rank", "8"],
-    "all (adafactor)": [
+    "all (adafactor-hf)": [
         "--optim",
-        "adafactor",
+        "adafactor-hf",
         "--gradient-checkpointing",
         "--optimizer-in-backward",
         "--weights-dtype",

@@ -366,7 +366,7 @@ def test_lora_defaults_fine_tune_a_pretrained_checkpoint(cli, tmp_path):
     proc = cli(*finetune_args(tmp_path, *LORA), timeout=600)
     out = tmp_path / "metrics.json"
     assert proc.returncode == 0, proc.stderr
-    assert "lr 0.001 (adamw default for LoRA)" in proc.stdout
+    assert "lr 0.002 (adamw default for LoRA)" in proc.stdout
     assert "head bert.pooler, classifier trains in full" in proc.stdout
     metrics = json.loads(out.read_text())
     assert metrics["trainable_parameters"] < metrics["parameter_bytes"] / 4 / 50  # under 2 %
@@ -376,7 +376,7 @@ def test_lora_defaults_fine_tune_a_pretrained_checkpoint(cli, tmp_path):
 def test_lora_lr_default_for_adamw_on_pretrained_weights():
     pretrained = "/some/pretrained-folder"
     config = lora_config(model=pretrained, lora_rank=8)
-    assert (config.effective_lr, config.default_note("lr")) == (1e-3, "adamw default for LoRA")
+    assert (config.effective_lr, config.default_note("lr")) == (2e-3, "adamw default for LoRA")
     # Without LoRA, or from scratch (a preset), or an optimizer not measured with LoRA: as before.
     assert lora_config(model=pretrained).effective_lr == 2e-4
     assert lora_config(lora_rank=8).effective_lr == 1e-3
