@@ -176,7 +176,8 @@ def main() -> None:
         nargs="+",
         default=DEFAULT_PAIRS,
         metavar="TRAINER:EFFITRAIN",
-        help=f"Trainer optim : effitrain --optim (default: {' '.join(DEFAULT_PAIRS)})",
+        help="Trainer optim : effitrain --optim, then +option[=value] for more effitrain "
+        f"options (default: {' '.join(DEFAULT_PAIRS)})",
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=2)
