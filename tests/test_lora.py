@@ -381,6 +381,7 @@ def test_lora_lr_default_for_adamw_on_pretrained_weights():
     assert lora_config(model=pretrained).effective_lr == 2e-4
     assert lora_config(lora_rank=8).effective_lr == 1e-3
     assert lora_config(lora_rank=8).default_note("lr") == "adamw default for training from scratch"
+    assert lora_config(model=pretrained, lora_rank=8, optim="adafactor-hf").effective_lr == 2e-3
     assert lora_config(model=pretrained, lora_rank=8, lr=5e-4).effective_lr == 5e-4
 
 
