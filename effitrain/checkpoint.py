@@ -61,6 +61,7 @@ RUN_ONLY_OPTIONS = frozenset(
         "output_dir",
         "metrics_json",
         "quiet",
+        "memory_breakdown",
         "log_every",
         "save_every",
         "save_strategy",

@@ -231,7 +231,7 @@ def fit(
 
 def _measure_now(run: Run, progress: TrainingProgress, probe: StepMemoryProbe) -> bool:
     """Whether the optimizer step about to start is the one to measure by kind."""
-    if progress.step_memory or probe.done:
+    if progress.step_memory or probe.done or not run.config.memory_breakdown:
         return False
     return progress.global_step >= 1 or run.plan.total_steps == 1
 

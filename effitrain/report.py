@@ -357,8 +357,8 @@ def _memory_caption(result: TrainResult) -> str:
         )
     else:
         lines.append(
-            "activations and peak tensor memory not measured (needs torch >= 2.5, and a step "
-            "torch.compile does not run: torchao's optimizers compile theirs)"
+            "activations and peak tensor memory not measured (--no-memory-breakdown, or torch "
+            "< 2.5, or a step torch.compile runs: torchao's optimizers compile theirs)"
         )
     return "\n".join(lines)
 

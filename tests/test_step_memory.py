@@ -75,3 +75,20 @@ def test_an_error_mid_step_leaves_no_tracker_behind():
         raise RuntimeError("boom")
     assert not probe.running and _get_current_dispatch_mode() is None
     step(model, optimizer)  # training goes on untracked
+
+
+def test_no_memory_breakdown_skips_the_measured_step(train_cli, tmp_path):
+    """--no-memory-breakdown: no tracked step (it costs time and peak RSS), and the table says
+    why the breakdown is missing; the rest of the report is unchanged."""
+    import json
+
+    out = tmp_path / "m.json"
+    proc = train_cli(
+        "train", "--max-steps", "3", "--no-memory-breakdown", "--metrics-json", str(out)
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    metrics = json.loads(out.read_text())
+    assert metrics["step_memory"] == {} and metrics["activation_bytes"] is None
+    assert metrics["config"]["memory_breakdown"] is False
+    assert metrics["optimizer_state"]["bytes"] > 0 and metrics["peak_memory_bytes"] > 0
+    assert "not measured (--no-memory-breakdown" in " ".join(proc.stdout.split())

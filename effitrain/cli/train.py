@@ -58,7 +58,7 @@ def _opt(
     parameter's default (``D(name)``) is the config's, so --help shows it. ``flag``: a
     ``--on/--off`` pair for a setting whose default depends on the data."""
     per_optimizer = "per optimizer, see effitrain optimizers" if name in PER_OPTIMIZER else None
-    if flag is not None:
+    if flag is not None and D(name) is None:
         per_optimizer = "per data format"
     return typer.Option(
         flag or option(name),
@@ -140,6 +140,9 @@ def train(
     report_to: Annotated[
         str | None, _opt("report_to", OUT, " Comma-separated: tensorboard,wandb.")
     ] = None,
+    memory_breakdown: Annotated[
+        bool, _opt("memory_breakdown", OUT, flag="--memory-breakdown/--no-memory-breakdown")
+    ] = D("memory_breakdown"),
     quiet: Annotated[bool, _opt("quiet", OUT)] = D("quiet"),
 ) -> None:
     """Train a classifier and report what the optimizer state really costs.
