@@ -255,7 +255,7 @@ class TrainConfig:
         self._validate_checkpointing()
         self._validate_report_to()
         get_spec(self.optim)
-        if self.fp32_embedding_state and get_spec(self.optim).module != "bitsandbytes":
+        if self.fp32_embedding_state and not get_spec(self.optim).takes_fp32_embedding_state:
             raise EffitrainError(
                 f"--fp32-embedding-state is for bitsandbytes' 8-bit optimizers (adamw-8bit, "
                 f"lion-8bit); --optim {self.optim} has no 8-bit state to override: drop it"

@@ -75,6 +75,12 @@ class OptimizerSpec:
         """Whether it can be built over one parameter at a time (``--optimizer-in-backward``)."""
         return self.model_factory is None
 
+    @property
+    def takes_fp32_embedding_state(self) -> bool:
+        """bitsandbytes' 8-bit optimizers: ``--fp32-embedding-state`` can keep the embeddings'
+        state in 32 bits (see ``keep_embeddings_32bit``)."""
+        return self.module == "bitsandbytes"
+
     def is_available(self) -> bool:
         return importlib.util.find_spec(self.module) is not None
 
@@ -499,17 +505,16 @@ def build_optimizer(
             f"{spec.install}"
         )
     groups = param_groups(model, weight_decay)
-    if spec.module == "bitsandbytes":
+    kept = 0
+    if spec.takes_fp32_embedding_state:  # also clears an earlier build's overrides
         kept = keep_embeddings_32bit(model if fp32_embedding_state else None)
-        if fp32_embedding_state:
-            optimizer = _build(spec, model, groups, lr, in_backward)
-            # The banner's split line (as Muon's and GaLore's).
-            optimizer.split_description = (
-                f"32-bit state for the embedding weights ({kept:,} params), 8-bit for the "
-                "other tensors of 4096+ elements"
-            )
-            return optimizer
-    return _build(spec, model, groups, lr, in_backward)
+    optimizer = _build(spec, model, groups, lr, in_backward)
+    if fp32_embedding_state:  # the banner's split line (as Muon's and GaLore's)
+        optimizer.split_description = (
+            f"32-bit state for the embedding weights ({kept:,} params), 8-bit for the "
+            "other tensors of 4096+ elements"
+        )
+    return optimizer
 
 
 def _build(

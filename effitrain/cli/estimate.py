@@ -146,7 +146,7 @@ def estimate(
         results, skipped = [], []
         for name in names:
             only = {"optim": name}
-            if fp32 is not None and (len(names) == 1 or get_spec(name).module == "bitsandbytes"):
+            if fp32 is not None and (len(names) == 1 or get_spec(name).takes_fp32_embedding_state):
                 only["fp32_embedding_state"] = fp32
             config = build_config(config_file, {**overrides, **only})
             try:
