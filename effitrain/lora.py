@@ -104,15 +104,15 @@ def linear_candidates(model: Any, head: list[str]) -> list[str]:
     )
 
 
-def resolve_targets(model: Any, given: list[str] | None, head: list[str]) -> tuple[Any, str]:
-    """``target_modules`` for peft, and why (for the banner).
+def resolve_targets(model: Any, given: list[str] | None, head: list[str]) -> Any:
+    """``target_modules`` for peft (``_why`` says why, for the banner).
 
     Raises:
         EffitrainError: a given name matches no module, only a head module, or a module type
             LoRA cannot adapt; the message lists the Linear layers to choose from.
     """
     if given is None or given == [ALL_LINEAR]:
-        return ALL_LINEAR, _why(given)
+        return ALL_LINEAR
     modules = dict(model.named_modules())
     supported = _supported_types()
 
@@ -138,7 +138,7 @@ def resolve_targets(model: Any, given: list[str] | None, head: list[str]) -> tup
                 f"{target} matches {wrong[0]} ({type(modules[wrong[0]]).__name__}), "
                 "which LoRA cannot adapt"
             )
-    return list(given), _why(given)
+    return list(given)
 
 
 def _why(given: list[str] | None) -> str:
@@ -165,7 +165,7 @@ def apply(model: Any, config: TrainConfig) -> Any:
     from peft import LoraConfig, TaskType, get_peft_model
 
     head = head_modules(model)
-    targets, _ = resolve_targets(model, config.lora_target_modules, head)
+    targets = resolve_targets(model, config.lora_target_modules, head)
     from effitrain.wrapped import is_causal_lm
 
     lora_config = LoraConfig(
