@@ -125,15 +125,12 @@ def estimate(
         and getattr(ctx.get_parameter_source(name), "name", "") in given
     }
     with user_errors():
-        import json
-
         from effitrain.config import build_config
         from effitrain.errors import EffitrainError
         from effitrain.estimate import estimate as run_estimate
         from effitrain.optim import OPTIMIZERS, get_spec
 
-        # --fp32-embedding-state applies to the bitsandbytes optimizers among several.
-        fp32 = overrides.pop("fp32_embedding_state", None)
+        fp32 = overrides.pop("fp32_embedding_state", None)  # see _for_optimizer
         from_file = build_config(config_file, overrides)
         names = _names(optim if _given(ctx, "optim") else from_file.optim, OPTIMIZERS)
         for name in names:
@@ -145,10 +142,7 @@ def estimate(
             per_device({}, num_processes, sharding)  # the one-line error
         results, skipped = [], []
         for name in names:
-            only = {"optim": name}
-            if fp32 is not None and (len(names) == 1 or get_spec(name).takes_fp32_embedding_state):
-                only["fp32_embedding_state"] = fp32
-            config = build_config(config_file, {**overrides, **only})
+            config = build_config(config_file, _for_optimizer(overrides, name, names, fp32))
             try:
                 result = run_estimate(config)
             except EffitrainError as exc:
@@ -161,18 +155,38 @@ def estimate(
             results.append(result)
         measured = _load_metrics(compare_to) if compare_to else None
         if as_json:
-            out: Any = results[0] if len(results) == 1 else results
-            if measured is not None:
-                out = {
-                    "estimates": results,
-                    "compared_to": str(compare_to),
-                    "errors": _errors(_compared(results, measured), measured),
-                }
-            typer.echo(json.dumps(out, indent=2))
+            typer.echo(_json(results, measured, compare_to))
             return
         _print(results, measured)
         for line in skipped:
             typer.echo(f"note: {line}")
+
+
+def _for_optimizer(
+    overrides: dict[str, Any], name: str, names: list[str], fp32: bool | None
+) -> dict[str, Any]:
+    """The options of ``name``'s column: ``--fp32-embedding-state`` goes to the bitsandbytes
+    optimizers among several (alone, any optimizer gets it, and refuses it if it must)."""
+    from effitrain.optim import get_spec
+
+    only: dict[str, Any] = {"optim": name}
+    if fp32 is not None and (len(names) == 1 or get_spec(name).takes_fp32_embedding_state):
+        only["fp32_embedding_state"] = fp32
+    return {**overrides, **only}
+
+
+def _json(results: list[dict[str, Any]], measured: dict[str, Any] | None, path: Any) -> str:
+    """``--json``: one estimate, a list, or the estimates with their errors against ``path``."""
+    import json
+
+    out: Any = results[0] if len(results) == 1 else results
+    if measured is not None:
+        out = {
+            "estimates": results,
+            "compared_to": str(path),
+            "errors": _errors(_compared(results, measured), measured),
+        }
+    return json.dumps(out, indent=2)
 
 
 def _given(ctx: typer.Context, name: str) -> bool:
