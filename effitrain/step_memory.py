@@ -176,7 +176,7 @@ class StepMemoryProbe:
         if getattr(self.device, "type", str(self.device)) == "cuda":
             torch.cuda.synchronize(self.device)
             cuda_peak = int(torch.cuda.max_memory_allocated(self.device))
-        measured = StepMemory(
+        return StepMemory(
             # On CUDA, the allocator's own count (it also sees what the tracker cannot: cuBLAS
             # workspaces, allocator rounding); the parts come from the tracker either way.
             peak_tensor_bytes=cuda_peak if cuda_peak is not None else sum(at_peak.values()),
@@ -184,30 +184,6 @@ class StepMemoryProbe:
             kind_peaks={kind: max(peaks.get(kind, 0), at_peak[kind]) for kind in KINDS},
             cuda_max_allocated=cuda_peak,
         ).to_dict()
-        del tracker  # its objects are freed before the heap is trimmed
-        return_freed_heap()
-        return measured
-
-
-def return_freed_heap() -> None:
-    """Give the C heap's free pages back to the OS: glibc's ``malloc_trim(0)``; a no-op elsewhere.
-
-    The tracker allocates a Python object for every storage and module event of the step. They
-    land on the heap between the step's tensors and, once freed, leave it fragmented, so that
-    later steps grow the heap instead of reusing it: without this, every step after the measured
-    one peaked 60-90 MiB higher in RSS (all-MiniLM-L6-v2, batch 32, CPU), and the run's peak RSS with
-    it. One call after the measured step gives those pages back; it takes a few milliseconds.
-    (Not after every step: that lowers the peak further but costs ~20 % in time per step, as the
-    next step faults the pages back in.)
-    """
-    import contextlib
-    import ctypes
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(OSError, AttributeError):  # not glibc (musl): nothing to trim
-        ctypes.CDLL(None).malloc_trim(0)
 
 
 def _device_snapshot(snapshot: dict[Any, dict[Any, int]], device: Any) -> dict[str, int]:

@@ -3,9 +3,6 @@ with effitrain's own true-storage counts, add up to the peak, and the probe clea
 
 from __future__ import annotations
 
-import platform
-import sys
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -95,46 +92,3 @@ def test_no_memory_breakdown_skips_the_measured_step(train_cli, tmp_path):
     assert metrics["config"]["memory_breakdown"] is False
     assert metrics["optimizer_state"]["bytes"] > 0 and metrics["peak_memory_bytes"] > 0
     assert "not measured (--no-memory-breakdown" in " ".join(proc.stdout.split())
-
-
-def test_the_measured_step_gives_the_freed_heap_back(monkeypatch):
-    """The tracker's bookkeeping fragments the C heap; stop() trims it once, after the tracker
-    has exited."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-    from effitrain import step_memory
-
-    calls = []
-    monkeypatch.setattr(
-        step_memory, "return_freed_heap", lambda: calls.append(_get_current_dispatch_mode())
-    )
-    model = make_model()
-    optimizer = torch.optim.AdamW(model.parameters())
-    with StepMemoryProbe(model, optimizer, torch.device("cpu")) as probe:
-        probe.start()
-        step(model, optimizer)
-        assert not calls
-        probe.stop()
-    assert calls == [None]  # once, with no tracker active
-
-
-@pytest.mark.skipif(
-    not (sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"),
-    reason="malloc_trim is glibc's",
-)
-def test_return_freed_heap_gives_pages_back_to_the_os():
-    from effitrain.step_memory import return_freed_heap
-
-    def rss_mib():
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
-
-    # 2,000 blocks of 64 KiB (under glibc's mmap threshold: they come from the heap), touched;
-    # free all but the last, which keeps the heap from shrinking on its own.
-    blocks = [bytearray(64 * 1024) for _ in range(2000)]
-    keep = blocks[-1]
-    del blocks
-    before = rss_mib()
-    return_freed_heap()
-    assert before - rss_mib() > 60, "about 125 MiB of freed heap should go back"
-    del keep
