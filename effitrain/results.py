@@ -112,11 +112,11 @@ class TrainResult:
     trainable_parameter_bytes: int = 0
     """Bytes of the parameters that train; ``parameter_bytes`` minus this is frozen (LoRA)."""
     activation_bytes: int | None = None
-    """Peak bytes of what forward allocated and kept (saved for backward), in the first step."""
+    """Peak bytes of what forward allocated and kept (saved for backward), in the measured step."""
     peak_tensor_bytes: int | None = None
-    """Most live tensor bytes at once in the first step (None: not measured, see step_memory)."""
+    """Most live tensor bytes at once in the measured step (None: not measured, see step_memory)."""
     step_memory: dict[str, Any] = field(default_factory=dict)
-    """The first step's tensor memory by kind (``effitrain.step_memory.StepMemory``)."""
+    """The measured step's tensor memory by kind (``effitrain.step_memory.StepMemory``)."""
     levers: list[str] = field(default_factory=list)
     """The memory levers that were on (``effitrain.levers.active``)."""
     loss_history: list[dict[str, float]] = field(default_factory=list)

@@ -1,17 +1,17 @@
 """Tensor memory of one optimizer step, by kind: parameters, gradients, optimizer state,
 activations, temporaries, and their peak.
 
-Measured once per run, over the run's first optimizer step (every micro-batch of it), with
-PyTorch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``, torch >= 2.5). It is a
-``TorchDispatchMode``: it sees every tensor an operator creates, keeps a weak reference to its
-storage, and knows when the storage dies, so it counts live tensor bytes on every device,
-**CPU included**, without the ~300 MiB of libraries that make up most of a CPU process's RSS. It
-files each storage under a kind: parameters and buffers (given to it), gradients (found through
-gradient hooks), optimizer state (created inside ``optimizer.step()``: what the optimizer keeps,
-per :func:`effitrain.memory.optimizer_state_ledger`, is its state, the rest the step's working
-tensors, ``optimizer_temporaries``), activations (created in forward) and temporaries (created in
-backward). Storages count once (deduplicated by storage,
-like :mod:`effitrain.memory`).
+Measured once per run, over one optimizer step (every micro-batch of it; the run's last, see
+``effitrain.loop._measure_now``), with PyTorch's ``MemTracker``
+(``torch.distributed._tools.mem_tracker``, torch >= 2.5). It is a ``TorchDispatchMode``: it sees
+every tensor an operator creates, keeps a weak reference to its storage, and knows when the storage
+dies, so it counts live tensor bytes on every device, **CPU included**, without the ~300 MiB of
+libraries that make up most of a CPU process's RSS. It files each storage under a kind: parameters
+and buffers (given to it), gradients (found through gradient hooks), optimizer state (created
+inside ``optimizer.step()``: what the optimizer keeps, per
+:func:`effitrain.memory.optimizer_state_ledger`, is its state, the rest the step's working tensors,
+``optimizer_temporaries``), activations (created in forward) and temporaries (created in backward).
+Storages count once (deduplicated by storage, like :mod:`effitrain.memory`).
 
 Why this and not the alternatives: the profiler's memory events give sizes but no kinds and
 miss what existed before profiling; ``saved_tensors_hooks`` see what autograd saves but not

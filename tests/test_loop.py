@@ -485,3 +485,29 @@ def test_stop_at_an_epoch_end_then_resume_is_exact(tmp_path):
     for a, b in zip(straight.model.parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(a, b)
     assert progress.state_dict() == straight_progress.state_dict()
+
+
+@pytest.mark.parametrize("max_steps", [1, 6])
+def test_the_last_step_is_the_measured_one(monkeypatch, max_steps):
+    """Tracking an earlier step leaves the heap laid out so that later steps grow it (see
+    ``_measure_now``): the breakdown is of the run's last step, the only one tracked."""
+    from effitrain import loop
+    from effitrain.step_memory import available
+
+    if not available():
+        pytest.skip("needs torch's MemTracker")
+    measured_at = []
+    decide = loop._measure_now
+
+    def recording(run, progress, probe):
+        if decide(run, progress, probe):
+            measured_at.append(progress.global_step)
+            return True
+        return False
+
+    monkeypatch.setattr(loop, "_measure_now", recording)
+    progress, _ = fit_tiny(tiny_run(TrainConfig(batch_size=4, max_steps=max_steps, log_every=1)))
+    assert measured_at == [max_steps - 1]
+    assert progress.step_memory["kind_peaks"]["activations"] > 0
+    if max_steps > 1:  # the state exists from the first step on, at the step's peak too
+        assert progress.step_memory["at_peak"]["optimizer_state"] > 0
