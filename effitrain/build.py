@@ -68,6 +68,16 @@ class Plan:
         )
         return cls(per_epoch, total, math.ceil(total / per_epoch), warmup)
 
+    @property
+    def measured_step(self) -> int:
+        """The optimizer step (0-based) whose memory is broken down by kind: the last, or the one
+        before it where the last ends an epoch (its batch can be the epoch's short remainder)
+        and the epoch has another. Why late in the run: ``effitrain.loop._measure_now``."""
+        last = self.total_steps - 1
+        if self.total_steps % self.steps_per_epoch == 0 and self.steps_per_epoch > 1:
+            return last - 1
+        return last
+
 
 @dataclass
 class Run:

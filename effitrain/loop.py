@@ -187,7 +187,7 @@ def fit(
     reporter.progress_started(plan.total_steps, completed=progress.global_step)
     run.model.train()
     set_train_mode(run.optimizer, True)  # schedule-free: steps only in train mode
-    # One optimizer step is measured by kind (effitrain.step_memory): the last (see _measure_now).
+    # One optimizer step is measured by kind (effitrain.step_memory), late (see _measure_now).
     probe = StepMemoryProbe(run.model, run.optimizer, run.accelerator.device)
     group_start = True  # the next micro-batch starts an optimizer step
     with probe:  # an error mid-step leaves no tracker behind
@@ -229,18 +229,19 @@ def fit(
 
 
 def _measure_now(run: Run, progress: TrainingProgress, probe: StepMemoryProbe) -> bool:
-    """Whether the optimizer step about to start is the one to measure by kind: the run's last.
+    """Whether the optimizer step about to start is the one to measure by kind: one of the run's
+    last two (``Plan.measured_step``).
 
-    The optimizer state exists in it, as in every step after the first. Not an earlier one: the
+    The optimizer state exists in it, as in every step after the first. Not an early one: the
     tracker's bookkeeping (a Python object per storage and per module event) leaves the C heap
     laid out so that every later step grows it. Measured on all-MiniLM-L6-v2, batch 32, CPU:
     with the second step tracked, the same bytes in use (381 MB) but a 107 MB larger malloc
-    arena from then on, and a peak RSS ~80 MiB higher. A run stopped before its last step (a
+    arena from then on, and a peak RSS ~80 MiB higher. A run stopped before that step (a
     signal) has no breakdown.
     """
     if progress.step_memory or probe.done or not run.config.memory_breakdown:
         return False
-    return progress.global_step == run.plan.total_steps - 1
+    return progress.global_step == run.plan.measured_step
 
 
 def _finished(run: Run, progress: TrainingProgress) -> bool:

@@ -358,7 +358,7 @@ def _memory_caption(result: TrainResult) -> str:
     else:
         lines.append(
             "activations and peak tensor memory not measured (--no-memory-breakdown, a run "
-            "stopped before its last step, torch < 2.5, or a step torch.compile runs: torchao's "
+            "stopped before its last steps, torch < 2.5, or a step torch.compile runs: torchao's "
             "optimizers compile theirs)"
         )
     return "\n".join(lines)

@@ -487,10 +487,24 @@ def test_stop_at_an_epoch_end_then_resume_is_exact(tmp_path):
     assert progress.state_dict() == straight_progress.state_dict()
 
 
+@pytest.mark.parametrize(
+    ("steps_per_epoch", "total_steps", "measured"),
+    [(5, 12, 11), (5, 10, 8), (1, 3, 2), (5, 1, 0), (3, 2, 1)],
+)
+def test_the_measured_step_is_late_and_never_an_epochs_short_remainder(
+    steps_per_epoch, total_steps, measured
+):
+    from effitrain.build import Plan
+
+    plan = Plan(steps_per_epoch, total_steps, -(-total_steps // steps_per_epoch), 0)
+    assert plan.measured_step == measured
+
+
 @pytest.mark.parametrize("max_steps", [1, 6])
-def test_the_last_step_is_the_measured_one(monkeypatch, max_steps):
-    """Tracking an earlier step leaves the heap laid out so that later steps grow it (see
-    ``_measure_now``): the breakdown is of the run's last step, the only one tracked."""
+def test_the_planned_step_is_the_measured_one(monkeypatch, max_steps):
+    """Tracking an early step leaves the heap laid out so that later steps grow it (see
+    ``_measure_now``): the breakdown is of one of the run's last two steps, the only one
+    tracked."""
     from effitrain import loop
     from effitrain.step_memory import available
 
@@ -506,8 +520,10 @@ def test_the_last_step_is_the_measured_one(monkeypatch, max_steps):
         return False
 
     monkeypatch.setattr(loop, "_measure_now", recording)
-    progress, _ = fit_tiny(tiny_run(TrainConfig(batch_size=4, max_steps=max_steps, log_every=1)))
-    assert measured_at == [max_steps - 1]
+    run = tiny_run(TrainConfig(batch_size=4, max_steps=max_steps, log_every=1))
+    progress, _ = fit_tiny(run)
+    assert measured_at == [run.plan.measured_step]
+    assert run.plan.measured_step >= max_steps - 2
     assert progress.step_memory["kind_peaks"]["activations"] > 0
     if max_steps > 1:  # the state exists from the first step on, at the step's peak too
         assert progress.step_memory["at_peak"]["optimizer_state"] > 0
