@@ -286,10 +286,11 @@ def test_registry_entries():
 @pytest.mark.parametrize("name", list(NAMES))
 def test_tiny_demo_learns(name, cli, tmp_path):
     """A training run that learns, through the CLI in a fresh process (torchao compiles its step
-    there: 30-40 s a run on 2 cores). Measured, 2 epochs: adamw-4bit 0.72 then 0.85."""
+    there: 30-40 s a run on 2 cores). 3 epochs: with 2, adamw-fp8 ended at 0.74 on one machine
+    (its CPU FP8 learns the demo more slowly than AdamW, which reaches 0.86 in 2)."""
     metrics = tmp_path / "m.json"
     proc = cli(
-        "train", "--optim", name, "--epochs", "2", "--metrics-json", str(metrics), timeout=900
+        "train", "--optim", name, "--epochs", "3", "--metrics-json", str(metrics), timeout=900
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(metrics.read_text())
