@@ -1,8 +1,8 @@
 """Tensor memory of one optimizer step, by kind: parameters, gradients, optimizer state,
 activations, temporaries, and their peak.
 
-Measured once per run, over one optimizer step (every micro-batch of it; the run's last, see
-``effitrain.loop._measure_now``), with PyTorch's ``MemTracker``
+Measured once per run, over one optimizer step (every micro-batch of it; one of the run's last
+two, see ``effitrain.build.Plan.measured_step``), with PyTorch's ``MemTracker``
 (``torch.distributed._tools.mem_tracker``, torch >= 2.5). It is a ``TorchDispatchMode``: it sees
 every tensor an operator creates, keeps a weak reference to its storage, and knows when the storage
 dies, so it counts live tensor bytes on every device, **CPU included**, without the ~300 MiB of

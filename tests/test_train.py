@@ -108,7 +108,7 @@ def assert_memory_breakdown(data):
     assert data["peak_tensor_bytes"] == step["peak_tensor_bytes"] == sum(at_peak.values())
     assert data["activation_bytes"] == peaks["activations"] > 0
     assert at_peak["parameters"] == data["parameter_bytes"]
-    # The last step is measured: the optimizer state exists throughout it.
+    # A late step is measured (Plan.measured_step): the optimizer state exists throughout it.
     assert at_peak["optimizer_state"] == data["optimizer_state"]["bytes"]
     assert peaks["gradients"] == data["gradient_bytes"]
     assert data["levers"] == []
