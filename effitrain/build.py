@@ -72,9 +72,11 @@ class Plan:
     def measured_step(self) -> int:
         """The optimizer step (0-based) whose memory is broken down by kind: the last, or the one
         before it where the last ends an epoch (its batch can be the epoch's short remainder)
-        and the epoch has another. Why late in the run: ``effitrain.loop._measure_now``."""
+        and the epoch has another, but never the first step of a longer run: optimizers create
+        their state in their first step, so its backward runs without it and under-states every
+        later step. Why late in the run: ``effitrain.loop._measure_now``."""
         last = self.total_steps - 1
-        if self.total_steps % self.steps_per_epoch == 0 and self.steps_per_epoch > 1:
+        if self.total_steps % self.steps_per_epoch == 0 and self.steps_per_epoch > 1 and last > 1:
             return last - 1
         return last
 

@@ -91,6 +91,13 @@ def test_estimate_equals_a_run(train_cli, tmp_path, long_data):
     compare(train_cli, tmp_path, [*long_data, "--batch-size", "8", "--max-length", "64"])
 
 
+def test_estimate_equals_a_run_of_one_two_step_epoch(train_cli, tmp_path, long_data):
+    """48 rows at batch 24: the run's last step ends the epoch, and the step before it is the
+    first, whose backward runs before AdamW has created its state; the breakdown must measure
+    the second step (a steady one), not the first."""
+    compare(train_cli, tmp_path, [*long_data, "--batch-size", "24", "--max-length", "64"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("batch,length", [(4, 32), (16, 48), (2, 64)])
 def test_estimate_at_batch_and_length(train_cli, tmp_path, long_data, batch, length):
