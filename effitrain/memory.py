@@ -508,11 +508,30 @@ def _peak_rss() -> tuple[int, str]:
     return int(maxrss) * 1024, "peak_rss"  # KiB on Linux and the BSDs
 
 
+_CUDA_PEAK_BEFORE_RESET: dict[int, int] = {}
+"""Per CUDA device index: the most ``max_memory_allocated`` had reached before
+:func:`reset_cuda_peak` cleared it (the run's peak must not forget what came before)."""
+
+
+def reset_cuda_peak(device: Any) -> None:
+    """``torch.cuda.reset_peak_memory_stats`` for measuring one stretch (the tracked step),
+    keeping the peak so far for :func:`peak_memory_bytes`, which reports the whole run's."""
+    import torch
+
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.synchronize(device)
+    so_far = int(torch.cuda.max_memory_allocated(device))
+    _CUDA_PEAK_BEFORE_RESET[index] = max(so_far, _CUDA_PEAK_BEFORE_RESET.get(index, 0))
+    torch.cuda.reset_peak_memory_stats(device)
+
+
 def peak_memory_bytes(device: Any = None) -> tuple[int, str]:
     """Peak memory of this process and what kind of number it is.
 
     - CUDA: ``torch.cuda.max_memory_allocated(device)``, kind ``"cuda_peak_allocated"``
-      (tensors only; the caching allocator's reserve and the CUDA context are not included);
+      (tensors only; the caching allocator's reserve and the CUDA context are not included),
+      over the whole run: a :func:`reset_cuda_peak` in between is undone;
     - XPU: ``torch.xpu.max_memory_allocated(device)``, kind ``"xpu_peak_allocated"``;
     - otherwise (CPU, MPS, which has no peak counter): peak resident set size of the process,
       kind ``"peak_rss"`` (everything: Python, libraries, tensors).
@@ -533,7 +552,11 @@ def peak_memory_bytes(device: Any = None) -> tuple[int, str]:
             return _peak_rss()
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.is_available():
-        return int(torch.cuda.max_memory_allocated(device)), "cuda_peak_allocated"
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        peak = max(
+            int(torch.cuda.max_memory_allocated(device)), _CUDA_PEAK_BEFORE_RESET.get(index, 0)
+        )
+        return peak, "cuda_peak_allocated"
     if device.type == "xpu" and hasattr(torch, "xpu") and torch.xpu.is_available():
         return int(torch.xpu.max_memory_allocated(device)), "xpu_peak_allocated"
     return _peak_rss()

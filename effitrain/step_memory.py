@@ -133,7 +133,6 @@ class StepMemoryProbe:
             self._tracker = None
 
     def start(self) -> None:
-        import torch
 
         self.done = True
         if not available() or self.compiled_step:
@@ -143,8 +142,7 @@ class StepMemoryProbe:
         tracker = _make_tracker()
         tracker.track_external(self.model, self.optimizer)
         if getattr(self.device, "type", str(self.device)) == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
+            memory.reset_cuda_peak(self.device)  # this step's peak; the run's is kept
         tracker.__enter__()
         self._tracker = tracker
 

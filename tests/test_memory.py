@@ -560,3 +560,27 @@ def test_peak_memory_on_cpu():
 )
 def test_format_bytes(n, text):
     assert format_bytes(n) == text
+
+
+def test_the_run_peak_on_cuda_survives_the_tracked_steps_reset(monkeypatch):
+    """The step-memory breakdown resets CUDA's peak counter before its step; the run's peak
+    (``peak_memory_bytes``) must still be the whole run's, not the tracked step's."""
+    from effitrain import memory
+
+    allocated = {"max": 0}
+    monkeypatch.setattr(memory, "_CUDA_PEAK_BEFORE_RESET", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: allocated["max"])
+    monkeypatch.setattr(
+        torch.cuda, "reset_peak_memory_stats", lambda device=None: allocated.update(max=0)
+    )
+    cuda = torch.device("cuda", 0)
+    allocated["max"] = 900  # an early step (or evaluation) peaked at 900
+    memory.reset_cuda_peak(cuda)  # the tracked step starts
+    allocated["max"] = 600  # the tracked step's own peak
+    assert torch.cuda.max_memory_allocated(cuda) == 600  # what the breakdown reads
+    assert peak_memory_bytes(cuda) == (900, "cuda_peak_allocated")
+    allocated["max"] = 1200  # evaluation after it peaks higher
+    assert peak_memory_bytes(torch.device("cuda")) == (1200, "cuda_peak_allocated")
