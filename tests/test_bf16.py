@@ -118,7 +118,10 @@ def test_trains_saves_bf16_and_loads_back(train_cli, data, tmp_path):
     m = json.loads(metrics.read_text())
     assert m["optimizer_class"] == "optimi.AdamW"
     assert m["parameter_bytes"] == 2 * m["trainable_parameters"]
-    assert m["gradient_bytes"] == m["parameter_bytes"]
+    if torch.cuda.is_available():  # the tracker counts CUDA's blocks: 512-byte multiples
+        assert 0 <= m["gradient_bytes"] - m["parameter_bytes"] < 512 * len(state)
+    else:
+        assert m["gradient_bytes"] == m["parameter_bytes"]
     assert m["optimizer_state"]["bytes"] == 3 * m["parameter_bytes"]  # 2 moments + Kahan
 
     model = AutoModelForSequenceClassification.from_pretrained(out / "final")
