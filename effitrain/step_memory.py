@@ -143,6 +143,8 @@ class StepMemoryProbe:
         tracker.track_external(self.model, self.optimizer)
         if getattr(self.device, "type", str(self.device)) == "cuda":
             memory.reset_cuda_peak(self.device)  # this step's peak; the run's is kept
+        else:
+            return_freed_heap()
         tracker.__enter__()
         self._tracker = tracker
 
@@ -182,6 +184,27 @@ class StepMemoryProbe:
             kind_peaks={kind: max(peaks.get(kind, 0), at_peak[kind]) for kind in KINDS},
             cuda_max_allocated=cuda_peak,
         ).to_dict()
+
+
+def return_freed_heap() -> None:
+    """Give the C heap's free pages back to the OS (glibc's ``malloc_trim(0)``; a no-op
+    elsewhere), once, just before the tracked step on CPU.
+
+    The tracked step is one of the run's last, when the heap has grown over the earlier steps
+    (freed tensors leave pages resident in it, in any training loop), and the tracker's own
+    bookkeeping (a Python object per storage and module event) comes on top of that at the step's
+    peak. Returning the free pages first leaves room for the bookkeeping within what the step
+    would have held anyway. It takes milliseconds; that one step faults its pages back in, and
+    it is left out of the time per step.
+    """
+    import contextlib
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):  # not glibc (musl): nothing to trim
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def _device_snapshot(snapshot: dict[Any, dict[Any, int]], device: Any) -> dict[str, int]:

@@ -92,3 +92,31 @@ def test_no_memory_breakdown_skips_the_measured_step(train_cli, tmp_path):
     assert metrics["config"]["memory_breakdown"] is False
     assert metrics["optimizer_state"]["bytes"] > 0 and metrics["peak_memory_bytes"] > 0
     assert "not measured (--no-memory-breakdown" in " ".join(proc.stdout.split())
+
+
+def test_the_heap_is_trimmed_once_before_the_tracked_step_on_cpu(monkeypatch):
+    """On CPU, start() hands the heap's free pages back before the tracker enters (the tracker's
+    bookkeeping then fits in what the step held anyway), and nothing else calls it."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from effitrain import step_memory
+
+    calls = []
+    monkeypatch.setattr(
+        step_memory, "return_freed_heap", lambda: calls.append(_get_current_dispatch_mode())
+    )
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    step(model, optimizer)
+    with StepMemoryProbe(model, optimizer, torch.device("cpu")) as probe:
+        probe.start()
+        assert calls == [None]  # once, before the tracker (a dispatch mode) was active
+        step(model, optimizer)
+        probe.stop()
+    assert calls == [None]
+
+
+def test_return_freed_heap_is_safe_to_call():
+    from effitrain.step_memory import return_freed_heap
+
+    return_freed_heap()  # glibc's malloc_trim, or nothing where there is none
