@@ -513,16 +513,21 @@ _CUDA_PEAK_BEFORE_RESET: dict[int, int] = {}
 :func:`reset_cuda_peak` cleared it (the run's peak must not forget what came before)."""
 
 
+def _cuda_index(device: Any) -> int:
+    import torch
+
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def reset_cuda_peak(device: Any) -> None:
     """``torch.cuda.reset_peak_memory_stats`` for measuring one stretch (the tracked step),
     keeping the peak so far for :func:`peak_memory_bytes`, which reports the whole run's."""
     import torch
 
     device = torch.device(device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
     torch.cuda.synchronize(device)
-    so_far = int(torch.cuda.max_memory_allocated(device))
-    _CUDA_PEAK_BEFORE_RESET[index] = max(so_far, _CUDA_PEAK_BEFORE_RESET.get(index, 0))
+    so_far, _ = peak_memory_bytes(device)
+    _CUDA_PEAK_BEFORE_RESET[_cuda_index(device)] = so_far
     torch.cuda.reset_peak_memory_stats(device)
 
 
@@ -552,10 +557,8 @@ def peak_memory_bytes(device: Any = None) -> tuple[int, str]:
             return _peak_rss()
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.is_available():
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        peak = max(
-            int(torch.cuda.max_memory_allocated(device)), _CUDA_PEAK_BEFORE_RESET.get(index, 0)
-        )
+        before_reset = _CUDA_PEAK_BEFORE_RESET.get(_cuda_index(device), 0)
+        peak = max(int(torch.cuda.max_memory_allocated(device)), before_reset)
         return peak, "cuda_peak_allocated"
     if device.type == "xpu" and hasattr(torch, "xpu") and torch.xpu.is_available():
         return int(torch.xpu.max_memory_allocated(device)), "xpu_peak_allocated"

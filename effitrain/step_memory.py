@@ -133,7 +133,6 @@ class StepMemoryProbe:
             self._tracker = None
 
     def start(self) -> None:
-
         self.done = True
         if not available() or self.compiled_step:
             return
