@@ -185,7 +185,6 @@ def estimate(config: TrainConfig) -> dict[str, Any]:
     from effitrain.data import load_data
     from effitrain.models import CAUSAL_LM, load_tokenizer
     from effitrain.optim import set_train_mode
-    from effitrain.step_memory import StepMemoryProbe
 
     if config.mixed_precision == "fp16":
         raise EffitrainError(
@@ -198,11 +197,6 @@ def estimate(config: TrainConfig) -> dict[str, Any]:
     notes: list[str] = []
     spec = precision.optimizer_spec(config)
     device = torch.device("cpu")
-    autocast = (
-        torch.autocast("cpu", dtype=torch.bfloat16)
-        if config.mixed_precision == "bf16"
-        else nullcontext()
-    )
     torch.manual_seed(config.seed)
     # Built on the meta device (shapes only; module conversions such as the bf16 cast work
     # there, not on fake parameters), then given fake storage on the run's device.
@@ -223,36 +217,13 @@ def estimate(config: TrainConfig) -> dict[str, Any]:
         # As effitrain.data.tokenize: capped by the tokenizer's model_max_length.
         length = min(config.max_length, tokenizer.model_max_length)
         batch = _batch(tokenizer, config.batch_size, length, causal_lm)
-        step_memory: dict[str, Any] = {}
-        torchao = spec.module == "torchao"
-        if torchao:
+        if spec.module == "torchao":
             notes.append(
                 f"{spec.name}: torchao's own state allocation was run, not its compiled update "
                 "(torch.compile cannot run on fake tensors): the update's working tensors are "
                 "not in the peak"
             )
-        with (
-            StepMemoryProbe(model, optimizer, device, compiled_step=False) as probe,
-            _cannot_trace(spec.name),
-            _without_compiled_update() if torchao else nullcontext(),
-        ):
-            for step in range(STEPS):
-                if step == STEPS - 1:
-                    probe.start()
-                for micro in range(config.grad_accum):
-                    if micro:
-                        probe.next_micro_batch()
-                    with autocast:
-                        loss = model(**batch).loss
-                    loss.backward()
-                if config.effective_max_grad_norm > 0:
-                    torch.nn.utils.clip_grad_norm_(
-                        model.parameters(), config.effective_max_grad_norm
-                    )
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                if step == STEPS - 1:
-                    step_memory = probe.stop()
+        step_memory = _train_steps(config, spec, model, optimizer, batch, device)
         result = _measured(config, spec, model, optimizer, step_memory)
         if config.optimizer_in_backward:
             optimizer.remove_hooks()
@@ -267,6 +238,46 @@ def estimate(config: TrainConfig) -> dict[str, Any]:
     }
     result["notes"] = notes
     return result
+
+
+def _train_steps(
+    config: TrainConfig,
+    spec: Any,
+    model: Any,
+    optimizer: Any,
+    batch: dict[str, Any],
+    device: Any,
+) -> dict[str, Any]:
+    """The run's training step, ``STEPS`` times on fake tensors; the last one is measured as
+    ``effitrain train`` measures its tracked step. Returns the probe's step memory."""
+    import torch
+
+    from effitrain.step_memory import StepMemoryProbe
+
+    bf16 = config.mixed_precision == "bf16"
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
+    step_memory: dict[str, Any] = {}
+    with (
+        StepMemoryProbe(model, optimizer, device, compiled_step=False) as probe,
+        _cannot_trace(spec.name),
+        _without_compiled_update() if spec.module == "torchao" else nullcontext(),
+    ):
+        for step in range(STEPS):
+            if step == STEPS - 1:
+                probe.start()
+            for micro in range(config.grad_accum):
+                if micro:
+                    probe.next_micro_batch()
+                with autocast:
+                    loss = model(**batch).loss
+                loss.backward()
+            if config.effective_max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), config.effective_max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if step == STEPS - 1:
+                step_memory = probe.stop()
+    return step_memory
 
 
 SHARDED = {

@@ -94,18 +94,20 @@ def compare(
         rows = configurations(
             [n.strip() for n in (optim or "").split(",") if n.strip()], variant or []
         )
-        common = ["--model", model, "--dataset", dataset, "--max-length", str(max_length)]
-        for flag, value in (
-            ("--task", task),
-            ("--dataset-config", dataset_config),
-            ("--train-file", train_file),
-            ("--validation-file", validation_file),
-            ("--text-columns", text_columns),
-            ("--label-column", label_column),
-        ):
-            if value is not None:
-                common += [flag, value]
-        common += ["--batch-size", str(batch_size), "--seed", str(seed), "--log-every", "1"]
+        common = _train_args(
+            model=model,
+            dataset=dataset,
+            max_length=max_length,
+            task=task,
+            dataset_config=dataset_config,
+            train_file=train_file,
+            validation_file=validation_file,
+            text_columns=text_columns,
+            label_column=label_column,
+            batch_size=batch_size,
+            seed=seed,
+            log_every=1,
+        )
         common += ["--epochs", str(epochs)] if epochs else ["--max-steps", str(steps or 10)]
         from rich.console import Console
 
@@ -130,6 +132,15 @@ def compare(
             out.print(f"[red]failed[/]: {label}: {error}")
         if comparison.failed:
             raise typer.Exit(1)
+
+
+def _train_args(**options: Any) -> list[str]:
+    """``effitrain train`` options every run shares: ``--flag value`` for each one given."""
+    args: list[str] = []
+    for name, value in options.items():
+        if value is not None:
+            args += ["--" + name.replace("_", "-"), str(value)]
+    return args
 
 
 def _print_table(rows: list[dict[str, Any]]) -> None:

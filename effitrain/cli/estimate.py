@@ -116,43 +116,8 @@ def estimate(
     The run's own training step on fake tensors (no weights are loaded or allocated), measured by
     the same tracker and ledger as a real run.
     """
-    given = ("COMMANDLINE", "ENVIRONMENT")
-    overrides = {
-        name: value
-        for name, value in ctx.params.items()
-        if name
-        not in ("config_file", "as_json", "compare_to", "optim", "num_processes", "sharding")
-        and getattr(ctx.get_parameter_source(name), "name", "") in given
-    }
     with user_errors():
-        from effitrain.config import build_config
-        from effitrain.errors import EffitrainError
-        from effitrain.estimate import estimate as run_estimate
-        from effitrain.optim import OPTIMIZERS, get_spec
-
-        fp32 = overrides.pop("fp32_embedding_state", None)  # see _for_optimizer
-        from_file = build_config(config_file, overrides)
-        names = _names(optim if _given(ctx, "optim") else from_file.optim, OPTIMIZERS)
-        for name in names:
-            get_spec(name)
-        _quiet_libraries()
-        from effitrain.estimate import SHARDED, per_device
-
-        if sharding not in SHARDED:
-            per_device({}, num_processes, sharding)  # the one-line error
-        results, skipped = [], []
-        for name in names:
-            config = build_config(config_file, _for_optimizer(overrides, name, names, fp32))
-            try:
-                result = run_estimate(config)
-            except EffitrainError as exc:
-                if not (_given(ctx, "optim") and optim == "all"):
-                    raise
-                skipped.append(str(exc))  # --optim all: the others still get their column
-                continue
-            if num_processes > 1:
-                result["per_device"] = per_device(result, num_processes, sharding)
-            results.append(result)
+        results, skipped = _estimates(ctx, config_file, optim, num_processes, sharding)
         measured = _load_metrics(compare_to) if compare_to else None
         if as_json:
             typer.echo(_json(results, measured, compare_to))
@@ -160,6 +125,45 @@ def estimate(
         _print(results, measured)
         for line in skipped:
             typer.echo(f"note: {line}")
+
+
+def _estimates(
+    ctx: typer.Context, config_file: Path | None, optim: str, num_processes: int, sharding: str
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """One estimate per optimizer of ``--optim``, with the other options as given; and the
+    reasons for those that ``--optim all`` skipped."""
+    from effitrain.config import build_config
+    from effitrain.errors import EffitrainError
+    from effitrain.estimate import SHARDED, per_device
+    from effitrain.estimate import estimate as run_estimate
+    from effitrain.optim import OPTIMIZERS, get_spec
+
+    own = ("config_file", "as_json", "compare_to", "optim", "num_processes", "sharding")
+    overrides = {
+        name: value for name, value in ctx.params.items() if name not in own and _given(ctx, name)
+    }
+    fp32 = overrides.pop("fp32_embedding_state", None)  # see _for_optimizer
+    from_file = build_config(config_file, overrides)
+    names = _names(optim if _given(ctx, "optim") else from_file.optim, OPTIMIZERS)
+    for name in names:
+        get_spec(name)
+    _quiet_libraries()
+    if sharding not in SHARDED:
+        per_device({}, num_processes, sharding)  # the one-line error
+    results, skipped = [], []
+    for name in names:
+        config = build_config(config_file, _for_optimizer(overrides, name, names, fp32))
+        try:
+            result = run_estimate(config)
+        except EffitrainError as exc:
+            if not (_given(ctx, "optim") and optim == "all"):
+                raise
+            skipped.append(str(exc))  # --optim all: the others still get their column
+            continue
+        if num_processes > 1:
+            result["per_device"] = per_device(result, num_processes, sharding)
+        results.append(result)
+    return results, skipped
 
 
 def _for_optimizer(
