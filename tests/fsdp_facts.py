@@ -153,6 +153,10 @@ def main() -> None:
     facts["adam-mini"] = adam_mini_facts(mesh)
     out_dir = Path(os.environ["FSDP_FACTS_DIR"])
     (out_dir / f"rank-{state.process_index}.json").write_text(json.dumps(facts))
+    # Leave no gloo thread running at exit: once (CI, 2026-12-04) a rank aborted there
+    # ("terminate called without an active exception", SIGABRT), most likely at exit.
+    state.wait_for_everyone()
+    state.destroy_process_group()
 
 
 if __name__ == "__main__":
