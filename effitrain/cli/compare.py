@@ -10,6 +10,7 @@ import typer
 from effitrain.cli.errors import user_errors
 from effitrain.cli.train import LOOP, MODEL, _opt
 from effitrain.config import default_for as D
+from effitrain.config import option
 
 RUNS = "Runs"
 
@@ -139,7 +140,7 @@ def _train_args(**options: Any) -> list[str]:
     args: list[str] = []
     for name, value in options.items():
         if value is not None:
-            args += ["--" + name.replace("_", "-"), str(value)]
+            args += [option(name), str(value)]
     return args
 
 
