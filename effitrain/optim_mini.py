@@ -3,10 +3,11 @@
 ``Adam_mini`` partitions the parameters into blocks by name: query/key per attention head,
 embeddings, values, attention output and MLP weights per output neuron (row), biases (and here
 norms) elementwise as Adam. Its name lists know Llama/GPT names (``q_proj``, ``wq``, ``embed``,
-``mlp``…), not DistilBERT's (``q_lin``, ``ffn.lin1``) nor all of BERT's (``intermediate``,
-``pooler``, ``classifier``): unknown >=2-D weights fall back to one value for the whole tensor,
-and 1-D LayerNorm weights under ``embeddings``/``output`` crash its per-row branch (IndexError).
-We extend its public name sets (the way its own warnings tell users to) for these families.
+``mlp``…), not DistilBERT's (``q_lin``, ``ffn.lin1``), MPNet's (``attn.q``) nor all of BERT's
+(``intermediate``, ``pooler``, ``classifier``): unknown >=2-D weights fall back to one value for
+the whole tensor, and 1-D LayerNorm weights under ``embeddings``/``output`` crash its per-row
+branch (IndexError). We extend its public name sets (the way its own warnings tell users to) for
+these families.
 """
 
 from __future__ import annotations
@@ -21,17 +22,19 @@ if TYPE_CHECKING:
 ParamGroups = list[dict[str, Any]]  # as effitrain.optim's (not imported: it imports this module)
 
 EXTRA_NAMES = {
-    # DistilBERT; BERT's query/key/value are already in Adam-mini's own sets.
-    "wqk_names": ("q_lin", "k_lin"),
-    "wv_names": ("v_lin",),
-    "attn_proj_names": ("out_lin",),
+    # DistilBERT (q_lin…) and MPNet (attention.attn.q…); BERT's query/key/value are already in
+    # Adam-mini's own sets. Without these, MPNet's four attention matrices fell through to one
+    # second moment per whole matrix.
+    "wqk_names": ("q_lin", "k_lin", "attn.q", "attn.k"),
+    "wv_names": ("v_lin", "attn.v"),
+    "attn_proj_names": ("out_lin", "attn.o"),
     "mlp_names": ("ffn", "intermediate", "pooler"),
     # The classification head, per class row (BERT's output.dense is caught by "output").
     "output_names": ("classifier",),
     # LayerNorm weights: elementwise Adam (their per-row branch needs 2-D tensors).
     "adam_block_names": ("norm",),
 }
-"""Names added to Adam-mini's own sets for DistilBERT/BERT/MiniLM (all lower case)."""
+"""Names added to Adam-mini's own sets for DistilBERT, BERT/MiniLM and MPNet (all lower case)."""
 
 PER_HEAD, PER_ROW, ELEMENTWISE, WHOLE = "per head", "per row", "elementwise", "whole tensor"
 

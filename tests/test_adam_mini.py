@@ -86,15 +86,19 @@ def test_state_is_counted_to_the_byte_from_the_block_layout():
     assert 4.0 < ledger.bytes / params < 4.2
 
 
-@pytest.mark.parametrize("family", ["distilbert", "bert"])
+@pytest.mark.parametrize("family", ["distilbert", "bert", "mpnet"])
 def test_every_matrix_gets_a_head_or_row_block(family):
-    """DistilBERT's and BERT's (MiniLM's) names are all recognised: no whole-tensor fallback."""
-    from transformers import BertConfig, BertForSequenceClassification
+    """DistilBERT's, BERT's (MiniLM's) and MPNet's names are all recognised: no whole-tensor
+    fallback (MPNet's attention.attn.q/k/v/o once fell through to one value per matrix)."""
+    import transformers
 
     from effitrain.optim_mini import ELEMENTWISE, PER_HEAD, PER_ROW, block_kind
 
-    if family == "bert":
-        config = BertConfig(
+    if family == "distilbert":
+        model, vocab = tiny_distilbert()
+    else:
+        prefix = {"bert": "Bert", "mpnet": "MPNet"}[family]
+        config = getattr(transformers, f"{prefix}Config")(
             vocab_size=200,
             hidden_size=48,
             num_hidden_layers=1,
@@ -102,19 +106,23 @@ def test_every_matrix_gets_a_head_or_row_block(family):
             intermediate_size=96,
             num_labels=3,
         )
-        model, vocab = BertForSequenceClassification(config), 200
-    else:
-        model, vocab = tiny_distilbert()
+        model = getattr(transformers, f"{prefix}ForSequenceClassification")(config)
+        vocab = 200
     optimizer = stepped(model, vocab, steps=1)
     kinds = {g["name"]: block_kind(optimizer, g["name"]) for g in optimizer.param_groups}
     params = dict(model.named_parameters())
     assert all(kinds[n.lower()] == ELEMENTWISE for n, p in params.items() if p.ndim == 1)
     matrices = {n: kinds[n.lower()] for n, p in params.items() if p.ndim > 1}
+    # MPNet's relative-position table (buckets x heads) is named "…bias": Adam, elementwise.
+    assert matrices.pop("mpnet.encoder.relative_attention_bias.weight", ELEMENTWISE) == ELEMENTWISE
     assert set(matrices.values()) == {PER_HEAD, PER_ROW}
     heads = [n for n, kind in matrices.items() if kind == PER_HEAD]
     assert heads and all(
-        ("query" in n or "key" in n or "q_lin" in n or "k_lin" in n) for n in heads
+        any(part in n for part in ("query", "key", "q_lin", "k_lin", "attn.q", "attn.k"))
+        for n in heads
     )
+    layers = getattr(model.config, "n_layers", None) or model.config.num_hidden_layers
+    assert len(heads) == 2 * layers  # query and key of every layer
 
 
 def test_weight_decay_follows_effitrains_groups():
