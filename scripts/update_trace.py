@@ -10,6 +10,13 @@ constant, clipping at 1.0, weight decay 0.01, as ``effitrain train`` builds them
         --optims adamw adam-mini came:6e-5 --came-beta3 0.9999
     python scripts/update_trace.py --data data/finetune/pl-reviews --max-length 256 \
         --optims adamw adam-mini --elementwise value attention.output.dense
+
+``--block-spread`` trains nothing: it sums the squared gradients of the first --steps batches and,
+for each of Adam-mini's per-head and per-row blocks, prints how its one second moment (the block's
+mean) scales each weight's step against Adam's own per-weight one: sqrt(g^2 / mean over block).
+
+    python scripts/update_trace.py --data data/finetune/pl-reviews --max-length 256 \
+        --steps 2 --batch-size 16 --block-spread
 """
 
 from __future__ import annotations
@@ -93,6 +100,41 @@ def trace(
     return losses, moved
 
 
+def block_spread(model_dir: str, data: list, num_labels: int) -> None:
+    """Per kind of Adam-mini block: the median, 10th percentile and largest step ratio to Adam's
+    (weights with no gradient, e.g. the embedding rows of unseen tokens, left out)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from effitrain.optim import build_optimizer
+    from effitrain.optim_mini import PER_HEAD, PER_ROW, block_kind
+
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=num_labels)
+    optimizer = build_optimizer(model, "adam-mini", 1e-4, 0.01)
+    squares = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    for batch in data:
+        model.zero_grad()
+        model(**batch).loss.backward()
+        for n, p in model.named_parameters():
+            if p.grad is not None:
+                squares[n] += p.grad**2
+    kinds: dict[str, list] = {}
+    for n, g2 in squares.items():
+        kind = block_kind(optimizer, n.lower())
+        if kind not in (PER_HEAD, PER_ROW):
+            continue
+        blocks = g2.view(optimizer.n_heads, -1) if kind == PER_HEAD else g2.flatten(1)
+        ratio = (blocks / blocks.mean(dim=1, keepdim=True)).sqrt().flatten()
+        key = n.split(".layer.")[-1].split(".", 1)[-1] if ".layer." in n else n
+        kinds.setdefault(f"{key} ({kind})", []).append(ratio[blocks.flatten() > 0])
+    print("Adam-mini's step / Adam's, per weight: median, 10th percentile, largest")
+    for key, ratios in kinds.items():
+        r = torch.cat(ratios)
+        sample = r[torch.randperm(r.numel())[:1_000_000]]  # quantile() caps its input size
+        print(f"{r.median():7.3f} {sample.quantile(0.1):7.3f} {r.max():7.1f}  {key}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, required=True, help="a task folder with train.csv")
@@ -100,7 +142,7 @@ def main() -> None:
     parser.add_argument(
         "--optims",
         nargs="+",
-        required=True,
+        default=["adamw", "adam-mini"],
         help="NAME or NAME:LR (default: its fine-tuning lr); the first is the baseline",
     )
     parser.add_argument("--steps", type=int, default=30)
@@ -115,12 +157,20 @@ def main() -> None:
     )
     parser.add_argument("--came-beta3", type=float, help="CAME's third beta (registry: 0.99)")
     parser.add_argument("--top", type=int, default=12, help="tensors listed at each end")
+    parser.add_argument(
+        "--block-spread",
+        action="store_true",
+        help="no training: Adam-mini's block step against Adam's per weight (--optims unused)",
+    )
     args = parser.parse_args()
 
     from finetune_matrix import model_folder
 
     model_dir = str(model_folder(args.model))
     data, num_labels = batches(args.data, model_dir, args.steps, args.batch_size, args.max_length)
+    if args.block_spread:
+        block_spread(model_dir, data, num_labels)
+        return
     results = {}
     for item in args.optims:
         name, _, lr = item.partition(":")
