@@ -126,13 +126,18 @@ def block_spread(model_dir: str, data: list, num_labels: int) -> None:
             continue
         blocks = g2.view(optimizer.n_heads, -1) if kind == PER_HEAD else g2.flatten(1)
         ratio = (blocks / blocks.mean(dim=1, keepdim=True)).sqrt().flatten()
+        # Outlier features: the share of g^2 in the top 1 % of input columns (hidden dims).
+        columns = g2.flatten(1).sum(dim=0)
+        top = columns.topk(max(1, round(columns.numel() / 100))).values.sum() / columns.sum()
         key = n.split(".layer.")[-1].split(".", 1)[-1] if ".layer." in n else n
-        kinds.setdefault(f"{key} ({kind})", []).append(ratio[blocks.flatten() > 0])
-    print("Adam-mini's step / Adam's, per weight: median, 10th percentile, largest")
-    for key, ratios in kinds.items():
-        r = torch.cat(ratios)
+        kinds.setdefault(f"{key} ({kind})", []).append((ratio[blocks.flatten() > 0], top))
+    print("Adam-mini's step / Adam's, per weight: median, 10th percentile, largest;")
+    print("then, per layer, the share of the squared gradient in the top 1 % of input columns")
+    for key, rows in kinds.items():
+        r = torch.cat([ratio for ratio, _ in rows])
         sample = r[torch.randperm(r.numel())[:1_000_000]]  # quantile() caps its input size
-        print(f"{r.median():7.3f} {sample.quantile(0.1):7.3f} {r.max():7.1f}  {key}")
+        shares = " ".join(f"{top:.2f}" for _, top in rows)
+        print(f"{r.median():7.3f} {sample.quantile(0.1):7.3f} {r.max():7.1f}  {key}  [{shares}]")
 
 
 def main() -> None:
