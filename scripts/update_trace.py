@@ -124,7 +124,8 @@ def block_spread(model_dir: str, data: list, num_labels: int) -> None:
         kind = block_kind(optimizer, n.lower())
         if kind not in (PER_HEAD, PER_ROW):
             continue
-        blocks = g2.view(optimizer.n_heads, -1) if kind == PER_HEAD else g2.flatten(1)
+        # Adam-mini's own split: heads of head_numel weights (fewer for grouped keys), rows.
+        blocks = g2.view(-1, optimizer.head_numel) if kind == PER_HEAD else g2.flatten(1)
         ratio = (blocks / blocks.mean(dim=1, keepdim=True)).sqrt().flatten()
         # Outlier features: the share of g^2 in the top 1 % of input columns (hidden dims).
         columns = g2.flatten(1).sum(dim=0)
