@@ -10,6 +10,8 @@ constant, clipping at 1.0, weight decay 0.01, as ``effitrain train`` builds them
         --optims adamw adam-mini came:6e-5 --came-beta3 0.9999
     python scripts/update_trace.py --data data/finetune/pl-reviews --max-length 256 \
         --optims adamw adam-mini --elementwise value attention.output.dense
+    python scripts/update_trace.py --data data/finetune/pl-reviews --max-length 256 \
+        --optims adamw adam-mini --value-whole
 
 ``--block-spread`` trains nothing: it sums the squared gradients of the first --steps batches and,
 for each of Adam-mini's per-head and per-row blocks, prints how its one second moment (the block's
@@ -65,6 +67,7 @@ def trace(
     warmup: int,
     elementwise: list[str],
     came_beta3: float | None = None,
+    value_whole: bool = False,
 ) -> tuple[list[float], dict[str, float]]:
     """Train a fresh copy for len(data) steps; the losses and each tensor's relative change."""
     import torch
@@ -79,6 +82,8 @@ def trace(
     optimizer = build_optimizer(model, name, lr, 0.01)
     if elementwise and hasattr(optimizer, "adam_block_names"):  # adam-mini: these as Adam
         optimizer.adam_block_names.update(elementwise)
+    if value_whole and hasattr(optimizer, "wv_names"):  # adam-mini: one lr per value matrix
+        optimizer.wv_names = set()
     if came_beta3 is not None and name == "came":  # 0.9999: CAME's paper (and effitrain before)
         for group in optimizer.param_groups:
             group["betas"] = (*group["betas"][:2], came_beta3)
@@ -161,6 +166,11 @@ def main() -> None:
         default=[],
         help="adam-mini: names (substrings) to treat elementwise, as Adam",
     )
+    parser.add_argument(
+        "--value-whole",
+        action="store_true",
+        help="adam-mini: one second moment per value matrix (its authors' advice for short runs)",
+    )
     parser.add_argument("--came-beta3", type=float, help="CAME's third beta (registry: 0.99)")
     parser.add_argument("--top", type=int, default=12, help="tensors listed at each end")
     parser.add_argument(
@@ -189,6 +199,7 @@ def main() -> None:
             args.warmup,
             args.elementwise,
             args.came_beta3,
+            args.value_whole,
         )
         results[item] = moved
         print(f"{item} loss per step: " + " ".join(f"{x:.3f}" for x in losses), flush=True)
