@@ -12,6 +12,8 @@ constant, clipping at 1.0, weight decay 0.01, as ``effitrain train`` builds them
         --optims adamw adam-mini --elementwise value attention.output.dense
     python scripts/update_trace.py --data data/finetune/pl-reviews --max-length 256 \
         --optims adamw adam-mini --value-whole
+    python scripts/update_trace.py --data data/finetune/pl-reviews --max-length 256 \
+        --optims adam-mini --beta2 0.95
 
 ``--block-spread`` trains nothing: it sums the squared gradients of the first --steps batches and,
 for each of Adam-mini's per-head and per-row blocks, prints how its one second moment (the block's
@@ -68,6 +70,7 @@ def trace(
     elementwise: list[str],
     came_beta3: float | None = None,
     value_whole: bool = False,
+    beta2: float | None = None,
 ) -> tuple[list[float], dict[str, float]]:
     """Train a fresh copy for len(data) steps; the losses and each tensor's relative change."""
     import torch
@@ -84,6 +87,12 @@ def trace(
         optimizer.adam_block_names.update(elementwise)
     if value_whole and hasattr(optimizer, "wv_names"):  # adam-mini: one lr per value matrix
         optimizer.wv_names = set()
+    if beta2 is not None:
+        for group in optimizer.param_groups:
+            if "beta2" in group:  # adam-mini keeps its betas apart
+                group["beta2"] = beta2
+            elif "betas" in group:
+                group["betas"] = (group["betas"][0], beta2, *group["betas"][2:])
     if came_beta3 is not None and name == "came":  # 0.9999: CAME's paper (and effitrain before)
         for group in optimizer.param_groups:
             group["betas"] = (*group["betas"][:2], came_beta3)
@@ -171,6 +180,7 @@ def main() -> None:
         action="store_true",
         help="adam-mini: one second moment per value matrix (its authors' advice for short runs)",
     )
+    parser.add_argument("--beta2", type=float, help="every optimizer's second-moment beta")
     parser.add_argument("--came-beta3", type=float, help="CAME's third beta (registry: 0.99)")
     parser.add_argument("--top", type=int, default=12, help="tensors listed at each end")
     parser.add_argument(
@@ -200,6 +210,7 @@ def main() -> None:
             args.elementwise,
             args.came_beta3,
             args.value_whole,
+            args.beta2,
         )
         results[item] = moved
         print(f"{item} loss per step: " + " ".join(f"{x:.3f}" for x in losses), flush=True)
