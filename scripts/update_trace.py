@@ -7,13 +7,13 @@ seed, sees the same batches in the same order, with lr warmed up over --warmup s
 constant, clipping at 1.0, weight decay 0.01, as ``effitrain train`` builds them (the registry).
 
     python scripts/update_trace.py --data data/finetune/pl-reviews --max-length 256 \
-        --optims adamw adam-mini came:6e-5 --came-beta3 0.9999
+        --optims adamw adam-mini:2e-4 came:6e-5 --came-beta3 0.9999
     python scripts/update_trace.py --data data/finetune/pl-reviews --max-length 256 \
-        --optims adamw adam-mini --elementwise value attention.output.dense
+        --optims adamw adam-mini:2e-4 --elementwise value attention.output.dense
     python scripts/update_trace.py --data data/finetune/pl-reviews --max-length 256 \
-        --optims adamw adam-mini --value-whole
+        --optims adamw adam-mini:2e-4 --value-whole
     python scripts/update_trace.py --data data/finetune/pl-reviews --max-length 256 \
-        --optims adam-mini --beta2 0.95
+        --optims adam-mini:2e-4 --beta2 0.95
 
 ``--block-spread`` trains nothing: it sums the squared gradients of the first --steps batches and,
 for each of Adam-mini's per-head and per-row blocks, prints how its one second moment (the block's
