@@ -29,6 +29,7 @@ import argparse
 import csv
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -60,6 +61,31 @@ def batches(
     return out, len(labels)
 
 
+def set_beta(optimizer: Any, index: int, value: float) -> None:
+    """Every param group's beta number ``index + 1`` (a ``betas`` tuple, or adam-mini's own
+    ``beta1``/``beta2`` keys)."""
+    for group in optimizer.param_groups:
+        key = f"beta{index + 1}"
+        if key in group:
+            group[key] = value
+        elif "betas" in group:
+            betas = list(group["betas"])
+            betas[index] = value
+            group["betas"] = tuple(betas)
+
+
+def adjust(optimizer: Any, name: str, args: argparse.Namespace) -> None:
+    """The probe's changes to the optimizer the registry built (each option off by default)."""
+    if args.elementwise and hasattr(optimizer, "adam_block_names"):  # adam-mini: these as Adam
+        optimizer.adam_block_names.update(args.elementwise)
+    if args.value_whole and hasattr(optimizer, "wv_names"):  # adam-mini: one lr per value matrix
+        optimizer.wv_names = set()
+    if args.beta2 is not None:
+        set_beta(optimizer, 1, args.beta2)
+    if args.came_beta3 is not None and name == "came":  # 0.9999: CAME's paper (effitrain before)
+        set_beta(optimizer, 2, args.came_beta3)
+
+
 def trace(
     model_dir: str,
     name: str,
@@ -67,10 +93,7 @@ def trace(
     data: list,
     num_labels: int,
     warmup: int,
-    elementwise: list[str],
-    came_beta3: float | None = None,
-    value_whole: bool = False,
-    beta2: float | None = None,
+    args: argparse.Namespace,
 ) -> tuple[list[float], dict[str, float]]:
     """Train a fresh copy for len(data) steps; the losses and each tensor's relative change."""
     import torch
@@ -83,19 +106,7 @@ def trace(
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     lr = lr if lr is not None else get_spec(name).fine_tune.lr
     optimizer = build_optimizer(model, name, lr, 0.01)
-    if elementwise and hasattr(optimizer, "adam_block_names"):  # adam-mini: these as Adam
-        optimizer.adam_block_names.update(elementwise)
-    if value_whole and hasattr(optimizer, "wv_names"):  # adam-mini: one lr per value matrix
-        optimizer.wv_names = set()
-    if beta2 is not None:
-        for group in optimizer.param_groups:
-            if "beta2" in group:  # adam-mini keeps its betas apart
-                group["beta2"] = beta2
-            elif "betas" in group:
-                group["betas"] = (group["betas"][0], beta2, *group["betas"][2:])
-    if came_beta3 is not None and name == "came":  # 0.9999: CAME's paper (and effitrain before)
-        for group in optimizer.param_groups:
-            group["betas"] = (*group["betas"][:2], came_beta3)
+    adjust(optimizer, name, args)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
     model.train()
     losses = []
@@ -207,10 +218,7 @@ def main() -> None:
             data,
             num_labels,
             args.warmup,
-            args.elementwise,
-            args.came_beta3,
-            args.value_whole,
-            args.beta2,
+            args,
         )
         results[item] = moved
         print(f"{item} loss per step: " + " ".join(f"{x:.3f}" for x in losses), flush=True)
