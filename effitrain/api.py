@@ -9,7 +9,7 @@
 
 This is the course's ``compute_optimizer_size`` done right: storages counted once, dtypes as
 they are, and the comparison with fp32 AdamW for the same parameters. Accounting is
-:mod:`effitrain.memory`'s, files are read by :mod:`effitrain.inspection`, the table is
+:mod:`effitrain.memory.ledger`'s, files are read by :mod:`effitrain.memory.inspection`, the table is
 :mod:`effitrain.report`'s; this module only puts them together. ``torch`` is imported by those,
 inside their functions, when a measurement is made.
 """
@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import effitrain.memory as memory
+from effitrain.memory import ledger
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -41,12 +41,12 @@ class OptimizerMemory:
     optimizer_class: str
     """``torch.optim.adamw.AdamW`` for a live optimizer; for a state dict or file, the class
     the checkpoint names or one inferred from its state keys."""
-    optimizer_state: memory.OptimizerStateLedger
+    optimizer_state: ledger.OptimizerStateLedger
     """Per state key: tensors, elements, bytes and dtypes; totals (see
-    :func:`effitrain.memory.optimizer_state_ledger`)."""
+    :func:`effitrain.memory.ledger.optimizer_state_ledger`)."""
     adamw_equivalent_elements: int
     """What fp32 ``torch.optim.AdamW`` would keep for the same parameters (see
-    :func:`effitrain.memory.adamw_state_size`)."""
+    :func:`effitrain.memory.ledger.adamw_state_size`)."""
     adamw_equivalent_bytes: int
     source: str
     """``"optimizer"``, ``"state_dict"``, or the path and what kind of checkpoint it is."""
@@ -66,7 +66,7 @@ class OptimizerMemory:
         return self.optimizer_state.bytes
 
     @property
-    def by_key(self) -> dict[str, memory.StateKeyUsage]:
+    def by_key(self) -> dict[str, ledger.StateKeyUsage]:
         return self.optimizer_state.by_key
 
     @property
@@ -115,7 +115,7 @@ class OptimizerMemory:
         """One line: the state against AdamW's, or why there is no state yet."""
         adamw = (
             f"{self.adamw_equivalent_elements:,} elements, "
-            f"{memory.format_bytes(self.adamw_equivalent_bytes)}"
+            f"{ledger.format_bytes(self.adamw_equivalent_bytes)}"
         )
         if self.is_empty:
             when = {
@@ -130,7 +130,7 @@ class OptimizerMemory:
         compared = f"{ratio:.1%} of AdamW's {adamw}" if ratio is not None else "no AdamW reference"
         return (
             f"{self.name} state: {self.elements:,} elements, "
-            f"{memory.format_bytes(self.bytes)} ({compared})"
+            f"{ledger.format_bytes(self.bytes)} ({compared})"
         )
 
     def summary(self) -> str:
@@ -138,7 +138,7 @@ class OptimizerMemory:
         lines = [self.headline()]
         for key, usage in self.by_key.items():
             lines.append(
-                f"  {key}: {usage.elements:,} elements, {memory.format_bytes(usage.bytes)} "
+                f"  {key}: {usage.elements:,} elements, {ledger.format_bytes(usage.bytes)} "
                 f"({', '.join(usage.dtypes)})"
             )
         if self.params_without_shape:
@@ -183,7 +183,7 @@ def optimizer_memory(obj: Any) -> OptimizerMemory:
             - a path (``str`` or ``os.PathLike``) to anything ``effitrain inspect-state``
               reads: a ``torch.save`` file, an effitrain, Accelerate or Trainer checkpoint
               folder, or an output folder with ``checkpoint-*`` folders. Read safely
-              (weights-only, memory-mapped); see :func:`effitrain.inspection.inspect_state`.
+              (weights-only, memory-mapped); see :func:`effitrain.memory.inspection.inspect_state`.
 
     Returns:
         The ledger and the AdamW comparison. Before the first ``optimizer.step()`` a torch
@@ -201,7 +201,7 @@ def optimizer_memory(obj: Any) -> OptimizerMemory:
 
 
 def _unwrap(optimizer: Any) -> Any:
-    # The same unwrapping as memory.optimizer_state_ledger: Accelerate (and others) keep the
+    # The same unwrapping as ledger.optimizer_state_ledger: Accelerate (and others) keep the
     # real optimizer in .optimizer.
     for _ in range(8):
         inner = getattr(optimizer, "optimizer", None)
@@ -224,16 +224,16 @@ def _from_optimizer(obj: Any) -> OptimizerMemory:
     trainable = [p for group in groups for p in group["params"] if p.requires_grad]
     return OptimizerMemory(
         optimizer_class=f"{cls.__module__}.{cls.__qualname__}",
-        optimizer_state=memory.optimizer_state_ledger(optimizer),
-        adamw_equivalent_elements=memory.adamw_equivalent_elements(trainable),
-        adamw_equivalent_bytes=memory.adamw_equivalent_bytes(trainable),
+        optimizer_state=ledger.optimizer_state_ledger(optimizer),
+        adamw_equivalent_elements=ledger.adamw_equivalent_elements(trainable),
+        adamw_equivalent_bytes=ledger.adamw_equivalent_bytes(trainable),
         source="optimizer",
         parameters=len(trainable),
     )
 
 
 def _from_state_dict(obj: Mapping[str, Any]) -> OptimizerMemory:
-    from effitrain.inspection import infer_optimizer, infer_parameter
+    from effitrain.memory.inspection import infer_optimizer, infer_parameter
 
     state = obj.get("state") if "param_groups" in obj else obj
     if not isinstance(state, Mapping) or not all(isinstance(v, Mapping) for v in state.values()):
@@ -243,10 +243,10 @@ def _from_state_dict(obj: Mapping[str, Any]) -> OptimizerMemory:
         )
     shapes = [infer_parameter(entry)[0] for entry in state.values() if entry]
     known = [shape for shape in shapes if shape is not None]
-    elements, nbytes = memory.adamw_state_size(math.prod(shape) for shape in known)
+    elements, nbytes = ledger.adamw_state_size(math.prod(shape) for shape in known)
     return OptimizerMemory(
         optimizer_class=infer_optimizer({"state": state, "param_groups": obj.get("param_groups")}),
-        optimizer_state=memory.optimizer_state_ledger(state),
+        optimizer_state=ledger.optimizer_state_ledger(state),
         adamw_equivalent_elements=elements,
         adamw_equivalent_bytes=nbytes,
         source="state_dict",
@@ -256,7 +256,7 @@ def _from_state_dict(obj: Mapping[str, Any]) -> OptimizerMemory:
 
 
 def _from_path(path: str | os.PathLike[str]) -> OptimizerMemory:
-    from effitrain.inspection import inspect_state
+    from effitrain.memory.inspection import inspect_state
 
     report = inspect_state(path)
     return OptimizerMemory(

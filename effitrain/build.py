@@ -1,5 +1,5 @@
-"""Build a run's components in order: accelerator → data → model → plan → optimizer → scheduler
-→ ``accelerator.prepare``. The result, a :class:`Run`, is everything the loop needs.
+"""Build a run's components in order: checks → accelerator → data → model → plan → optimizer →
+scheduler → ``accelerator.prepare``. The result, a :class:`Run`, is everything the loop needs.
 
 Nothing here trains or prints: notes for the user go through the reporter that the CLI made.
 """
@@ -14,22 +14,15 @@ from typing import TYPE_CHECKING, Any
 import effitrain.checkpoint as checkpoint
 import effitrain.distributed as distributed
 import effitrain.levers as levers
-import effitrain.memory as memory
-import effitrain.precision as precision
+import effitrain.optim as optim
+import effitrain.tasks as tasks
 from effitrain.config import TrainConfig
-from effitrain.data import build_dataloaders, load_data, steps_per_epoch
 from effitrain.errors import EffitrainError
-from effitrain.models import (
-    CAUSAL_LM,
-    CAUSAL_PRESETS,
-    SEQUENCE_CLASSIFICATION,
-    load_causal_lm,
-    load_model,
-    load_tokenizer,
-    model_task,
-)
-from effitrain.optim import OptimizerSpec, build_optimizer, build_scheduler
+from effitrain.memory import ledger
+from effitrain.models import load_tokenizer
+from effitrain.optim import Hyperparameters, OptimizerSpec, bf16
 from effitrain.results import RunInfo
+from effitrain.tasks.sources import steps_per_epoch
 from effitrain.wrapped import base_model
 
 if TYPE_CHECKING:
@@ -49,8 +42,9 @@ class Plan:
     warmup_steps: int
 
     @classmethod
-    def from_config(cls, config: TrainConfig, num_batches: int) -> Plan:
-        """``num_batches``: micro-batches per epoch on this process.
+    def from_config(cls, config: TrainConfig, num_batches: int, warmup_ratio: float) -> Plan:
+        """``num_batches``: micro-batches per epoch on this process; ``warmup_ratio``: the
+        resolved one (the optimizer's default where not given), used without --warmup-steps.
 
         Raises:
             EffitrainError: the training set yields no optimizer step.
@@ -64,7 +58,7 @@ class Plan:
         warmup = (
             config.warmup_steps
             if config.warmup_steps is not None
-            else math.ceil(total * config.effective_warmup_ratio)
+            else math.ceil(total * warmup_ratio)
         )
         return cls(per_epoch, total, math.ceil(total / per_epoch), warmup)
 
@@ -93,13 +87,41 @@ class Run:
     train_loader: DataLoader
     eval_loader: DataLoader
     plan: Plan
-    num_labels: int
-    """0 for causal-lm."""
-    spec: OptimizerSpec | None = None
+    task: tasks.Task
+    data: Any
+    """The task's raw data (``classification.LoadedData`` or ``lm_data.LMData``)."""
+    hyper: Hyperparameters
+    spec: OptimizerSpec
     tokenizer: Any = None
     info: RunInfo | None = None
     sharding: distributed.Sharding | None = None
-    task: str = SEQUENCE_CLASSIFICATION
+
+
+def checked_config(
+    config_file: str | Path | None = None, overrides: dict[str, Any] | None = None
+) -> TrainConfig:
+    """:func:`effitrain.config.build_config` (defaults <- YAML <- options), then
+    :func:`check_config`: a config every check has passed, the CLI's way in.
+
+    Raises:
+        EffitrainError: one line naming the key or option.
+    """
+    from effitrain.config import build_config
+
+    return check_config(build_config(config_file, overrides))
+
+
+def check_config(config: TrainConfig) -> TrainConfig:
+    """The checks that need the presets, the optimizer registry or the levers (the config's own
+    ran when it was made), in one place, before anything is loaded.
+
+    Raises:
+        EffitrainError: one line naming the option.
+    """
+    tasks.check_options(config)
+    optim.check_options(config)
+    levers.check_options(config)
+    return config
 
 
 def check_outputs(config: TrainConfig) -> None:
@@ -172,117 +194,74 @@ def build_run(config: TrainConfig, reporter: Reporter) -> Run:
             f"{torch.cuda.device_count()} GPUs are visible but this run uses one; to use them all: "
             "accelerate launch --multi_gpu -m effitrain train ..."
         )
-
     levers.check_launch(config, accelerator.state)
+    run = build_task(config, accelerator, reporter)
+
+    # What FSDP/DeepSpeed would do to this optimizer: refuse or note it before anything is built.
+    for note in distributed.optimizer_notes(accelerator.state, run.spec.name):
+        reporter.note(note)
+    run.sharding = distributed.detect_sharding(accelerator.state)
+    if run.sharding.kind == "deepspeed":
+        distributed.configure_deepspeed(accelerator.state, config.batch_size, config.grad_accum)
+
+    optimizer = configured_optimizer(config, run.model, run.spec, run.hyper.lr)
+    # Accelerate's prepared scheduler steps once per process on every optimizer step, so its
+    # lengths are counted in process-steps.
+    n = accelerator.num_processes
+    lr_scheduler = optim.build_scheduler(
+        optimizer, run.hyper.scheduler, run.plan.total_steps * n, run.plan.warmup_steps * n
+    )
+    run.model, run.optimizer, run.lr_scheduler = accelerator.prepare(
+        run.model, optimizer, lr_scheduler
+    )
+    if config.optimizer_in_backward:
+        run.optimizer.optimizer.check_hooked(accelerator.unwrap_model(run.model))
+    run.info = describe(run)
+    return run
+
+
+def build_task(config: TrainConfig, accelerator: Accelerator, reporter: Reporter) -> Run:
+    """The task's data, tokenizer, model (with its levers) and prepared dataloaders, and the
+    plan and hyperparameters that follow from them; no optimizer yet."""
     # The main process goes first so it alone fills the datasets cache.
     with accelerator.main_process_first():
-        task = resolve_task(config)
-        config.check_causal_options(task)
-        data = load_task_data(config, task)
+        task = tasks.resolve_task(config)
+        data = task.load_data(config)
     tokenizer = load_tokenizer(config.model)
-    if task == CAUSAL_LM:
-        from effitrain.lm_data import check_packing
-
-        model = load_causal_lm(config.model, tokenizer)
-        check_packing(data, model.config.model_type, config)
-    else:
-        model = load_model(config.model, data.num_labels, data.label_names, tokenizer)
+    model = task.load_model(config, data, tokenizer)
+    task.check_model(config, data, model)
     model = levers.apply_to_model(model, config)
     with accelerator.main_process_first():
-        train_loader, eval_loader = build_task_dataloaders(
-            task,
-            data,
-            tokenizer,
-            config,
-            pad_to_multiple_of=8 if config.mixed_precision != "no" else None,
-        )
+        pad_to_multiple_of = 8 if config.mixed_precision != "no" else None
+        train_loader, eval_loader = task.dataloaders(config, data, tokenizer, pad_to_multiple_of)
     for note in getattr(data, "notes", []):
         reporter.note(note)
     train_loader, eval_loader = accelerator.prepare(train_loader, eval_loader)
-    plan = Plan.from_config(config, len(train_loader))
-
-    # What FSDP/DeepSpeed would do to this optimizer: refuse or note it before anything is built.
-    spec = precision.optimizer_spec(config)  # the registry's, or its bf16 variant
-    for note in distributed.optimizer_notes(accelerator.state, spec.name):
-        reporter.note(note)
-    sharding = distributed.detect_sharding(accelerator.state)
-    if sharding.kind == "deepspeed":
-        distributed.configure_deepspeed(accelerator.state, config.batch_size, config.grad_accum)
-
-    optimizer, lr_scheduler = build_optimization(config, model, spec, plan, accelerator)
-    model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
-    if config.optimizer_in_backward:
-        optimizer.optimizer.check_hooked(accelerator.unwrap_model(model))
-
+    hyper = optim.resolve_hyperparameters(config)
     return Run(
         config=config,
         accelerator=accelerator,
         model=model,
-        optimizer=optimizer,
-        lr_scheduler=lr_scheduler,
+        optimizer=None,
+        lr_scheduler=None,
         train_loader=train_loader,
         eval_loader=eval_loader,
-        plan=plan,
-        num_labels=getattr(data, "num_labels", 0),
-        spec=spec,
-        tokenizer=tokenizer,
-        info=describe(config, accelerator, model, data, plan, optimizer, task, train_loader),
-        sharding=sharding,
+        plan=Plan.from_config(config, len(train_loader), hyper.warmup_ratio),
         task=task,
+        data=data,
+        hyper=hyper,
+        spec=bf16.optimizer_spec(config),  # the registry's, or its bf16 variant
+        tokenizer=tokenizer,
     )
 
 
-def resolve_task(config: TrainConfig) -> str:
-    """``--task``, else the model's: a preset's own task; for a hub or folder causal LM,
-    causal-lm unless the data has a label column (a decoder can classify too).
-
-    Raises:
-        EffitrainError: the model's config or the data cannot be read.
-    """
-    if config.task is not None:
-        return config.task
-    task = model_task(config.model)
-    if task != CAUSAL_LM or config.model in CAUSAL_PRESETS:
-        return task or SEQUENCE_CLASSIFICATION
-    if config.label_column is not None:
-        return SEQUENCE_CLASSIFICATION
-    if config.uses_builtin_data:
-        return SEQUENCE_CLASSIFICATION  # the built-in demo is labelled sentence pairs
-    from effitrain.data import _load_splits
-    from effitrain.lm_data import LM_FORMATS, has_label_column
-
-    splits, _ = _load_splits(config, formats=LM_FORMATS)  # .txt files too
-    first = splits.get("train") or next(iter(splits.values()))
-    return SEQUENCE_CLASSIFICATION if has_label_column(first.column_names) else CAUSAL_LM
-
-
-def load_task_data(config: TrainConfig, task: str) -> Any:
-    """The task's raw splits: ``LoadedData`` (classification) or ``lm_data.LMData``."""
-    if task == CAUSAL_LM:
-        from effitrain.lm_data import load_lm_data
-
-        return load_lm_data(config)
-    return load_data(config)
-
-
-def build_task_dataloaders(
-    task: str, data: Any, tokenizer: Any, config: TrainConfig, pad_to_multiple_of: int | None
-) -> tuple[DataLoader, DataLoader]:
-    """Tokenized training and evaluation loaders for the task."""
-    if task == CAUSAL_LM:
-        from effitrain.lm_data import build_lm_dataloaders
-
-        return build_lm_dataloaders(data, tokenizer, config, pad_to_multiple_of)
-    return build_dataloaders(data, tokenizer, config, pad_to_multiple_of=pad_to_multiple_of)
-
-
-def configured_optimizer(config: TrainConfig, model: Any, spec: OptimizerSpec) -> Any:
+def configured_optimizer(config: TrainConfig, model: Any, spec: OptimizerSpec, lr: float) -> Any:
     """``spec``'s optimizer over ``model`` with the run's lr, weight decay and lever
     (``effitrain estimate`` builds the same one)."""
-    return build_optimizer(
+    return optim.build_optimizer(
         model,
         spec.name,
-        config.effective_lr,
+        lr,
         config.weight_decay,
         spec=spec,
         in_backward=config.optimizer_in_backward,
@@ -290,69 +269,33 @@ def configured_optimizer(config: TrainConfig, model: Any, spec: OptimizerSpec) -
     )
 
 
-def build_optimization(
-    config: TrainConfig, model: Any, spec: OptimizerSpec, plan: Plan, accelerator: Accelerator
-) -> tuple[Any, Any]:
-    """The optimizer (one per parameter with --optimizer-in-backward) and its lr scheduler."""
-    optimizer = configured_optimizer(config, model, spec)
-    # Accelerate's prepared scheduler steps once per process on every optimizer step, so its
-    # lengths are counted in process-steps.
-    n = accelerator.num_processes
-    lr_scheduler = build_scheduler(
-        optimizer, config.effective_scheduler, plan.total_steps * n, plan.warmup_steps * n
+def describe(run: Run) -> RunInfo:
+    """What the run is about to do, for the banner."""
+    config, accelerator, data, plan, hyper = (
+        run.config,
+        run.accelerator,
+        run.data,
+        run.plan,
+        run.hyper,
     )
-    return optimizer, lr_scheduler
-
-
-def describe(
-    config: TrainConfig,
-    accelerator: Accelerator,
-    model: Any,
-    data: Any,
-    plan: Plan,
-    optimizer: Any = None,
-    task: str = SEQUENCE_CLASSIFICATION,
-    train_loader: Any = None,
-) -> RunInfo:
-    """What the run is about to do, for the banner (``optimizer``: built, possibly prepared;
-    ``data``: ``LoadedData`` or, for causal-lm, ``lm_data.LMData``)."""
-    spec = precision.optimizer_spec(config)
     n = accelerator.num_processes
-    if task == CAUSAL_LM:
-        columns, label_column, num_labels = data.columns, "", 0
-        sequences = len(train_loader.dataset) if train_loader is not None else 0
-        lm = {
-            "data_format": data.format,
-            "packing": data.packing,
-            "completion_only": data.completion_only,
-            "train_sequences": sequences,
-        }
-    else:
-        columns, label_column, num_labels = data.text_columns, data.label_column, data.num_labels
-        lm = {}
     return RunInfo(
-        task=task,
-        **lm,
+        task=run.task.name,
         model=config.model,
-        model_class=type(base_model(accelerator.unwrap_model(model))).__name__,
-        parameters=memory.trainable_parameter_count(model),
+        model_class=type(base_model(accelerator.unwrap_model(run.model))).__name__,
+        parameters=ledger.trainable_parameter_count(run.model),
         dataset=data.source,
         train_examples=len(data.train),
         validation_examples=len(data.validation),
         validation_source=data.validation_source,
-        text_columns=columns,
-        label_column=label_column,
-        num_labels=num_labels,
-        optimizer=spec.name,
-        optimizer_class=spec.class_path,
-        lr=config.effective_lr,
-        lr_note=config.default_note("lr"),
-        scheduler=config.effective_scheduler,
+        data_line=run.task.data_line(data, run.train_loader),
+        optimizer=run.spec.name,
+        optimizer_class=run.spec.class_path,
+        lr=hyper.lr,
+        lr_note=hyper.lr_note,
+        scheduler=hyper.scheduler,
         warmup_steps=plan.warmup_steps,
-        # Named only when neither the schedule nor the warmup was given.
-        schedule_note=config.default_note("scheduler")
-        if config.scheduler is None and config.warmup_ratio is None and config.warmup_steps is None
-        else "",
+        schedule_note=hyper.schedule_note,
         total_steps=plan.total_steps,
         epochs=plan.epochs,
         steps_per_epoch=plan.steps_per_epoch,
@@ -360,8 +303,8 @@ def describe(
         device=str(accelerator.device),
         num_processes=n,
         mixed_precision=accelerator.mixed_precision,
-        levers=levers.describe(config, accelerator.unwrap_model(model)),
+        levers=levers.describe(config, accelerator.unwrap_model(run.model)),
         optimizer_split=getattr(
-            getattr(optimizer, "optimizer", optimizer), "split_description", ""
+            getattr(run.optimizer, "optimizer", run.optimizer), "split_description", ""
         ),
     )

@@ -189,7 +189,7 @@ def compare(
                 progress(f"[{index}/{total}] {row.label}: failed ({error})")
                 continue
             runs[row.label].append(metrics)
-            from effitrain.memory import format_bytes
+            from effitrain.memory.ledger import format_bytes
 
             progress(
                 f"[{index}/{total}] {row.label}: peak tensors "
@@ -266,7 +266,7 @@ def plot(data: dict[str, Any], path: Path) -> dict[str, Any]:
         linewidths=2, label="peak tensors (all at once)",
     )  # fmt: skip
     drawn["peak_tensors"] = peaks
-    from effitrain.memory import format_bytes
+    from effitrain.memory.ledger import format_bytes
 
     for x, total, peak, row in zip(positions, bottom, peaks, rows, strict=True):
         bars.annotate(

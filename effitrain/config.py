@@ -5,8 +5,9 @@ One flat dataclass keeps the mapping between CLI options, YAML keys and code obv
 A YAML file only overrides defaults; explicit CLI options override the YAML file. Unknown keys and
 values of the wrong type are errors that name the key.
 
-This module imports nothing heavy (no torch; the optimizer registry is light), so the CLI can
-build and check a config instantly.
+A leaf: it imports nothing of effitrain but its error type, so that every other module may read
+a config. Checks that need the presets, the optimizer registry or the levers run where the run
+is built (:func:`effitrain.build.check_config`).
 """
 
 from __future__ import annotations
@@ -19,12 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from effitrain.errors import EffitrainError
-from effitrain.models import CAUSAL_LM, CAUSAL_PRESETS, PRESETS, is_preset
-from effitrain.optim import FINE_TUNE, IN_BACKWARD_REFUSED, SCRATCH, Defaults, get_spec
 
 SCHEDULERS = ("linear", "cosine", "constant")
 MIXED_PRECISION = ("no", "fp16", "bf16")
-TASKS = ("sequence-classification", "causal-lm")
+DEFAULT_CAUSAL_MODEL = "tiny-llama"
+"""The model of ``--task causal-lm`` when none is given (the causal-LM demo's preset)."""
 WEIGHTS_DTYPES = ("fp32", "bf16")
 SAVE_STRATEGIES = ("steps", "epoch", "no")
 TRACKERS = (
@@ -245,52 +245,14 @@ class TrainConfig:
                 f"unknown --mixed-precision '{self.mixed_precision}'; "
                 f"choose one of: {', '.join(MIXED_PRECISION)}"
             )
-        if self.task is not None and self.task not in TASKS:
-            raise EffitrainError(f"unknown --task '{self.task}'; choose one of: {', '.join(TASKS)}")
-        self._validate_task()
         if self.text_columns is not None and not 1 <= len(self.text_columns) <= 2:
             raise EffitrainError(
                 f"--text-columns takes one or two column names (got {len(self.text_columns)})"
             )
         self._validate_checkpointing()
         self._validate_report_to()
-        get_spec(self.optim)
-        if self.fp32_embedding_state and not get_spec(self.optim).takes_fp32_embedding_state:
-            raise EffitrainError(
-                f"--fp32-embedding-state is for bitsandbytes' 8-bit optimizers (adamw-8bit, "
-                f"lion-8bit); --optim {self.optim} has no 8-bit state to override: drop it"
-            )
         self._validate_levers()
         return self
-
-    def _validate_task(self) -> None:
-        """A preset is built for one task; the causal-LM options need that task."""
-        if self.task == CAUSAL_LM and self.model in PRESETS:
-            raise EffitrainError(
-                f"--model {self.model} is a sequence-classification preset; for --task causal-lm "
-                f"use one of: {', '.join(CAUSAL_PRESETS)} (or a causal LM's hub id or folder)"
-            )
-        if self.task not in (None, CAUSAL_LM) and self.model in CAUSAL_PRESETS:
-            raise EffitrainError(
-                f"--model {self.model} is a causal-LM preset; use --task causal-lm, or a "
-                f"classification preset: {', '.join(PRESETS)}"
-            )
-        if self.task not in (None, CAUSAL_LM) or (self.task is None and self.model in PRESETS):
-            self.check_causal_options(self.task or "sequence-classification")
-
-    def check_causal_options(self, task: str) -> None:
-        """The causal-LM options are refused for another task (build checks a resolved task).
-
-        Raises:
-            EffitrainError: one was given and ``task`` is not causal-lm.
-        """
-        given = [
-            option(name)
-            for name in ("packing", "completion_only_loss", "sample_prompt")
-            if getattr(self, name) is not None
-        ]
-        if given and task != CAUSAL_LM:
-            raise EffitrainError(f"{given[0]} needs --task causal-lm (this run is {task}); drop it")
 
     def _validate_levers(self) -> None:
         """The memory levers' values, and the combinations that cannot work (effitrain.levers)."""
@@ -301,12 +263,6 @@ class TrainConfig:
             )
         if self.optimizer_in_backward:
             self._validate_optimizer_in_backward()
-
-        from effitrain.precision import refusal
-
-        problem = refusal(self)
-        if problem:
-            raise EffitrainError(problem)
         self._validate_lora()
 
     def _validate_lora(self) -> None:
@@ -327,13 +283,6 @@ class TrainConfig:
             return
         if self.lora_rank <= 0:
             raise EffitrainError(f"--lora-rank must be greater than 0 (got {self.lora_rank})")
-        if self.optim == "adafactor":
-            raise EffitrainError(
-                "--optim adafactor cannot train LoRA adapters: its step is relative to each "
-                "weight's size (RMS), and LoRA's B matrices start at zero, so they barely move "
-                "(all-MiniLM-L6-v2 stayed at chance); use --optim adafactor-hf (the Trainer's "
-                "Adafactor: the same factored state, a plain lr) or adamw"
-            )
         if self.lora_alpha is not None and not self.lora_alpha > 0:
             raise EffitrainError(f"--lora-alpha must be greater than 0 (got {self.lora_alpha})")
         if self.lora_dropout is not None and not 0 <= self.lora_dropout < 1:
@@ -346,18 +295,8 @@ class TrainConfig:
             )
 
     def _validate_optimizer_in_backward(self) -> None:
-        """Each parameter is updated inside backward, as soon as its own gradient is ready."""
-        if not get_spec(self.optim).per_parameter:
-            raise EffitrainError(
-                f"--optim {self.optim} cannot combine with --optimizer-in-backward: it is built "
-                "over the whole model, not one parameter at a time; use another --optim or "
-                "leave the lever out"
-            )
-        if self.optim in IN_BACKWARD_REFUSED:
-            raise EffitrainError(
-                f"--optim {self.optim} cannot combine with --optimizer-in-backward: "
-                f"{IN_BACKWARD_REFUSED[self.optim]}; use another --optim or leave the lever out"
-            )
+        """Each parameter is updated inside backward, as soon as its own gradient is ready
+        (the optimizers it cannot run: :func:`effitrain.levers.check_options`)."""
         if self.max_grad_norm is not None and self.max_grad_norm > 0:
             raise EffitrainError(
                 f"--max-grad-norm {self.max_grad_norm:g} clips the global gradient norm, which "
@@ -430,39 +369,10 @@ class TrainConfig:
         return [name for name in self.report_to or [] if name != "none"]
 
     @property
-    def regime(self) -> str:
-        """``SCRATCH`` for a built-in preset (random init), else ``FINE_TUNE`` (pretrained)."""
-        return SCRATCH if is_preset(self.model) else FINE_TUNE
-
-    @property
-    def uses_lora_defaults(self) -> bool:
-        """LoRA on pretrained weights with an optimizer that has LoRA defaults (a higher lr:
-        the adapters start at zero and are few)."""
-        spec = get_spec(self.optim)
-        return self.lora_rank is not None and self.regime == FINE_TUNE and spec.lora is not None
-
-    @property
-    def optimizer_defaults(self) -> Defaults:
-        """The optimizer's defaults for this run's regime (and LoRA, see uses_lora_defaults)."""
-        spec = get_spec(self.optim)
-        if self.uses_lora_defaults and spec.lora is not None:
-            return spec.lora
-        return spec.defaults(self.regime)
-
-    @property
     def effective_max_grad_norm(self) -> float:
         """The clipping threshold actually used: the explicit one, else 1.0 (0, no clipping,
         with --optimizer-in-backward)."""
         return effective_max_grad_norm(self.max_grad_norm, self.optimizer_in_backward)
-
-    @property
-    def effective_lr(self) -> float:
-        """The learning rate actually used: the explicit one, else the optimizer's default."""
-        return self.lr if self.lr is not None else self.optimizer_defaults.lr
-
-    @property
-    def effective_scheduler(self) -> str:
-        return self.scheduler if self.scheduler is not None else self.optimizer_defaults.scheduler
 
     @property
     def effective_lora_alpha(self) -> float:
@@ -474,20 +384,6 @@ class TrainConfig:
     @property
     def effective_lora_dropout(self) -> float:
         return self.lora_dropout if self.lora_dropout is not None else 0.05
-
-    @property
-    def effective_warmup_ratio(self) -> float:
-        if self.warmup_ratio is not None:
-            return self.warmup_ratio
-        return self.optimizer_defaults.warmup_ratio
-
-    def default_note(self, name: str) -> str:
-        """Why ``name`` (lr, scheduler, warmup_ratio) has its value: '' when it was given."""
-        if getattr(self, name) is not None:
-            return ""
-        if self.uses_lora_defaults:
-            return f"{self.optim} default for LoRA"
-        return f"{self.optim} default for {self.regime}"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -610,10 +506,10 @@ def build_config(
         values = merge(values, load_yaml(config_file), source=str(config_file))
     cli = {k: v for k, v in (overrides or {}).items() if v is not None}
     values = merge(values, cli, source="command line")
-    if values["task"] == CAUSAL_LM and values["model"] == default_for("model"):
+    if values["task"] == "causal-lm" and values["model"] == default_for("model"):
         given = {k.replace("-", "_") for k in (load_yaml(config_file) if config_file else {})}
         if "model" not in given | set(cli):
-            values["model"] = next(iter(CAUSAL_PRESETS))  # the task's own tiny preset
+            values["model"] = DEFAULT_CAUSAL_MODEL
     return TrainConfig(**values).validate()
 
 

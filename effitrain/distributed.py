@@ -30,8 +30,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-import effitrain.memory as memory
 from effitrain.errors import EffitrainError
+from effitrain.memory import ledger
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -47,7 +47,7 @@ MATRIX_OPTIMIZERS = {
     "apollo-mini": "APOLLO-Mini projects",
 }
 """Optimizers that need each hidden matrix whole, as the model's 2-D shape
-(:mod:`effitrain.optim_split`)."""
+(:mod:`effitrain.optim.split`)."""
 
 _FLAT_COST = {"came": "8 bytes per parameter with its exp_avg, as much as AdamW, not ~4"}
 """What a factored optimizer keeps on flat 1-D shards, where not Adafactor's 4 bytes."""
@@ -414,11 +414,11 @@ def parameter_checksum(model: Any) -> float:
 
 def local_rank_memory(accelerator: Accelerator, model: Any, optimizer: Any) -> RankMemory:
     """Measure what this process holds now."""
-    peak, kind = memory.peak_memory_bytes(accelerator.device)
+    peak, kind = ledger.peak_memory_bytes(accelerator.device)
     return RankMemory(
         rank=accelerator.process_index,
-        optimizer_state_bytes=memory.optimizer_state_ledger(optimizer).bytes,
-        parameter_bytes=memory.parameter_bytes(_local_parameters(model)),
+        optimizer_state_bytes=ledger.optimizer_state_ledger(optimizer).bytes,
+        parameter_bytes=ledger.parameter_bytes(_local_parameters(model)),
         peak_memory_bytes=peak,
         peak_memory_kind=kind,
         parameter_checksum=parameter_checksum(model),

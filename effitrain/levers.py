@@ -10,9 +10,11 @@ bf16-weights                 ``--weights-dtype bf16``         half of parameters
 lora                         ``--lora-rank R``                gradients and state of the base model
 ===========================  ===============================  ======================================
 
-``TrainConfig.validate`` refuses lever values and combinations that cannot work, one line each,
-before anything is built; :func:`check_launch` refuses what depends on how the run was launched; :func:`apply_to_model` turns the model-side levers on, between loading the model and
-building the optimizer.
+``TrainConfig.validate`` refuses lever values that cannot work on their own and
+:func:`check_options` the levers an optimizer cannot take, one line each, before anything is
+built; :func:`check_launch` refuses what depends on how the run was launched;
+:func:`apply_to_model` turns the model-side levers on, between loading the model and building
+the optimizer.
 """
 
 from __future__ import annotations
@@ -37,6 +39,37 @@ def active(config: TrainConfig) -> list[str]:
     if config.lora_rank is not None:
         names.append("lora")
     return names
+
+
+def check_options(config: TrainConfig) -> None:
+    """Refuse a lever with an optimizer that cannot take it.
+
+    Raises:
+        EffitrainError: one line naming both, and what to use instead.
+    """
+    from effitrain.optim import IN_BACKWARD_REFUSED, get_spec
+    from effitrain.optim.bf16 import refusal
+
+    if config.optimizer_in_backward:
+        why = IN_BACKWARD_REFUSED.get(config.optim)
+        if not get_spec(config.optim).per_parameter:
+            why = "it is built over the whole model, not one parameter at a time"
+        if why:
+            raise EffitrainError(
+                f"--optim {config.optim} cannot combine with --optimizer-in-backward: {why}; "
+                "use another --optim or leave the lever out"
+            )
+    problem = refusal(config)
+    if problem:
+        raise EffitrainError(problem)
+    if config.lora_rank is not None and config.optim == "adafactor":
+        # Its update is relative to each weight's RMS; LoRA's B matrices start at zero.
+        raise EffitrainError(
+            "--optim adafactor cannot train LoRA adapters: its step is relative to each "
+            "weight's size (RMS), and LoRA's B matrices start at zero, so they barely move; "
+            "use --optim adafactor-hf (the Trainer's Adafactor: the same factored state, a "
+            "plain lr) or adamw"
+        )
 
 
 def check_launch(config: TrainConfig, state: Any) -> None:
@@ -88,7 +121,7 @@ def apply_to_model(model: Any, config: TrainConfig) -> Any:
     Raises:
         EffitrainError: the model cannot take a lever (e.g. no gradient checkpointing).
     """
-    from effitrain.precision import cast_model
+    from effitrain.optim.bf16 import cast_model
 
     model = cast_model(model, config)  # before any adapter is added: adapters stay fp32
     if config.gradient_checkpointing:
@@ -97,7 +130,7 @@ def apply_to_model(model: Any, config: TrainConfig) -> Any:
         # Last: peft wraps the model as it is then (dtype included: adapters over bf16 base
         # weights are created in fp32, peft's autocast_adapter_dtype).
         from effitrain.lora import apply
-        from effitrain.precision import keep_trained_fp32
+        from effitrain.optim.bf16 import keep_trained_fp32
 
         model = apply(model, config)
         if config.weights_dtype == "bf16":
@@ -107,7 +140,7 @@ def apply_to_model(model: Any, config: TrainConfig) -> Any:
 
 def describe(config: TrainConfig, model: Any) -> list[str]:
     """One banner line per lever that is on (``model``: unwrapped)."""
-    from effitrain.precision import banner_line
+    from effitrain.optim.bf16 import banner_line
 
     weights = banner_line(config)  # None for fp32 weights
     lines = [weights] if weights else []

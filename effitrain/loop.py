@@ -26,12 +26,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import effitrain.checkpoint as checkpoint
 import effitrain.tracking as tracking
 from effitrain.errors import EffitrainError
-from effitrain.models import CAUSAL_LM
+from effitrain.memory.step import StepMemoryProbe
 from effitrain.optim import set_train_mode
 from effitrain.progress import Stopwatch, TrainingProgress
 from effitrain.results import StepLog
 from effitrain.signals import StopRequest, TrainingStopped
-from effitrain.step_memory import StepMemoryProbe
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -63,7 +62,7 @@ def train_step(
     optimizer, lr_scheduler = run.optimizer, run.lr_scheduler
     stop = False
     with accelerator.accumulate(model):
-        loss = model(**batch).loss
+        loss = run.task.loss(model, batch)  # the task's: model(**batch).loss by default
         accelerator.backward(loss)
         # Summed on the device: no sync.
         progress.add_micro_batch(loss, len(batch["labels"]), batch_tokens(batch))
@@ -187,7 +186,7 @@ def fit(
     reporter.progress_started(plan.total_steps, completed=progress.global_step)
     run.model.train()
     set_train_mode(run.optimizer, True)  # schedule-free: steps only in train mode
-    # One optimizer step is measured by kind (effitrain.step_memory), late (see _measure_now).
+    # One optimizer step is measured by kind (effitrain.memory.step), late (see _measure_now).
     probe = StepMemoryProbe(run.model, run.optimizer, run.accelerator.device)
     group_start = True  # the next micro-batch starts an optimizer step
     with probe:  # an error mid-step leaves no tracker behind
@@ -318,42 +317,12 @@ def _report_saved(reporter: Reporter, path: Any, progress: TrainingProgress) -> 
 
 
 def evaluate(run: Run) -> dict[str, Any]:
-    """Loss, accuracy and F1 over the whole validation set, each example counted once
-    (causal-lm: token loss and perplexity, and a sample, see :mod:`effitrain.lm_eval`).
-
-    ``gather_for_metrics`` drops the samples that the last batch repeats to even out processes.
-    F1 is binary for two labels and macro-averaged otherwise (scikit-learn).
-    """
-    import torch
-    import torch.nn.functional as F
-    from sklearn.metrics import accuracy_score, f1_score
-
-    if run.task == CAUSAL_LM:
-        from effitrain.lm_eval import evaluate_lm
-
-        return evaluate_lm(run)
-    model, accelerator = run.model, run.accelerator
-    model.eval()
-    set_train_mode(run.optimizer, False)  # schedule-free: evaluate its averaged weights
-    predictions, references, losses = [], [], []
-    for batch in run.eval_loader:
-        with torch.no_grad():
-            logits = model(**batch).logits
-        per_example_loss = F.cross_entropy(logits.float(), batch["labels"], reduction="none")
-        preds, refs, loss = accelerator.gather_for_metrics(
-            (logits.argmax(dim=-1), batch["labels"], per_example_loss)
-        )
-        predictions.append(preds.cpu())
-        references.append(refs.cpu())
-        losses.append(loss.cpu())
-    model.train()
-    set_train_mode(run.optimizer, True)
-    y_pred = torch.cat(predictions).numpy()
-    y_true = torch.cat(references).numpy()
-    average = "binary" if run.num_labels == 2 else "macro"
-    return {
-        "loss": float(torch.cat(losses).mean()),
-        "accuracy": float(accuracy_score(y_true, y_pred)),
-        "f1": float(f1_score(y_true, y_pred, average=average, zero_division=0)),
-        "examples": int(len(y_true)),
-    }
+    """The task's evaluation over the whole validation set, in eval mode (no dropout; a
+    schedule-free optimizer's averaged weights), then back to training."""
+    run.model.eval()
+    set_train_mode(run.optimizer, False)
+    try:
+        return run.task.evaluate(run)
+    finally:
+        run.model.train()
+        set_train_mode(run.optimizer, True)

@@ -201,7 +201,7 @@ def original_parameters(model: Any) -> list[Any]:
 
 def describe(model: Any, config: TrainConfig) -> str:
     """One banner line: rank, alpha, dropout, the adapted layers, the head, what trains."""
-    from effitrain.memory import trainable_parameter_count
+    from effitrain.memory.ledger import trainable_parameter_count
 
     peft_model = model
     base = peft_model.get_base_model()

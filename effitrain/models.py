@@ -1,8 +1,9 @@
 """Model and tokenizer: a built-in preset (offline, random init), a hub id, or a local folder.
 
-Presets and hub/local models end in the same place: a ``*ForSequenceClassification`` model with
-``num_labels``/``id2label`` taken from the dataset, and a tokenizer with a pad token.
-Heavy libraries are imported inside the functions: ``PRESETS`` is read by ``--help``.
+Presets and hub/local models go through the same functions: a ``*ForSequenceClassification``
+model with ``num_labels``/``id2label`` taken from the dataset, or a ``*ForCausalLM`` model, and a
+tokenizer with a pad token. Heavy libraries are imported inside the functions: ``PRESETS`` is
+read by ``--help``.
 """
 
 from __future__ import annotations
@@ -45,8 +46,6 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 
-
-SEQUENCE_CLASSIFICATION, CAUSAL_LM = "sequence-classification", "causal-lm"
 
 # name -> (description, transformers config class, settings). "tiny-llama"'s settings come from
 # the causal-LM demo (effitrain.demo.lm) and the vocabulary from its tokenizer.
@@ -91,7 +90,7 @@ def is_offline() -> bool:
     )
 
 
-def _cannot_load(what: str, name: str, exc: BaseException) -> EffitrainError:
+def cannot_load(what: str, name: str, exc: BaseException) -> EffitrainError:
     if Path(name).exists():
         reason = f"the folder exists but is not a saved {what} ({first_line(exc)})"
     elif name.startswith((".", "/", "~")):
@@ -132,7 +131,7 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError, KeyError) as exc:
-        raise _cannot_load("tokenizer", name, exc) from exc
+        raise cannot_load("tokenizer", name, exc) from exc
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise EffitrainError(
@@ -145,12 +144,9 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
 
 
 def load_model(
-    name: str,
-    num_labels: int,
-    label_names: list[str],
-    tokenizer: PreTrainedTokenizerBase,
+    name: str, label_names: list[str], tokenizer: PreTrainedTokenizerBase
 ) -> PreTrainedModel:
-    """Build a preset or load a pretrained model with a classification head for ``num_labels``.
+    """Build a preset or load a pretrained model with a classification head for these labels.
 
     A pretrained head with a different number of labels is replaced (``ignore_mismatched_sizes``);
     the head is then freshly initialised, as in the Trainer.
@@ -158,34 +154,29 @@ def load_model(
     Raises:
         EffitrainError: the model cannot be loaded.
     """
-    id2label = dict(enumerate(label_names))
-    label2id = {label: i for i, label in id2label.items()}
+    labels = _label_fields(label_names)
     if name in PRESETS:
         from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
         settings = preset_settings(name)
         settings["vocab_size"] = max(settings.get("vocab_size", 0), len(tokenizer))
         settings["pad_token_id"] = tokenizer.pad_token_id
-        config = DistilBertConfig(
-            **settings, num_labels=num_labels, id2label=id2label, label2id=label2id
-        )
+        config = DistilBertConfig(**settings, **labels)
         return DistilBertForSequenceClassification(config)
 
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
 
+    config = load_model_config(name, **labels)
+    if getattr(config, "pad_token_id", None) is None:
+        config.pad_token_id = tokenizer.pad_token_id
     try:
-        config = AutoConfig.from_pretrained(
-            name, num_labels=num_labels, id2label=id2label, label2id=label2id
-        )
-        if getattr(config, "pad_token_id", None) is None:
-            config.pad_token_id = tokenizer.pad_token_id
         # fp32, whatever the checkpoint's dtype (transformers 5 keeps it by default): the
         # weights' dtype is --weights-dtype's choice (effitrain.levers casts for bf16).
         model = AutoModelForSequenceClassification.from_pretrained(
             name, config=config, ignore_mismatched_sizes=True, dtype="float32"
         )
     except (OSError, ValueError, KeyError) as exc:
-        raise _cannot_load("model", name, exc) from exc
+        raise cannot_load("model", name, exc) from exc
     return model
 
 
@@ -196,23 +187,50 @@ def causal_preset_settings(name: str) -> dict[str, Any]:
     return {**tiny_llama_config(), **CAUSAL_PRESETS[name][2]}
 
 
-def model_task(name: str) -> str | None:
-    """The task a model is built for: a preset's, or from a hub/folder config's architectures
-    (``*ForCausalLM``/``*LMHeadModel``: causal-lm); None when it cannot be told."""
-    if name in PRESETS:
-        return SEQUENCE_CLASSIFICATION
-    if name in CAUSAL_PRESETS:
-        return CAUSAL_LM
+def load_model_config(name: str, **kwargs: Any) -> Any:
+    """A hub id's or folder's transformers config (``kwargs`` override its fields).
+
+    Raises:
+        EffitrainError: it cannot be read (the message says why, offline included).
+    """
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(name)
+        return AutoConfig.from_pretrained(name, **kwargs)
     except (OSError, ValueError, KeyError) as exc:
-        raise _cannot_load("model", name, exc) from exc
-    architectures = getattr(config, "architectures", None) or []
-    if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
-        return CAUSAL_LM
-    return SEQUENCE_CLASSIFICATION if architectures else None
+        raise cannot_load("model", name, exc) from exc
+
+
+def model_from_config(
+    name: str, tokenizer: PreTrainedTokenizerBase, causal_lm: bool, label_names: list[str] = ()
+) -> PreTrainedModel:
+    """The model a run would train, built from its config only: no weights are read (a hub id
+    needs its config.json alone). Call it under ``torch.device("meta")`` to allocate nothing."""
+    if name in PRESETS:
+        return load_model(name, list(label_names), tokenizer)
+    if name in CAUSAL_PRESETS:
+        return load_causal_lm(name, tokenizer)
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    labels = {} if causal_lm else _label_fields(list(label_names))
+    model_config = load_model_config(name, **labels)
+    if getattr(model_config, "pad_token_id", None) is None:
+        model_config.pad_token_id = tokenizer.pad_token_id
+    # from_pretrained keeps the checkpoint's dtype; from_config, fp32 unless told.
+    dtype = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
+    kwargs = {"dtype": dtype} if dtype is not None and not isinstance(dtype, str) else {}
+    auto = AutoModelForCausalLM if causal_lm else AutoModelForSequenceClassification
+    return auto.from_config(model_config, **kwargs)
+
+
+def _label_fields(label_names: list[str]) -> dict[str, Any]:
+    """A classification config's label fields for these label names."""
+    id2label = dict(enumerate(label_names))
+    return {
+        "num_labels": len(label_names),
+        "id2label": id2label,
+        "label2id": {label: i for i, label in id2label.items()},
+    }
 
 
 def load_causal_lm(name: str, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
@@ -239,9 +257,9 @@ def load_causal_lm(name: str, tokenizer: PreTrainedTokenizerBase) -> PreTrainedM
                 f"'{name}' has no causal-LM head (its architecture is not a decoder language "
                 "model); use --task sequence-classification, or a causal LM"
             ) from exc
-        raise _cannot_load("model", name, exc) from exc
+        raise cannot_load("model", name, exc) from exc
     except (OSError, KeyError) as exc:
-        raise _cannot_load("model", name, exc) from exc
+        raise cannot_load("model", name, exc) from exc
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return _for_training(model, tokenizer)

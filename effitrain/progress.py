@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-import effitrain.memory as memory
+from effitrain.memory import ledger
 
 if TYPE_CHECKING:
     import torch
@@ -107,7 +107,7 @@ class TrainingProgress:
     def measure_gradients(self, model: Any) -> None:
         """Record the gradients' bytes at the first optimizer step (later steps cost nothing)."""
         if self.gradient_bytes == 0:
-            self.gradient_bytes = memory.gradient_bytes(model)
+            self.gradient_bytes = ledger.gradient_bytes(model)
 
     def step_done(self) -> None:
         self.global_step += 1

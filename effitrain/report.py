@@ -13,13 +13,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from effitrain.errors import EffitrainError
-from effitrain.memory import format_bytes
+from effitrain.memory.ledger import format_bytes
+from effitrain.tasks import get_task
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from effitrain.inspection import StateReport
-    from effitrain.memory import OptimizerStateLedger
+    from effitrain.memory.inspection import StateReport
+    from effitrain.memory.ledger import OptimizerStateLedger
     from effitrain.results import RunInfo, StepLog, TrainResult
 
 
@@ -55,8 +56,8 @@ class Reporter:
         self.console = console or Console(highlight=False)
         self._progress: Any = None
         self._task: Any = None
-        self._causal_lm = False
-        """causal-lm: speed in tokens/s, evaluation as perplexity (set by run_started)."""
+        self._speed_unit = "samples"
+        """What throughput counts: the task's (set by run_started)."""
 
     def _line(self, text: str) -> None:
         # soft_wrap: never insert hard line breaks (log files and narrow terminals stay greppable).
@@ -72,26 +73,16 @@ class Reporter:
             self._line(f"[yellow]note:[/] {message}")
 
     def run_started(self, info: RunInfo) -> None:
-        self._causal_lm = info.task == "causal-lm"
+        self._speed_unit = get_task(info.task).speed_unit
         if not self._chatty:
             return
         self._line(
             f"[bold]effitrain[/] · model [cyan]{info.model}[/] ({info.model_class}, "
             f"{_count(info.parameters)} params)"
         )
-        columns = " + ".join(info.text_columns)
-        if self._causal_lm:
-            what = (
-                f"{info.data_format} data in column{'s' if len(info.text_columns) > 1 else ''} {columns}, "
-                + ("packed" if info.packing else "padded")
-                + f" into {info.train_sequences:,} training sequences"
-                + (", loss on completions only" if info.completion_only else "")
-            )
-        else:
-            what = f"text {columns}, label {info.label_column} ({info.num_labels} classes)"
         self._line(
             f"  data      {info.dataset}: {info.train_examples:,} train / "
-            f"{info.validation_examples:,} validation ({info.validation_source}); {what}"
+            f"{info.validation_examples:,} validation ({info.validation_source}); {info.data_line}"
         )
         lr_note = f" ({info.lr_note})" if info.lr_note else ""
         self._line(
@@ -149,7 +140,7 @@ class Reporter:
     def logged(self, log: StepLog) -> None:
         if not self._chatty:
             return
-        speed = _speed(log, self._causal_lm)
+        speed = _speed(log, self._speed_unit)
         stats = f"loss {log.loss:.4f} · lr {log.lr:.2e} · {speed}"
         if self._progress is not None:
             self._progress.update(self._task, completed=log.step, stats=stats)
@@ -181,7 +172,7 @@ class Reporter:
         self.progress_finished()
         c = self.console
         ev = result.eval
-        speed = _speed(result, result.task == "causal-lm")
+        speed = _speed(result, get_task(result.task).speed_unit)
         self._line(
             f"[bold green]done[/] · {result.global_steps} steps in {result.train_seconds:.1f} s "
             f"({result.seconds_per_step * 1000:.1f} ms/step, {speed}) · "
@@ -486,9 +477,9 @@ def print_state_report(report: StateReport, top: int, console: Console | None = 
         )
 
 
-def _speed(record: StepLog | TrainResult, tokens: bool) -> str:
+def _speed(record: StepLog | TrainResult, unit: str) -> str:
     """Throughput: tokens/s (causal-lm, padding left out) or samples/s."""
-    if tokens:
+    if unit == "tokens":
         return f"{record.tokens_per_second:,.0f} tokens/s"
     return f"{record.samples_per_second:,.0f} samples/s"
 

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from effitrain.memory import OptimizerStateLedger
+    from effitrain.memory.ledger import OptimizerStateLedger
 
 
 @dataclass
@@ -23,9 +23,8 @@ class RunInfo:
     train_examples: int
     validation_examples: int
     validation_source: str
-    text_columns: tuple[str, ...]
-    label_column: str
-    num_labels: int
+    data_line: str
+    """What the data became, in the task's words (columns and labels, or format and packing)."""
     optimizer: str
     optimizer_class: str
     lr: float
@@ -44,15 +43,9 @@ class RunInfo:
     levers: list[str] = field(default_factory=list)
     """One banner line per memory lever that is on (``effitrain.levers.describe``)."""
     task: str = "sequence-classification"
-    data_format: str = ""
-    """causal-lm: text, prompt-completion, instruction or messages."""
-    packing: bool = False
-    completion_only: bool = False
-    train_sequences: int = 0
-    """causal-lm: training sequences after tokenizing (packed blocks or padded examples)."""
     optimizer_split: str = ""
     """How the optimizer splits the parameters (Muon, GaLore, APOLLO: hidden matrices vs the
-    rest, ``effitrain.optim_split``); empty for one update rule everywhere."""
+    rest, ``effitrain.optim.split``); empty for one update rule everywhere."""
 
 
 @dataclass
@@ -116,7 +109,7 @@ class TrainResult:
     peak_tensor_bytes: int | None = None
     """Most live tensor bytes at once in the measured step (None: not measured, see step_memory)."""
     step_memory: dict[str, Any] = field(default_factory=dict)
-    """The measured step's tensor memory by kind (``effitrain.step_memory.StepMemory``)."""
+    """The measured step's tensor memory by kind (``effitrain.memory.step.StepMemory``)."""
     levers: list[str] = field(default_factory=list)
     """The memory levers that were on (``effitrain.levers.active``)."""
     loss_history: list[dict[str, float]] = field(default_factory=list)

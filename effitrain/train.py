@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 import effitrain.checkpoint as checkpoint
 import effitrain.distributed as distributed
 import effitrain.levers as levers
-import effitrain.memory as memory
 import effitrain.optim as optim
 import effitrain.tracking as tracking
-from effitrain.build import Run, build_run, check_outputs
+from effitrain.build import Run, build_run, check_config, check_outputs
 from effitrain.config import TrainConfig
 from effitrain.loop import evaluate, fit
+from effitrain.memory import ledger
 from effitrain.progress import Stopwatch, TrainingProgress
 from effitrain.results import TrainResult
 from effitrain.signals import stop_on_signals
@@ -39,6 +39,7 @@ def train(config: TrainConfig, reporter: Reporter) -> TrainResult:
         EffitrainError: a user-fixable problem (bad data, model, optimizer, options).
         TrainingStopped: SIGINT/SIGTERM stopped it after a complete (and saved) step.
     """
+    check_config(config)
     check_outputs(config)
     tracking.check(config)
     run = build_run(config, reporter)
@@ -152,7 +153,7 @@ def summarize(
 ) -> TrainResult:
     """What the run cost, measured from the real storage (a collective: all ranks call it)."""
     model, optimizer, accelerator = run.model, run.optimizer, run.accelerator
-    peak_bytes, peak_kind = memory.peak_memory_bytes(accelerator.device)
+    peak_bytes, peak_kind = ledger.peak_memory_bytes(accelerator.device)
     ranks = distributed.gather_rank_memory(accelerator, model, optimizer)
     final_eval: dict[str, Any] = progress.eval_history[-1]
     step = progress.step_memory
@@ -160,22 +161,22 @@ def summarize(
     return TrainResult(
         optimizer=run.spec.name,
         optimizer_class=run.spec.class_path,
-        lr=run.config.effective_lr,
+        lr=run.hyper.lr,
         global_steps=progress.global_step,
         epochs=len(progress.eval_history),
         train_loss=progress.train_loss,
         eval={k: v for k, v in final_eval.items() if k not in ("epoch", "step", "sample")},
-        task=run.task,
+        task=run.task.name,
         eval_history=progress.eval_history,
         loss_history=progress.loss_history,
-        optimizer_state=memory.optimizer_state_ledger(optimizer),
-        parameter_bytes=memory.parameter_bytes(model),
-        trainable_parameters=memory.trainable_parameter_count(model),
+        optimizer_state=ledger.optimizer_state_ledger(optimizer),
+        parameter_bytes=ledger.parameter_bytes(model),
+        trainable_parameters=ledger.trainable_parameter_count(model),
         # With the step measured by kind: the gradients' own peak (optimizer in backward frees
         # them one by one); else what existed after the first backward.
         gradient_bytes=step.get("kind_peaks", {}).get("gradients", progress.gradient_bytes),
-        adamw_equivalent_bytes=memory.adamw_equivalent_bytes(model),
-        adamw_equivalent_elements=memory.adamw_equivalent_elements(model),
+        adamw_equivalent_bytes=ledger.adamw_equivalent_bytes(model),
+        adamw_equivalent_elements=ledger.adamw_equivalent_elements(model),
         peak_memory_bytes=peak_bytes,
         peak_memory_kind=peak_kind,
         seconds_per_step=timer.median_step_seconds,
@@ -191,12 +192,12 @@ def summarize(
         sharding=run.sharding.to_dict(),
         ranks=ranks,
         ranks_total=distributed.rank_totals(ranks),
-        trainable_parameter_bytes=memory.trainable_parameter_bytes(model),
+        trainable_parameter_bytes=ledger.trainable_parameter_bytes(model),
         activation_bytes=step.get("kind_peaks", {}).get("activations"),
         peak_tensor_bytes=step.get("peak_tensor_bytes"),
         step_memory=step,
         levers=levers.active(run.config),
-        baseline=memory.fp32_adamw_baseline(
+        baseline=ledger.fp32_adamw_baseline(
             levers.original_parameters(accelerator.unwrap_model(model))
         ),
     )

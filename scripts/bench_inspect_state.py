@@ -32,7 +32,7 @@ def build_checkpoint(folder: Path) -> Path:
 
     from effitrain.models import load_model, load_tokenizer
 
-    model = load_model("distilbert-base", 2, ["a", "b"], load_tokenizer("distilbert-base"))
+    model = load_model("distilbert-base", ["a", "b"], load_tokenizer("distilbert-base"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = {
         "input_ids": torch.randint(0, 1000, (2, 16)),
@@ -93,7 +93,7 @@ def main() -> None:
         size = path.stat().st_size
         command = [sys.executable, "-m", "effitrain", "inspect-state", str(path), "--json"]
         baseline = _measure(
-            [sys.executable, "-c", "import torch, effitrain.inspection, effitrain.cli, rich"]
+            [sys.executable, "-c", "import torch, effitrain.memory.inspection, effitrain.cli, rich"]
         )
         runs = [_measure(command) for _ in range(args.runs)]
         report = json.loads(runs[0]["stdout"])

@@ -34,7 +34,7 @@ def accelerate_answer(model_name: str) -> int:
     from effitrain.models import load_model, load_tokenizer
 
     with init_empty_weights():
-        model = load_model(model_name, 2, ["0", "1"], load_tokenizer(model_name))
+        model = load_model(model_name, ["0", "1"], load_tokenizer(model_name))
     total, _largest = calculate_maximum_sizes(model)
     return int(max(estimate_training_usage(total, "float32").values()))
 
@@ -49,8 +49,8 @@ def main() -> None:
 
     from levers import write_data
 
-    from effitrain.config import build_config
-    from effitrain.estimate import estimate
+    from effitrain.build import checked_config
+    from effitrain.memory.estimate import estimate
 
     def mib(n: int) -> str:
         return f"{n / 2**20:,.1f} MiB"
@@ -75,7 +75,7 @@ def main() -> None:
                     "max_length": length,
                     "optim": optim,
                 }
-                estimated = estimate(build_config(None, options))["peak_tensor_bytes"]
+                estimated = estimate(checked_config(None, options))["peak_tensor_bytes"]
                 out = tmp / "metrics.json"
                 command = [
                     sys.executable,

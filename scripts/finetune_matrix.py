@@ -110,7 +110,7 @@ HEADER = (
 
 
 def row_line(result: dict) -> str:
-    from effitrain.memory import format_bytes
+    from effitrain.memory.ledger import format_bytes
 
     head = f"| {result['model']} | {result['task']} | {result['optimizer']} |"
     if "error" in result:
@@ -124,7 +124,7 @@ def row_line(result: dict) -> str:
 
 def summary(rows: list[dict]) -> str:
     """One line per model and optimizer: accuracy (F1) on each task, the optimizer state."""
-    from effitrain.memory import format_bytes
+    from effitrain.memory.ledger import format_bytes
 
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     lines = [

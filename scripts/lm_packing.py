@@ -75,7 +75,7 @@ def throughput(max_length: int, batch_size: int) -> None:
     import json
 
     from effitrain.config import TrainConfig
-    from effitrain.lm_data import IGNORE_INDEX, build_lm_dataloaders, load_lm_data
+    from effitrain.tasks.lm_data import IGNORE_INDEX, build_lm_dataloaders, load_lm_data
 
     texts, what = documents()
     tokenizer = tokenizer_for(texts)

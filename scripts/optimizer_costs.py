@@ -63,7 +63,7 @@ def load_finetune(paths: list[Path]) -> dict[tuple[str, str], float]:
 
 
 def table(rows: list[dict], finetune: dict[tuple[str, str], float]) -> str:
-    from effitrain.memory import format_bytes
+    from effitrain.memory.ledger import format_bytes
 
     base = next((r for r in rows if r["optimizer"] == "adamw"), rows[0])
     head = (

@@ -20,7 +20,7 @@ logging.getLogger("torchao").setLevel(logging.ERROR)
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
 import torchao.optim as ao  # noqa: E402
 
-from effitrain.memory import optimizer_state_ledger  # noqa: E402
+from effitrain.memory.ledger import optimizer_state_ledger  # noqa: E402
 
 
 def make_model():

@@ -132,7 +132,7 @@ def block_spread(model_dir: str, data: list, num_labels: int) -> None:
     from transformers import AutoModelForSequenceClassification
 
     from effitrain.optim import build_optimizer
-    from effitrain.optim_mini import PER_HEAD, PER_ROW, block_kind
+    from effitrain.optim.adam_mini import PER_HEAD, PER_ROW, block_kind
 
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=num_labels)

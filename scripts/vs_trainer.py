@@ -240,7 +240,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "scripts"))
     from finetune_matrix import model_folder
 
-    from effitrain.memory import format_bytes
+    from effitrain.memory.ledger import format_bytes
 
     model = model_folder(args.model).resolve()
     if not (model / "config.json").is_file():
@@ -381,7 +381,7 @@ def main() -> None:
 def check_notes(pairs: list[dict], results: dict, label) -> list[str]:
     """What to check beside the table: same steps, warmup, training and threads on both sides;
     where the decay groups or the optimizer state differ; whether the self-reported peaks agree."""
-    from effitrain.memory import format_bytes
+    from effitrain.memory.ledger import format_bytes
 
     notes = []
     for pair in pairs:
@@ -519,7 +519,8 @@ def trainer_child(argv: list[str]) -> None:
     )
 
     sys.path.insert(0, str(ROOT))
-    from effitrain.data import LABEL_COLUMN_CANDIDATES, TEXT_COLUMN_CANDIDATES
+    from effitrain.tasks.classification import TEXT_COLUMN_CANDIDATES
+    from effitrain.tasks.sources import LABEL_COLUMN_CANDIDATES
 
     datasets.disable_progress_bars()
     # As effitrain.build.build_run: the seed first, then data, tokenizer, model (the new head's
@@ -531,7 +532,7 @@ def trainer_child(argv: list[str]) -> None:
     columns = raw["train"].column_names
     text_columns = next(c for c in TEXT_COLUMN_CANDIDATES if all(x in columns for x in c))
     label_column = next(c for c in LABEL_COLUMN_CANDIDATES if c in columns)
-    # Labels as effitrain.data._resolve_labels: class names sorted -> ids 0..K-1, or integer ids.
+    # Labels as effitrain.tasks.classification._resolve_labels: class names sorted -> ids 0..K-1, or integer ids.
     values = [v for v in raw["train"].unique(label_column) if v is not None]
     if all(isinstance(v, str) for v in values):
         names = sorted(values)

@@ -40,7 +40,7 @@ def save_tiny_model(folder: Path, dropout: float, labels: tuple[str, ...] = ("0"
     from effitrain.models import load_model, load_tokenizer
 
     tokenizer = load_tokenizer("tiny")
-    model = load_model("tiny", len(labels), list(labels), tokenizer)
+    model = load_model("tiny", list(labels), tokenizer)
     for name in ("dropout", "attention_dropout", "seq_classif_dropout"):
         setattr(model.config, name, dropout)
     model.save_pretrained(folder)

@@ -93,7 +93,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
     folder = tmp_path_factory.mktemp("tiny-model")
     tokenizer = load_tokenizer("tiny")
-    model = load_model("tiny", 2, ["no", "yes"], tokenizer)
+    model = load_model("tiny", ["no", "yes"], tokenizer)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

@@ -82,7 +82,7 @@ def adam_mini_facts(mesh) -> dict:
 
     def make():
         torch.manual_seed(0)
-        return load_model("tiny", 2, ["a", "b"], tokenizer)
+        return load_model("tiny", ["a", "b"], tokenizer)
 
     torch.manual_seed(1)
     ids, labels = torch.randint(5, len(tokenizer), (4, 16)), torch.tensor([0, 1, 1, 0])

@@ -32,7 +32,7 @@ def tiny_distilbert():
 
     torch.manual_seed(0)
     tokenizer = load_tokenizer("tiny")
-    return load_model("tiny", 3, ["a", "b", "c"], tokenizer), len(tokenizer)
+    return load_model("tiny", ["a", "b", "c"], tokenizer), len(tokenizer)
 
 
 def stepped(model, vocab: int, steps: int = 2, weight_decay: float = 0.01):
@@ -50,7 +50,7 @@ def stepped(model, vocab: int, steps: int = 2, weight_decay: float = 0.01):
 
 
 def test_state_is_counted_to_the_byte_from_the_block_layout():
-    from effitrain.memory import optimizer_state_ledger
+    from effitrain.memory.ledger import optimizer_state_ledger
 
     model, vocab = tiny_distilbert()
     heads, dim = model.config.n_heads, model.config.dim
@@ -92,7 +92,7 @@ def test_every_matrix_gets_a_head_or_row_block(family):
     fallback (MPNet's attention.attn.q/k/v/o once fell through to one value per matrix)."""
     import transformers
 
-    from effitrain.optim_mini import ELEMENTWISE, PER_HEAD, PER_ROW, block_kind
+    from effitrain.optim.adam_mini import ELEMENTWISE, PER_HEAD, PER_ROW, block_kind
 
     if family == "distilbert":
         model, vocab = tiny_distilbert()
@@ -137,7 +137,7 @@ def test_dims_come_from_the_config_or_a_one_line_refusal():
     import torch
     from transformers import BertConfig
 
-    from effitrain.optim_mini import model_dims
+    from effitrain.optim.adam_mini import model_dims
 
     model, _ = tiny_distilbert()
     assert model_dims(model) == (model.config.dim, model.config.n_heads, model.config.n_heads)
@@ -187,10 +187,10 @@ def test_missing_package_is_one_install_line(monkeypatch):
 
 
 def test_optimizer_in_backward_is_refused():
-    from effitrain.config import build_config
+    from effitrain.build import checked_config
 
     with pytest.raises(EffitrainError, match="adam-mini cannot combine with --optimizer-in-back"):
-        build_config(overrides={"optim": "adam-mini", "optimizer_in_backward": True})
+        checked_config(overrides={"optim": "adam-mini", "optimizer_in_backward": True})
 
 
 def test_demo_learns_and_inspect_state_names_it(train_cli, tmp_path):

@@ -376,7 +376,7 @@ def run_trainer(tmp_path, optim: str, memory_callback, ahead_of_integrations: bo
             self.logs.append(dict(logs))
 
     tokenizer = load_tokenizer("tiny")
-    model = load_model("tiny", 2, ["no", "yes"], tokenizer)
+    model = load_model("tiny", ["no", "yes"], tokenizer)
     rows = build_demo_dataset(num_train=64, num_validation=16)["train"].select(range(32))
     rows = rows.map(
         lambda batch: tokenizer(batch["sentence1"], batch["sentence2"], truncation=True),

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from effitrain.build import check_config
 from effitrain.config import TrainConfig
 from effitrain.errors import EffitrainError
 from tests.checkpoint_helpers import load_tensors, train_args, write_data
@@ -47,11 +48,13 @@ def test_refused_before_anything_is_built(train_cli, tmp_path, options, fragment
 def test_lora_trains_fp32_adapters_so_any_optimizer_is_allowed():
     # The rule is about the trained parameters' dtype: LoRA adapters stay fp32.
     for optim in ("adafactor-hf", "adamw-8bit", "lion"):
-        TrainConfig(weights_dtype="bf16", optim=optim, lora_rank=8).validate()
+        check_config(TrainConfig(weights_dtype="bf16", optim=optim, lora_rank=8).validate())
         with pytest.raises(EffitrainError, match="needs an optimizer"):
-            TrainConfig(weights_dtype="bf16", optim=optim).validate()
+            check_config(TrainConfig(weights_dtype="bf16", optim=optim).validate())
     with pytest.raises(EffitrainError, match="fp16"):
-        TrainConfig(weights_dtype="bf16", lora_rank=8, mixed_precision="fp16").validate()
+        check_config(
+            TrainConfig(weights_dtype="bf16", lora_rank=8, mixed_precision="fp16").validate()
+        )
 
 
 def test_missing_optimi_is_one_install_line(train_cli, monkeypatch):
@@ -72,7 +75,7 @@ def test_variant_keeps_steps_that_bf16_rounding_would_lose(optim):
     import torch
 
     from effitrain.optim import build_optimizer
-    from effitrain.precision import optimizer_spec
+    from effitrain.optim.bf16 import optimizer_spec
 
     def train(spec):
         model = torch.nn.Linear(1, 1, bias=False).to(torch.bfloat16)

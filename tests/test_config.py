@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from effitrain.config import TrainConfig, build_config, option
+from effitrain.build import checked_config
+from effitrain.config import TrainConfig, option
 from effitrain.errors import EffitrainError
-from effitrain.optim import get_spec
+from effitrain.optim import get_spec, resolve_hyperparameters
 
 
 def write(tmp_path, text: str):
@@ -16,14 +17,14 @@ def write(tmp_path, text: str):
 
 
 def test_defaults_are_valid():
-    config = build_config()
+    config = checked_config()
     assert config == TrainConfig()
     assert config.model == "tiny" and config.dataset == "demo" and config.optim == "adamw"
 
 
 def test_yaml_overrides_defaults_and_cli_overrides_yaml(tmp_path):
     path = write(tmp_path, "optim: adafactor\nbatch_size: 8\nlr: 3e-4\nepochs: 2\n")
-    config = build_config(path, {"batch_size": 16, "epochs": None})
+    config = checked_config(path, {"batch_size": 16, "epochs": None})
     assert config.optim == "adafactor"  # from YAML
     assert config.batch_size == 16  # CLI wins
     assert config.epochs == 2  # None means "not given on the command line"
@@ -32,19 +33,19 @@ def test_yaml_overrides_defaults_and_cli_overrides_yaml(tmp_path):
 
 def test_yaml_accepts_dashed_keys_and_lists(tmp_path):
     path = write(tmp_path, "text-columns: [question, sentence]\nlabel-column: y\n")
-    config = build_config(path)
+    config = checked_config(path)
     assert config.text_columns == ["question", "sentence"]
     assert config.label_column == "y"
 
 
 def test_comma_separated_text_columns_from_cli():
-    assert build_config(None, {"text_columns": "a, b"}).text_columns == ["a", "b"]
+    assert checked_config(None, {"text_columns": "a, b"}).text_columns == ["a", "b"]
 
 
 def test_unknown_yaml_key_names_it(tmp_path):
     path = write(tmp_path, "optim: adamw\nbatchsize: 8\n")
     with pytest.raises(EffitrainError, match="unknown key 'batchsize'") as info:
-        build_config(path)
+        checked_config(path)
     assert str(path) in str(info.value)
 
 
@@ -61,23 +62,23 @@ def test_unknown_yaml_key_names_it(tmp_path):
 )
 def test_wrong_type_names_key(tmp_path, text, key):
     with pytest.raises(EffitrainError, match=f"'{key}' must be"):
-        build_config(write(tmp_path, text))
+        checked_config(write(tmp_path, text))
 
 
 def test_yaml_must_be_a_mapping(tmp_path):
     with pytest.raises(EffitrainError, match="mapping"):
-        build_config(write(tmp_path, "- a\n- b\n"))
+        checked_config(write(tmp_path, "- a\n- b\n"))
 
 
 def test_invalid_yaml_and_missing_file(tmp_path):
     with pytest.raises(EffitrainError, match="not valid YAML"):
-        build_config(write(tmp_path, "a: [unclosed\n"))
+        checked_config(write(tmp_path, "a: [unclosed\n"))
     with pytest.raises(EffitrainError, match="config file not found"):
-        build_config(tmp_path / "nope.yaml")
+        checked_config(tmp_path / "nope.yaml")
 
 
 def test_empty_yaml_is_defaults(tmp_path):
-    assert build_config(write(tmp_path, "")) == TrainConfig()
+    assert checked_config(write(tmp_path, "")) == TrainConfig()
 
 
 @pytest.mark.parametrize(
@@ -95,45 +96,53 @@ def test_empty_yaml_is_defaults(tmp_path):
 )
 def test_non_positive_values_are_refused(field, value):
     with pytest.raises(EffitrainError, match=f"{option(field)} must be greater than 0"):
-        build_config(None, {field: value})
+        checked_config(None, {field: value})
 
 
 def test_other_validation():
     with pytest.raises(EffitrainError, match="--weight-decay must be 0 or more"):
-        build_config(None, {"weight_decay": -0.1})
+        checked_config(None, {"weight_decay": -0.1})
     with pytest.raises(EffitrainError, match="unknown --scheduler 'step'"):
-        build_config(None, {"scheduler": "step"})
+        checked_config(None, {"scheduler": "step"})
     with pytest.raises(EffitrainError, match="unknown --mixed-precision 'fp8'"):
-        build_config(None, {"mixed_precision": "fp8"})
+        checked_config(None, {"mixed_precision": "fp8"})
     with pytest.raises(EffitrainError, match="one or two column names"):
-        build_config(None, {"text_columns": "a,b,c"})
+        checked_config(None, {"text_columns": "a,b,c"})
 
 
 def test_unknown_optimizer_lists_valid_ones():
     with pytest.raises(EffitrainError, match="unknown optimizer 'adam'") as info:
-        build_config(None, {"optim": "adam"})
+        checked_config(None, {"optim": "adam"})
     for name in ("adamw", "adafactor", "adafactor-hf", "adamw-8bit", "sgd"):
         assert name in str(info.value)
 
 
-def test_effective_lr_is_the_explicit_one_else_the_optimizers_default():
-    assert TrainConfig(optim="adafactor").effective_lr == get_spec("adafactor").scratch.lr
-    assert TrainConfig(optim="adafactor", lr=0.5).effective_lr == 0.5
+def test_lr_is_the_explicit_one_else_the_optimizers_default():
+    assert (
+        resolve_hyperparameters(TrainConfig(optim="adafactor")).lr
+        == get_spec("adafactor").scratch.lr
+    )
+    assert resolve_hyperparameters(TrainConfig(optim="adafactor", lr=0.5)).lr == 0.5
 
 
-@pytest.mark.parametrize(("model", "regime"), [("tiny", "scratch"), ("./my-model", "fine_tune")])
-def test_defaults_depend_on_optimizer_and_regime(model, regime):
+@pytest.mark.parametrize(
+    ("model", "regime", "words"),
+    [("tiny", "scratch", "training from scratch"), ("./my-model", "fine_tune", "fine-tuning")],
+)
+def test_defaults_depend_on_optimizer_and_regime(model, regime, words):
     """A preset trains from random init; a hub id or folder holds pretrained weights."""
     for name in ("adamw", "adafactor", "adafactor-hf", "adamw-8bit", "sgd"):
-        config = TrainConfig(model=model, optim=name)
+        hyper = resolve_hyperparameters(TrainConfig(model=model, optim=name))
         expected = getattr(get_spec(name), regime)
-        assert config.effective_lr == expected.lr
-        assert config.effective_warmup_ratio == expected.warmup_ratio
-        assert config.effective_scheduler == expected.scheduler
-        assert config.default_note("lr") == f"{name} default for {config.regime}"
-    explicit = TrainConfig(model=model, lr=0.5, scheduler="cosine", warmup_ratio=0.2)
-    assert (explicit.effective_lr, explicit.effective_scheduler) == (0.5, "cosine")
-    assert explicit.effective_warmup_ratio == 0.2 and explicit.default_note("lr") == ""
+        assert hyper.lr == expected.lr
+        assert hyper.warmup_ratio == expected.warmup_ratio
+        assert hyper.scheduler == expected.scheduler
+        assert hyper.lr_note == hyper.schedule_note == f"{name} default for {words}"
+    explicit = resolve_hyperparameters(
+        TrainConfig(model=model, lr=0.5, scheduler="cosine", warmup_ratio=0.2)
+    )
+    assert (explicit.lr, explicit.scheduler) == (0.5, "cosine")
+    assert explicit.warmup_ratio == 0.2 and explicit.lr_note == explicit.schedule_note == ""
 
 
 @pytest.mark.parametrize(
@@ -147,7 +156,7 @@ def test_defaults_depend_on_optimizer_and_regime(model, regime):
     ],
 )
 def test_checkpoint_predicates(overrides, periodic, saves):
-    config = build_config(None, overrides)
+    config = checked_config(None, overrides)
     assert config.wants_periodic_checkpoints is periodic
     assert config.saves_checkpoints is saves
 
@@ -155,7 +164,7 @@ def test_checkpoint_predicates(overrides, periodic, saves):
 @pytest.mark.parametrize("overrides", [{"save_every": 5}, {"save_strategy": "epoch"}])
 def test_periodic_checkpoints_need_an_output_dir(overrides):
     with pytest.raises(EffitrainError, match="checkpoints need a folder: add --output-dir DIR"):
-        build_config(None, overrides)
+        checked_config(None, overrides)
     assert TrainConfig(**overrides).wants_periodic_checkpoints
     assert not TrainConfig(**overrides).saves_checkpoints
 
@@ -166,4 +175,4 @@ def test_shipped_yaml_configs_load():
     configs = sorted((Path(__file__).parent.parent / "configs" / "train").glob("*.yaml"))
     assert configs, "configs/train/ should ship at least one example"
     for path in configs:
-        build_config(path)
+        checked_config(path)

@@ -68,14 +68,14 @@ def _overrides(args: list[str]) -> dict:
 
 
 def compare(train_cli, tmp_path: Path, args: list[str]) -> tuple[dict, dict]:
-    from effitrain.config import build_config
-    from effitrain.estimate import estimate
+    from effitrain.build import checked_config
+    from effitrain.memory.estimate import estimate
 
     metrics = tmp_path / "metrics.json"
     proc = train_cli("train", "--quiet", "--max-steps", "2", *args, "--metrics-json", str(metrics))
     assert proc.returncode == 0, proc.stderr
     measured = json.loads(metrics.read_text())
-    estimated = estimate(build_config(None, _overrides(args)))
+    estimated = estimate(checked_config(None, _overrides(args)))
     for key in EXACT:
         assert estimated[key] == measured[key], (key, estimated[key], measured[key])
     assert estimated["optimizer_state"] == measured["optimizer_state"]
@@ -160,12 +160,12 @@ def test_estimate_of_a_pretrained_folder_reads_no_weights(
     for item in tiny_model_dir.iterdir():
         if item.suffix != ".safetensors":  # the estimate needs the config and tokenizer only
             (tmp_path / "copy" / item.name).write_bytes(item.read_bytes())
-    from effitrain.config import build_config
-    from effitrain.estimate import estimate
+    from effitrain.build import checked_config
+    from effitrain.memory.estimate import estimate
 
     args = [*long_data, "--batch-size", "8", "--max-length", "32"]
     without_weights = estimate(
-        build_config(None, _overrides([*args, "--model", str(tmp_path / "copy")]))
+        checked_config(None, _overrides([*args, "--model", str(tmp_path / "copy")]))
     )
     estimated, _ = compare(train_cli, tmp_path, [*args, "--model", str(tiny_model_dir)])
     assert without_weights["peak_tensor_bytes"] == estimated["peak_tensor_bytes"]
@@ -219,7 +219,7 @@ def test_cli_errors_are_one_line(cli, tmp_path):
 
 
 def test_per_device_splits_what_each_strategy_shards():
-    from effitrain.estimate import per_device
+    from effitrain.memory.estimate import per_device
 
     result = {
         "parameter_bytes": 400,
@@ -270,15 +270,15 @@ def test_torchao_state_from_its_own_allocation(train_cli, tmp_path, long_data, o
     """torchao's compiled update cannot run on fake tensors: the estimate runs its step without
     it (its own state allocation). The state still equals a real run's to the byte (a real run
     does not measure torchao's step by kind, so there is no peak to compare)."""
-    from effitrain.config import build_config
-    from effitrain.estimate import estimate
+    from effitrain.build import checked_config
+    from effitrain.memory.estimate import estimate
 
     args = [*long_data, "--batch-size", "4", "--max-length", "32", "--optim", optim]
     metrics = tmp_path / "metrics.json"
     proc = train_cli("train", "--quiet", "--max-steps", "2", *args, "--metrics-json", str(metrics))
     assert proc.returncode == 0, proc.stderr
     measured = json.loads(metrics.read_text())
-    estimated = estimate(build_config(None, _overrides(args)))
+    estimated = estimate(checked_config(None, _overrides(args)))
     assert estimated["optimizer_state"] == measured["optimizer_state"]
     for key in EXACT:
         assert estimated[key] == measured[key], key

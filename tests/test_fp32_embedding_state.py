@@ -18,7 +18,7 @@ def _tiny_model():
     from effitrain.models import load_model, load_tokenizer
 
     torch.manual_seed(0)
-    return load_model("tiny", 2, ["no", "yes"], load_tokenizer("tiny"))
+    return load_model("tiny", ["no", "yes"], load_tokenizer("tiny"))
 
 
 def _step(model, optimizer):

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from effitrain.config import TrainConfig, build_config
+from effitrain.build import checked_config
+from effitrain.config import TrainConfig
 from effitrain.errors import EffitrainError
 from effitrain.progress import TrainingProgress
 from tests.checkpoint_helpers import assert_identical, load_tensors, train_args, write_data
@@ -40,7 +41,7 @@ def train_steps(run, steps: int) -> None:
 
 def inner(run):
     """The InBackwardOptimizer inside Accelerate's AcceleratedOptimizer."""
-    from effitrain.in_backward import InBackwardOptimizer
+    from effitrain.optim.in_backward import InBackwardOptimizer
 
     assert isinstance(run.optimizer.optimizer, InBackwardOptimizer)
     return run.optimizer.optimizer
@@ -90,7 +91,7 @@ def test_the_shared_scheduler_sets_each_update_lr():
     for optimizer in inner(run).optimizers.values():
         optimizer.register_step_pre_hook(lambda opt, *_: lrs.append(opt.param_groups[0]["lr"]))
     train_steps(run, 4)
-    expected = [run.config.effective_lr * s / 3 for s in (0, 1, 2, 3)]  # warmup from 0
+    expected = [run.hyper.lr * s / 3 for s in (0, 1, 2, 3)]  # warmup from 0
     assert lrs == [lr for lr in expected for _ in range(4)]
 
 
@@ -126,7 +127,7 @@ def test_load_state_dict_refuses_other_groups():
 
 
 def test_the_ledger_counts_the_per_parameter_states():
-    import effitrain.memory as memory
+    from effitrain.memory import ledger
 
     normal = tiny_run(lever_config(optimizer_in_backward=False, max_grad_norm=0))
     train_steps(normal, 1)
@@ -134,8 +135,8 @@ def test_the_ledger_counts_the_per_parameter_states():
     lever = tiny_run(lever_config())
     train_steps(lever, 1)
     a, b = (
-        memory.optimizer_state_ledger(normal.optimizer),
-        memory.optimizer_state_ledger(lever.optimizer),
+        ledger.optimizer_state_ledger(normal.optimizer),
+        ledger.optimizer_state_ledger(lever.optimizer),
     )
     assert b.bytes == a.bytes > 0 and b.params_with_state == a.params_with_state == 4
     assert b.to_dict() == a.to_dict()
@@ -171,7 +172,7 @@ def test_max_grad_norm_default_is_1_and_0_with_the_lever():
     assert TrainConfig().effective_max_grad_norm == 1.0
     assert TrainConfig(optimizer_in_backward=True).effective_max_grad_norm == 0.0
     assert TrainConfig(max_grad_norm=0.5).effective_max_grad_norm == 0.5
-    config = build_config(overrides={"optimizer_in_backward": True, "max_grad_norm": 0.0})
+    config = checked_config(overrides={"optimizer_in_backward": True, "max_grad_norm": 0.0})
     assert config.effective_max_grad_norm == 0.0
 
 
@@ -185,7 +186,7 @@ def test_max_grad_norm_default_is_1_and_0_with_the_lever():
 )
 def test_impossible_combinations_are_refused(overrides, fragments):
     with pytest.raises(EffitrainError) as error:
-        build_config(overrides={"optimizer_in_backward": True, **overrides})
+        checked_config(overrides={"optimizer_in_backward": True, **overrides})
     message = str(error.value)
     assert "\n" not in message and "--optimizer-in-backward" in message
     for fragment in fragments:

@@ -134,7 +134,7 @@ def test_bitsandbytes_nested_state_is_counted(train_cli, tmp_path):
     import bitsandbytes as bnb
     import torch
 
-    from effitrain.memory import optimizer_state_ledger
+    from effitrain.memory.ledger import optimizer_state_ledger
 
     torch.manual_seed(0)
     big = torch.nn.Parameter(torch.randn(128, 64))  # >= 4096 elements: quantized

@@ -10,6 +10,7 @@ import math
 import pytest
 
 from effitrain import optim
+from effitrain.build import check_config
 from effitrain.config import TrainConfig
 from effitrain.errors import EffitrainError
 from tests.checkpoint_helpers import load_tensors, train_args, write_data
@@ -78,7 +79,7 @@ STATE_KEYS = {
 
 @pytest.mark.parametrize("name", OURS)
 def test_ledger_counts_the_state_to_the_byte(name):
-    from effitrain.memory import optimizer_state_ledger
+    from effitrain.memory.ledger import optimizer_state_ledger
 
     model, optimizer = stepped(name)
     shapes = [tuple(p.shape) for p in model.parameters()]
@@ -284,7 +285,7 @@ def test_came_confidence_average_is_short_enough_for_fine_tuning():
 def test_came_is_told_apart_from_transformers_adafactor():
     from transformers.optimization import Adafactor
 
-    from effitrain.inspection import infer_optimizer, infer_parameter
+    from effitrain.memory.inspection import infer_optimizer, infer_parameter
 
     model = small_model()
     hf = Adafactor(model.parameters(), lr=1e-3, relative_step=False, scale_parameter=False)
@@ -314,7 +315,9 @@ def test_tiny_demo_learns(train_cli, tmp_path, name):
 
 def test_schedule_free_refuses_optimizer_in_backward():
     with pytest.raises(EffitrainError) as error:
-        TrainConfig(optim="adamw-schedule-free", optimizer_in_backward=True).validate()
+        check_config(
+            TrainConfig(optim="adamw-schedule-free", optimizer_in_backward=True).validate()
+        )
     message = str(error.value)
     assert "--optim adamw-schedule-free cannot combine with --optimizer-in-backward" in message
     assert "\n" not in message
@@ -322,4 +325,4 @@ def test_schedule_free_refuses_optimizer_in_backward():
 
 @pytest.mark.parametrize("name", ["lion", "lion-8bit", "came"])
 def test_elementwise_entries_accept_optimizer_in_backward(name):
-    TrainConfig(optim=name, optimizer_in_backward=True).validate()
+    check_config(TrainConfig(optim=name, optimizer_in_backward=True).validate())

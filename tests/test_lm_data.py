@@ -10,7 +10,7 @@ import pytest
 
 from effitrain.config import TrainConfig
 from effitrain.errors import EffitrainError
-from effitrain.lm_data import (
+from effitrain.tasks.lm_data import (
     CHATML_TEMPLATE,
     IGNORE_INDEX,
     build_lm_dataloaders,
@@ -641,7 +641,7 @@ def test_error_tokenizer_without_eos(tmp_path, fresh_tok):
 def test_packing_follows_what_the_architecture_keeps_apart(
     tmp_path, packing, model_type, expect_packing, note
 ):
-    from effitrain.lm_data import check_packing
+    from effitrain.tasks.lm_data import check_packing
 
     (tmp_path / "t.txt").write_text("\n\n".join(SENTENCES))
     cfg = config(tmp_path / "t.txt", packing=packing)
@@ -652,7 +652,7 @@ def test_packing_follows_what_the_architecture_keeps_apart(
 
 
 def test_packing_refused_where_documents_would_mix(tmp_path):
-    from effitrain.lm_data import check_packing
+    from effitrain.tasks.lm_data import check_packing
 
     (tmp_path / "t.txt").write_text("\n\n".join(SENTENCES))
     cfg = config(tmp_path / "t.txt", packing=True)

@@ -75,7 +75,13 @@ def tiny_run(config: TrainConfig | None = None, **model_options):
     from torch.utils.data import DataLoader
 
     from effitrain.build import Plan, Run
-    from effitrain.optim import build_optimizer, build_scheduler, get_spec
+    from effitrain.optim import (
+        build_optimizer,
+        build_scheduler,
+        get_spec,
+        resolve_hyperparameters,
+    )
+    from effitrain.tasks import get_task
 
     config = config or TrainConfig(batch_size=4, max_steps=6, log_every=1)
     accelerator = Accelerator(
@@ -96,17 +102,16 @@ def tiny_run(config: TrainConfig | None = None, **model_options):
     eval_loader = DataLoader(rows[:8], batch_size=8)
     train_loader, eval_loader = accelerator.prepare(train_loader, eval_loader)
     model = TinyClassifier.build(**model_options)
-    plan = Plan.from_config(config, len(train_loader))
+    hyper = resolve_hyperparameters(config)
+    plan = Plan.from_config(config, len(train_loader), hyper.warmup_ratio)
     optimizer = build_optimizer(
         model,
         config.optim,
-        config.effective_lr,
+        hyper.lr,
         config.weight_decay,
         in_backward=config.optimizer_in_backward,
     )
-    scheduler = build_scheduler(
-        optimizer, config.effective_scheduler, plan.total_steps, plan.warmup_steps
-    )
+    scheduler = build_scheduler(optimizer, hyper.scheduler, plan.total_steps, plan.warmup_steps)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     return Run(
         config=config,
@@ -117,7 +122,9 @@ def tiny_run(config: TrainConfig | None = None, **model_options):
         train_loader=train_loader,
         eval_loader=eval_loader,
         plan=plan,
-        num_labels=2,
+        task=get_task("sequence-classification"),
+        data=SimpleNamespace(num_labels=2),
+        hyper=hyper,
         spec=get_spec(config.optim),
     )
 
@@ -158,7 +165,7 @@ def test_train_step_is_the_course_loop():
             {"params": [p for p in reference.parameters() if p.ndim >= 2], "weight_decay": 0.01},
             {"params": [p for p in reference.parameters() if p.ndim < 2], "weight_decay": 0.0},
         ],
-        lr=run.config.effective_lr,
+        lr=run.hyper.lr,
     )
     batch = first_batch(run)
     progress = TrainingProgress()
@@ -508,7 +515,7 @@ def test_the_planned_step_is_the_measured_one(monkeypatch, max_steps):
     ``_measure_now``): the breakdown is of one of the run's last two steps, the only one
     tracked."""
     from effitrain import loop
-    from effitrain.step_memory import available
+    from effitrain.memory.step import available
 
     if not available():
         pytest.skip("needs torch's MemTracker")

@@ -38,7 +38,7 @@ def lora_run(tmp_path_factory):
 def tiny_distilbert():
     from effitrain.models import load_model, load_tokenizer
 
-    return load_model("tiny", 2, ["no", "yes"], load_tokenizer("tiny"))
+    return load_model("tiny", ["no", "yes"], load_tokenizer("tiny"))
 
 
 def tiny_bert():
@@ -56,9 +56,10 @@ def tiny_bert():
 
 
 def lora_config(**values):
+    from effitrain.build import check_config
     from effitrain.config import TrainConfig
 
-    return TrainConfig(**values).validate()
+    return check_config(TrainConfig(**values).validate())
 
 
 def trainable_names(model) -> list[str]:
@@ -120,16 +121,16 @@ def test_bert_gets_all_linear_by_default_or_the_given_modules_and_its_pooler_tra
 
 
 def test_memory_counts_only_adapters_and_head():
-    import effitrain.memory as memory
     from effitrain.levers import apply_to_model
+    from effitrain.memory import ledger
 
     model = apply_to_model(tiny_distilbert(), lora_config(lora_rank=4))
     trainable = [p for p in model.parameters() if p.requires_grad]
     count = sum(p.numel() for p in trainable)
-    assert memory.trainable_parameter_count(model) == count
+    assert ledger.trainable_parameter_count(model) == count
     assert count < sum(p.numel() for p in model.parameters()) / 5
-    assert memory.adamw_equivalent_elements(model) == 2 * count + len(trainable)
-    assert memory.adamw_equivalent_bytes(model) == 4 * (2 * count + len(trainable))
+    assert ledger.adamw_equivalent_elements(model) == 2 * count + len(trainable)
+    assert ledger.adamw_equivalent_bytes(model) == 4 * (2 * count + len(trainable))
 
 
 def test_given_target_modules_get_adapters():
@@ -375,14 +376,19 @@ def test_lora_defaults_fine_tune_a_pretrained_checkpoint(cli, tmp_path):
 
 def test_lora_lr_default_for_adamw_on_pretrained_weights():
     pretrained = "/some/pretrained-folder"
-    config = lora_config(model=pretrained, lora_rank=8)
-    assert (config.effective_lr, config.default_note("lr")) == (2e-3, "adamw default for LoRA")
+    from effitrain.optim import resolve_hyperparameters
+
+    def hyper(**options):
+        return resolve_hyperparameters(lora_config(**options))
+
+    config = hyper(model=pretrained, lora_rank=8)
+    assert (config.lr, config.lr_note) == (2e-3, "adamw default for LoRA")
     # Without LoRA, or from scratch (a preset), or an optimizer not measured with LoRA: as before.
-    assert lora_config(model=pretrained).effective_lr == 2e-4
-    assert lora_config(lora_rank=8).effective_lr == 1e-3
-    assert lora_config(lora_rank=8).default_note("lr") == "adamw default for training from scratch"
-    assert lora_config(model=pretrained, lora_rank=8, optim="adafactor-hf").effective_lr == 2e-3
-    assert lora_config(model=pretrained, lora_rank=8, lr=5e-4).effective_lr == 5e-4
+    assert hyper(model=pretrained).lr == 2e-4
+    assert hyper(lora_rank=8).lr == 1e-3
+    assert hyper(lora_rank=8).lr_note == "adamw default for training from scratch"
+    assert hyper(model=pretrained, lora_rank=8, optim="adafactor-hf").lr == 2e-3
+    assert hyper(model=pretrained, lora_rank=8, lr=5e-4).lr == 5e-4
 
 
 def test_torch_adafactor_is_refused_with_lora():

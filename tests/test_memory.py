@@ -1,4 +1,4 @@
-"""Storage accounting checked against hand-computed numbers (effitrain.memory).
+"""Storage accounting checked against hand-computed numbers (effitrain.memory.ledger).
 
 The small model used throughout is
 
@@ -25,7 +25,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from effitrain.memory import (  # noqa: E402
+from effitrain.memory.ledger import (  # noqa: E402
     BNB_QUANT_STATE_KEY,
     OptimizerStateLedger,
     adamw_equivalent_bytes,
@@ -73,7 +73,7 @@ def check_totals(ledger: OptimizerStateLedger) -> None:
 
 
 def test_import_does_not_import_torch():
-    code = "import sys, effitrain.memory; print('torch' in sys.modules)"
+    code = "import sys, effitrain.memory.ledger; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -565,7 +565,7 @@ def test_format_bytes(n, text):
 def test_the_run_peak_on_cuda_survives_the_tracked_steps_reset(monkeypatch):
     """The step-memory breakdown resets CUDA's peak counter before its step; the run's peak
     (``peak_memory_bytes``) must still be the whole run's, not the tracked step's."""
-    from effitrain import memory
+    from effitrain.memory import ledger as memory
 
     allocated = {"max": 0}
     monkeypatch.setattr(memory, "_CUDA_PEAK_BEFORE_RESET", {})

@@ -79,7 +79,7 @@ def expected_state(class_name: str, model: torch.nn.Module) -> tuple[int, int]:
 
 
 def stepped(class_name: str, steps: int = 1):
-    from effitrain.optim_ao import build
+    from effitrain.optim.low_bit import build
 
     torch.manual_seed(0)
     model = Shapes()
@@ -95,8 +95,8 @@ def stepped(class_name: str, steps: int = 1):
 def test_ledger_counts_fresh_state_without_compiling(class_name):
     # The state as torchao allocates it on the first step (its own ``_new_buffer``, which
     # holds the quantize-or-not rule), without the compiled update: fast, same bytes.
-    from effitrain.memory import optimizer_state_ledger
-    from effitrain.optim_ao import build
+    from effitrain.memory.ledger import optimizer_state_ledger
+    from effitrain.optim.low_bit import build
 
     model = Shapes()
     optimizer = build(class_name, [{"params": list(model.parameters())}], 1e-3)
@@ -113,8 +113,8 @@ def test_ledger_counts_fresh_state_without_compiling(class_name):
 @pytest.mark.slow
 @pytest.mark.parametrize("class_name", list(LAYOUT))
 def test_ledger_counts_torchao_state_to_the_byte(class_name):
-    from effitrain.memory import optimizer_state_ledger
-    from effitrain.optim_ao import STATE_CLASSES
+    from effitrain.memory.ledger import optimizer_state_ledger
+    from effitrain.optim.low_bit import STATE_CLASSES
 
     model, optimizer = stepped(class_name)
     _, block, _ = LAYOUT[class_name]
@@ -141,8 +141,8 @@ def test_ledger_counts_torchao_state_to_the_byte(class_name):
 @pytest.mark.slow
 @pytest.mark.parametrize("class_name", list(LAYOUT))
 def test_state_dict_round_trip_through_weights_only_load(class_name, tmp_path):
-    from effitrain.inspection import safe_load
-    from effitrain.optim_ao import build
+    from effitrain.memory.inspection import safe_load
+    from effitrain.optim.low_bit import build
 
     model, optimizer = stepped(class_name, steps=2)
     path = tmp_path / "optimizer.bin"
@@ -195,8 +195,8 @@ def test_inspect_state_names_torchao_and_shapes_in_a_fresh_process(tmp_path):
 
 
 def test_inspect_state_without_torchao_is_one_install_line(tmp_path, monkeypatch):
-    import effitrain.optim_ao as optim_ao
-    from effitrain.inspection import safe_load
+    import effitrain.optim.low_bit as optim_ao
+    from effitrain.memory.inspection import safe_load
 
     path = tmp_path / "optimizer.bin"
     torch.save({"state": {}, "param_groups": []}, path)  # what it would import is faked below
@@ -211,7 +211,7 @@ def test_inspect_state_without_torchao_is_one_install_line(tmp_path, monkeypatch
 
 
 def test_other_classes_stay_refused_with_torchao_installed(tmp_path, monkeypatch):
-    from effitrain.inspection import safe_load
+    from effitrain.memory.inspection import safe_load
 
     path = tmp_path / "optimizer.bin"
     torch.save({"state": {}, "param_groups": []}, path)
@@ -230,7 +230,7 @@ def test_other_classes_stay_refused_with_torchao_installed(tmp_path, monkeypatch
 
 
 def test_fp8_refused_on_a_gpu_below_sm89(monkeypatch):
-    import effitrain.optim_ao as optim_ao
+    import effitrain.optim.low_bit as optim_ao
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _=None: (8, 6))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda _=None: "NVIDIA A10")
@@ -248,7 +248,7 @@ def test_fp8_refused_on_a_gpu_below_sm89(monkeypatch):
 
 
 def test_fp8_runs_on_cpu():
-    from effitrain.optim_ao import check_fp8_device
+    from effitrain.optim.low_bit import check_fp8_device
 
     check_fp8_device(torch.device("cpu"))  # no refusal: it steps on CPU (ledger test above)
 
@@ -336,7 +336,7 @@ def test_resume_is_exact_and_inspect_state_names_it(name, train_cli, tmp_path):
 
 @pytest.mark.slow
 def test_fp8_refusal_through_the_cli(train_cli, tmp_path, monkeypatch):
-    import effitrain.optim_ao as optim_ao
+    import effitrain.optim.low_bit as optim_ao
 
     def refuse(device):
         raise EffitrainError("--optim adamw-fp8 needs a GPU of compute capability >= 8.9 (test)")
@@ -350,10 +350,13 @@ def test_fp8_refusal_through_the_cli(train_cli, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("name", list(NAMES))
 def test_optimizer_in_backward_is_refused(name):
+    from effitrain.build import check_config
     from effitrain.config import TrainConfig
 
     with pytest.raises(EffitrainError) as error:
-        TrainConfig(optim=name, optimizer_in_backward=True, max_grad_norm=0).validate()
+        check_config(
+            TrainConfig(optim=name, optimizer_in_backward=True, max_grad_norm=0).validate()
+        )
     message = str(error.value)
     assert "\n" not in message and f"--optim {name} cannot combine" in message
     assert "lr as a tensor" in message

@@ -1,4 +1,4 @@
-"""Muon, GaLore, APOLLO (effitrain.optim_split): the hidden-matrix split, the combined optimizer,
+"""Muon, GaLore, APOLLO (effitrain.optim.split): the hidden-matrix split, the combined optimizer,
 state counted to the byte, exact resume, inspect-state, sharding and other refusals."""
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ import shutil
 import pytest
 import torch
 
-from effitrain import distributed, memory
+from effitrain import distributed
 from effitrain.errors import EffitrainError
+from effitrain.memory import ledger as memory
 from effitrain.optim import build_optimizer, get_spec, param_groups
-from effitrain.optim_split import hidden_matrices
+from effitrain.optim.split import hidden_matrices
 from tests.checkpoint_helpers import assert_identical, load_tensors, train_args, write_data
 
 SPLIT = ["muon", "galore", "apollo", "apollo-mini"]
@@ -23,7 +24,7 @@ def tiny():
     from effitrain.models import load_model, load_tokenizer
 
     torch.manual_seed(0)
-    return load_model("tiny", 2, ["a", "b"], load_tokenizer("tiny"))
+    return load_model("tiny", ["a", "b"], load_tokenizer("tiny"))
 
 
 def names(model, groups):

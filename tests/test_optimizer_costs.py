@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from effitrain import memory
 from effitrain.config import TrainConfig
+from effitrain.memory import ledger as memory
 from effitrain.optim import OPTIMIZERS, build_optimizer, get_spec, set_train_mode
 
 

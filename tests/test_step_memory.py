@@ -1,4 +1,4 @@
-"""The per-step memory breakdown (effitrain.step_memory) on a plain torch model: its parts agree
+"""The per-step memory breakdown (effitrain.memory.step) on a plain torch model: its parts agree
 with effitrain's own true-storage counts, add up to the peak, and the probe cleans up."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from effitrain import memory  # noqa: E402
-from effitrain.step_memory import StepMemoryProbe, available  # noqa: E402
+from effitrain.memory import ledger as memory  # noqa: E402
+from effitrain.memory.step import StepMemoryProbe, available  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not available(), reason="needs torch's MemTracker")
 
@@ -102,7 +102,7 @@ def test_the_heap_is_trimmed_once_before_the_tracked_step_on_cpu(monkeypatch):
     bookkeeping then fits in what the step held anyway), and nothing else calls it."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-    from effitrain import step_memory
+    from effitrain.memory import step as step_memory
 
     calls = []
     monkeypatch.setattr(
@@ -124,7 +124,7 @@ def test_the_heap_is_trimmed_once_before_the_tracked_step_on_cpu(monkeypatch):
     reason="malloc_trim is glibc's",
 )
 def test_return_freed_heap_gives_pages_back_to_the_os():
-    from effitrain.step_memory import return_freed_heap
+    from effitrain.memory.step import return_freed_heap
 
     def rss_mib():
         with open("/proc/self/status") as status:

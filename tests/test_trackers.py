@@ -13,7 +13,8 @@ import shutil
 
 import pytest
 
-from effitrain.config import TRACKERS, build_config
+from effitrain.build import checked_config
+from effitrain.config import TRACKERS
 from tests.checkpoint_helpers import write_data
 from tests.conftest import assert_clean_error
 
@@ -209,13 +210,13 @@ def test_missing_tracker_package_is_one_install_line(
 
 
 def test_report_to_parses_like_the_other_list_options():
-    assert build_config(overrides={"report_to": "tensorboard, wandb"}).trackers == [
+    assert checked_config(overrides={"report_to": "tensorboard, wandb"}).trackers == [
         "tensorboard",
         "wandb",
     ]
-    assert build_config(overrides={"report_to": ["mlflow"]}).trackers == ["mlflow"]
-    assert build_config(overrides={"report_to": "none"}).trackers == []
-    assert build_config().trackers == []
+    assert checked_config(overrides={"report_to": ["mlflow"]}).trackers == ["mlflow"]
+    assert checked_config(overrides={"report_to": "none"}).trackers == []
+    assert checked_config().trackers == []
 
 
 def test_tracker_names_are_accelerates():

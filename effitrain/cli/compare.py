@@ -150,7 +150,7 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     from effitrain.compare import COLUMNS
-    from effitrain.memory import format_bytes
+    from effitrain.memory.ledger import format_bytes
 
     base = rows[0]
     table = Table(

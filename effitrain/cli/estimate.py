@@ -132,10 +132,10 @@ def _estimates(
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """One estimate per optimizer of ``--optim``, with the other options as given; and the
     reasons for those that ``--optim all`` skipped."""
-    from effitrain.config import build_config
+    from effitrain.build import checked_config
     from effitrain.errors import EffitrainError
-    from effitrain.estimate import SHARDED, per_device
-    from effitrain.estimate import estimate as run_estimate
+    from effitrain.memory.estimate import SHARDED, per_device
+    from effitrain.memory.estimate import estimate as run_estimate
     from effitrain.optim import OPTIMIZERS, get_spec
 
     own = ("config_file", "as_json", "compare_to", "optim", "num_processes", "sharding")
@@ -143,7 +143,7 @@ def _estimates(
         name: value for name, value in ctx.params.items() if name not in own and _given(ctx, name)
     }
     fp32 = overrides.pop("fp32_embedding_state", None)  # see _for_optimizer
-    from_file = build_config(config_file, overrides)
+    from_file = checked_config(config_file, overrides)
     names = _names(optim if _given(ctx, "optim") else from_file.optim, OPTIMIZERS)
     for name in names:
         get_spec(name)
@@ -152,7 +152,7 @@ def _estimates(
         per_device({}, num_processes, sharding)  # the one-line error
     results, skipped = [], []
     for name in names:
-        config = build_config(config_file, _for_optimizer(overrides, name, names, fp32))
+        config = checked_config(config_file, _for_optimizer(overrides, name, names, fp32))
         try:
             result = run_estimate(config)
         except EffitrainError as exc:
@@ -227,7 +227,7 @@ def _print(results: list[dict[str, Any]], measured: dict[str, Any] | None) -> No
     from rich.console import Console
     from rich.table import Table
 
-    from effitrain.memory import format_bytes
+    from effitrain.memory.ledger import format_bytes
 
     console = Console(highlight=False)
     first = results[0]["estimate"]
@@ -314,7 +314,7 @@ def _mismatches(result: dict[str, Any], measured: dict[str, Any]) -> list[str]:
 def _print_per_device(console: Any, results: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
-    from effitrain.memory import format_bytes
+    from effitrain.memory.ledger import format_bytes
 
     first = results[0]["per_device"]
     table = Table(
@@ -349,7 +349,7 @@ def _rows_table(results: list[dict[str, Any]], first: dict[str, Any]) -> Any:
     """Many optimizers (--optim all): one row each, the parts as columns."""
     from rich.table import Table
 
-    from effitrain.memory import format_bytes
+    from effitrain.memory.ledger import format_bytes
 
     table = Table(title=_title(first), title_justify="left")
     table.add_column("optimizer")

@@ -32,7 +32,7 @@ def inspect_state(
     weights_only=True, after checking which globals they would import.
     """
     with user_errors():
-        from effitrain.inspection import inspect_state as read_state
+        from effitrain.memory.inspection import inspect_state as read_state
 
         report = read_state(path)
         if as_json:

@@ -159,9 +159,9 @@ def train(
         if name != "config_file" and getattr(ctx.get_parameter_source(name), "name", "") in given
     }
     with user_errors():
-        from effitrain.config import build_config
+        from effitrain.build import checked_config
 
-        config = build_config(config_file, overrides)
+        config = checked_config(config_file, overrides)
         run(config)
 
 

@@ -9,9 +9,9 @@ dies, so it counts live tensor bytes on every device, **CPU included**, without 
 libraries that make up most of a CPU process's RSS. It files each storage under a kind: parameters
 and buffers (given to it), gradients (found through gradient hooks), optimizer state (created
 inside ``optimizer.step()``: what the optimizer keeps, per
-:func:`effitrain.memory.optimizer_state_ledger`, is its state, the rest the step's working tensors,
+:func:`effitrain.memory.ledger.optimizer_state_ledger`, is its state, the rest the step's working tensors,
 ``optimizer_temporaries``), activations (created in forward) and temporaries (created in backward).
-Storages count once (deduplicated by storage, like :mod:`effitrain.memory`).
+Storages count once (deduplicated by storage, like :mod:`effitrain.memory.ledger`).
 
 Why this and not the alternatives: the profiler's memory events give sizes but no kinds and
 miss what existed before profiling; ``saved_tensors_hooks`` see what autograd saves but not
@@ -35,7 +35,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import effitrain.memory as memory
+from effitrain.memory import ledger
 
 KINDS = (
     "parameters",
@@ -141,7 +141,7 @@ class StepMemoryProbe:
         tracker = _make_tracker()
         tracker.track_external(self.model, self.optimizer)
         if getattr(self.device, "type", str(self.device)) == "cuda":
-            memory.reset_cuda_peak(self.device)  # this step's peak; the run's is kept
+            ledger.reset_cuda_peak(self.device)  # this step's peak; the run's is kept
         else:
             return_freed_heap()
         tracker.__enter__()
@@ -166,7 +166,7 @@ class StepMemoryProbe:
         peaks = _device_snapshot(getattr(tracker, "kind_peaks", {}), self.device)
         # The tracker files everything optimizer.step() allocates as optimizer state; what the
         # optimizer keeps is its state, the rest were the step's working tensors.
-        kept = memory.optimizer_state_ledger(self.optimizer).bytes
+        kept = ledger.optimizer_state_ledger(self.optimizer).bytes
         for counts in (at_peak, peaks):
             total = counts.get("optimizer_state", 0)
             counts["optimizer_state"] = min(total, kept)

@@ -11,7 +11,7 @@ Everything here is measured from the storages that really exist, never assumed f
   ``numel() * element_size()``.
 
 Pure data: nothing here prints or logs. ``torch`` is imported inside the functions only, so
-``import effitrain.memory`` stays cheap.
+``import effitrain.memory.ledger`` stays cheap.
 """
 
 from __future__ import annotations
@@ -293,7 +293,7 @@ def optimizer_state_ledger(optimizer_or_state: Any) -> OptimizerStateLedger:
     - a plain Python object (GaLore's and APOLLO's ``projector``, which holds the projection
       matrix ``ortho_matrix``): its attributes (``vars``), as a dict: ``"projector.ortho_matrix"``,
       ``"projector.rank"`` … (the keys a saved checkpoint has, see
-      :func:`effitrain.optim_split.keep_projectors_in_state_dict`);
+      :func:`effitrain.optim.split.keep_projectors_in_state_dict`);
     - anything else (``None``, strings): ignored.
 
     When several state tensors are views into one flat buffer, the whole buffer is charged to

@@ -18,15 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from effitrain.data import (
+from effitrain.errors import EffitrainError
+from effitrain.tasks.sources import (
     LABEL_COLUMN_CANDIDATES,
     LOCAL_FORMATS,
-    _hold_out,
-    _load_splits,
-    _train_and_validation,
+    hold_out,
+    load_splits,
     loaders,
+    train_and_validation,
 )
-from effitrain.errors import EffitrainError
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -202,8 +202,8 @@ def load_lm_data(config: TrainConfig) -> LMData:
     Raises:
         EffitrainError: missing or empty data, no usable column, options that do not fit the data.
     """
-    splits, source = _load_splits(config, demo=_demo_corpus, formats=LM_FORMATS)
-    train, validation, validation_source = _train_and_validation(config, splits, source, LM_FORMATS)
+    splits, source = load_splits(config, demo=_demo_corpus, formats=LM_FORMATS)
+    train, validation, validation_source = train_and_validation(config, splits, source, LM_FORMATS)
     if len(train) == 0:
         raise EffitrainError(f"the training set of {source} is empty")
     fmt, columns = _detect_format(list(train.column_names), config)
@@ -221,7 +221,7 @@ def load_lm_data(config: TrainConfig) -> LMData:
     if validation is not None:
         _check_rows(validation, fmt, "validation")
     if validation is None:
-        train, validation, validation_source = _hold_out(train, config.seed, source)
+        train, validation, validation_source = hold_out(train, config.seed, source)
     missing = [c for c in columns if c not in validation.column_names]
     if missing:
         raise EffitrainError(

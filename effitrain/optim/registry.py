@@ -14,9 +14,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from effitrain.errors import EffitrainError
+from effitrain.models import is_preset
 
 if TYPE_CHECKING:
     import torch
+
+    from effitrain.config import TrainConfig
 
 ParamGroups = list[dict[str, Any]]
 
@@ -119,14 +122,14 @@ def _adamw_8bit(groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
 
 
 def _adam_mini(model: torch.nn.Module, groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
-    from effitrain.optim_mini import build
+    from effitrain.optim.adam_mini import build
 
     return build(model, groups, lr)
 
 
 def _torchao(class_name: str) -> Callable[[ParamGroups, float], torch.optim.Optimizer]:
     def factory(groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
-        from effitrain.optim_ao import build
+        from effitrain.optim.low_bit import build
 
         return build(class_name, groups, lr)
 
@@ -140,25 +143,25 @@ def _sgd(groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
 
 
 def _muon(model: torch.nn.Module, groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
-    from effitrain.optim_split import build_muon
+    from effitrain.optim.split import build_muon
 
     return build_muon(model, groups, lr)
 
 
 def _galore(model: torch.nn.Module, groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
-    from effitrain.optim_split import build_galore
+    from effitrain.optim.split import build_galore
 
     return build_galore(model, groups, lr)
 
 
 def _apollo(model: torch.nn.Module, groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
-    from effitrain.optim_split import build_apollo
+    from effitrain.optim.split import build_apollo
 
     return build_apollo(model, groups, lr)
 
 
 def _apollo_mini(model: torch.nn.Module, groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
-    from effitrain.optim_split import build_apollo
+    from effitrain.optim.split import build_apollo
 
     return build_apollo(model, groups, lr, mini=True)
 
@@ -485,6 +488,56 @@ def get_spec(name: str) -> OptimizerSpec:
         ) from None
 
 
+def check_options(config: TrainConfig) -> None:
+    """The optimizer options: a registered name, and ``--fp32-embedding-state`` only where there
+    is 8-bit state to override.
+
+    Raises:
+        EffitrainError: naming the option (an unknown name lists the valid ones).
+    """
+    spec = get_spec(config.optim)
+    if config.fp32_embedding_state and not spec.takes_fp32_embedding_state:
+        raise EffitrainError(
+            f"--fp32-embedding-state is for bitsandbytes' 8-bit optimizers (adamw-8bit, "
+            f"lion-8bit); --optim {config.optim} has no 8-bit state to override: drop it"
+        )
+
+
+@dataclass(frozen=True)
+class Hyperparameters:
+    """The lr and schedule a run uses: the ones given, else the optimizer's defaults."""
+
+    lr: float
+    warmup_ratio: float
+    scheduler: str
+    lr_note: str
+    """Why this lr when it was not given, e.g. 'adafactor default for fine-tuning'."""
+    schedule_note: str
+    """Why this schedule, when neither it nor the warmup was given."""
+
+
+def resolve_hyperparameters(config: TrainConfig) -> Hyperparameters:
+    """``--lr``, ``--scheduler`` and ``--warmup-ratio``, each from the options or, when not
+    given, from the optimizer's defaults for this run: a preset trains from scratch, pretrained
+    weights fine-tune, and LoRA on pretrained weights has its own where measured."""
+    spec = get_spec(config.optim)
+    regime = SCRATCH if is_preset(config.model) else FINE_TUNE
+    defaults = spec.defaults(regime)
+    why = f"{spec.name} default for {regime}"
+    if config.lora_rank is not None and regime == FINE_TUNE and spec.lora is not None:
+        defaults, why = spec.lora, f"{spec.name} default for LoRA"
+    schedule_given = (config.scheduler, config.warmup_ratio, config.warmup_steps) != (None,) * 3
+    return Hyperparameters(
+        lr=config.lr if config.lr is not None else defaults.lr,
+        warmup_ratio=(
+            config.warmup_ratio if config.warmup_ratio is not None else defaults.warmup_ratio
+        ),
+        scheduler=config.scheduler if config.scheduler is not None else defaults.scheduler,
+        lr_note="" if config.lr is not None else why,
+        schedule_note="" if schedule_given else why,
+    )
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float) -> ParamGroups:
     """Two groups: >=2-D weights decay, biases and norm weights (1-D) do not (as in nanoGPT)."""
     decay, no_decay = [], []
@@ -510,9 +563,9 @@ def build_optimizer(
     """Build the optimizer ``name`` over ``model``'s trainable parameters.
 
     ``weight_decay`` applies to >=2-D weights only (see ``param_groups``). ``spec``: a variant
-    of the registry's entry to build instead (bf16 weights: ``effitrain.precision``).
+    of the registry's entry to build instead (bf16 weights: ``effitrain.optim.bf16``).
     ``in_backward``: one such optimizer per parameter, stepped inside backward
-    (:mod:`effitrain.in_backward`). ``fp32_embedding_state``: bitsandbytes' 8-bit optimizers
+    (:mod:`effitrain.optim.in_backward`). ``fp32_embedding_state``: bitsandbytes' 8-bit optimizers
     keep 32-bit state for embedding weights (see ``keep_embeddings_32bit``).
 
     Raises:
@@ -552,7 +605,7 @@ def _build(
             )
         return spec.model_factory(model, groups, lr)
     if in_backward:
-        from effitrain.in_backward import InBackwardOptimizer
+        from effitrain.optim.in_backward import InBackwardOptimizer
 
         return InBackwardOptimizer(groups, spec.factory, lr)
     return spec.factory(groups, lr)

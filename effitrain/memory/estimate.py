@@ -6,9 +6,9 @@ shape logic, so the same model (built from its config: a preset, a local folder 
 config, no weights), the same levers (``levers.apply_to_model``), the same optimizer from the
 registry and a batch of ``--batch-size`` x ``--max-length`` tokens go through the same forward,
 backward, clipping and ``optimizer.step()`` as in :func:`effitrain.loop.train_step`, twice. The
-second step is measured by the same :class:`effitrain.step_memory.StepMemoryProbe` that a real
+second step is measured by the same :class:`effitrain.memory.step.StepMemoryProbe` that a real
 run uses (PyTorch's ``MemTracker``), and parameters, gradients and optimizer state by the same
-true-storage ledger (:mod:`effitrain.memory`, which counts fake storages by their size). So the
+true-storage ledger (:mod:`effitrain.memory.ledger`, which counts fake storages by their size). So the
 estimate is not a model of memory: it is the measurement, made on tensors that do not exist.
 
 What it cannot know: values. Where an optimizer reads a number back from a tensor (``.item()``:
@@ -27,9 +27,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
-import effitrain.memory as memory
 from effitrain.config import TrainConfig
 from effitrain.errors import EffitrainError
+from effitrain.memory import ledger
 
 STEPS = 2
 """Optimizer steps run; the last is measured (the first creates the optimizer state)."""
@@ -52,47 +52,6 @@ def _fake_mode() -> Any:
             return super().__torch_dispatch__(func, types, args, kwargs)
 
     return EstimateMode(allow_non_fake_inputs=True)
-
-
-def _build_model(
-    config: TrainConfig,
-    num_labels: int,
-    label_names: list[str],
-    tokenizer: Any,
-    causal_lm: bool = False,
-) -> Any:
-    """The model a run would train, built from its config only (no weights are read)."""
-    from effitrain.models import CAUSAL_PRESETS, PRESETS, load_causal_lm, load_model
-
-    if config.model in PRESETS:
-        return load_model(config.model, num_labels, label_names, tokenizer)
-    if config.model in CAUSAL_PRESETS:
-        return load_causal_lm(config.model, tokenizer)
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    from effitrain.models import _cannot_load
-
-    id2label = dict(enumerate(label_names))
-    labels = (
-        {}
-        if causal_lm
-        else {
-            "num_labels": num_labels,
-            "id2label": id2label,
-            "label2id": {label: i for i, label in id2label.items()},
-        }
-    )
-    try:
-        model_config = AutoConfig.from_pretrained(config.model, **labels)
-    except (OSError, ValueError, KeyError) as exc:
-        raise _cannot_load("model", config.model, exc) from exc
-    if getattr(model_config, "pad_token_id", None) is None:
-        model_config.pad_token_id = tokenizer.pad_token_id
-    # from_pretrained keeps the checkpoint's dtype; from_config, fp32 unless told.
-    dtype = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
-    kwargs = {"dtype": dtype} if dtype is not None and not isinstance(dtype, str) else {}
-    auto = AutoModelForCausalLM if causal_lm else AutoModelForSequenceClassification
-    return auto.from_config(model_config, **kwargs)
 
 
 @contextmanager
@@ -147,29 +106,6 @@ def _materialize(model: Any, device: Any) -> None:
                 module._buffers[name] = fake(buffer, parameter=False)
 
 
-def _batch(tokenizer: Any, batch_size: int, length: int, causal_lm: bool = False) -> dict[str, Any]:
-    """A full batch as the run's collator makes it (the tokenizer's own inputs: token type ids
-    where the model takes them), every example ``length`` tokens long (causal-lm: every token
-    labelled, as a packed block)."""
-    import torch
-
-    batch = dict(
-        tokenizer(
-            ["a"] * batch_size,
-            padding="max_length",
-            truncation=True,
-            max_length=length,
-            return_tensors="pt",
-        )
-    )
-    batch["attention_mask"] = torch.ones_like(batch["attention_mask"])
-    if causal_lm:
-        batch["labels"] = batch["input_ids"].clone()
-    else:
-        batch["labels"] = torch.zeros(batch_size, dtype=torch.long)
-    return batch
-
-
 def estimate(config: TrainConfig) -> dict[str, Any]:
     """What ``effitrain train`` with ``config`` would measure, with the metrics JSON's field
     names (``optimizer_state``, ``parameter_bytes``, ``gradient_bytes``, ``activation_bytes``,
@@ -180,43 +116,39 @@ def estimate(config: TrainConfig) -> dict[str, Any]:
     """
     import torch
 
-    from effitrain import levers, precision
-    from effitrain.build import configured_optimizer, resolve_task
-    from effitrain.data import load_data
-    from effitrain.models import CAUSAL_LM, load_tokenizer
-    from effitrain.optim import set_train_mode
+    import effitrain.levers as levers
+    import effitrain.tasks as tasks
+    from effitrain.build import check_config, configured_optimizer
+    from effitrain.models import load_tokenizer
+    from effitrain.optim import bf16, resolve_hyperparameters, set_train_mode
 
+    check_config(config)
     if config.mixed_precision == "fp16":
         raise EffitrainError(
             "effitrain estimate does not model fp16 loss scaling; use --mixed-precision bf16 or no"
         )
-    causal_lm = resolve_task(config) == CAUSAL_LM
+    task = tasks.resolve_task(config)
     # A causal LM needs no labels from the data: its shapes come from the model alone.
-    data = None if causal_lm else load_data(config)
+    data = task.load_data(config) if task.name != tasks.CAUSAL_LM else None
     tokenizer = load_tokenizer(config.model)
     notes: list[str] = []
-    spec = precision.optimizer_spec(config)
+    spec = bf16.optimizer_spec(config)
+    lr = resolve_hyperparameters(config).lr
     device = torch.device("cpu")
     torch.manual_seed(config.seed)
     # Built on the meta device (shapes only; module conversions such as the bf16 cast work
     # there, not on fake parameters), then given fake storage on the run's device.
     with torch.device("meta"):
-        model = _build_model(
-            config,
-            data.num_labels if data else 0,
-            data.label_names if data else [],
-            tokenizer,
-            causal_lm,
-        )
+        model = task.model_from_config(config, data, tokenizer)
         model = levers.apply_to_model(model, config)
     with _fake_mode():
         _materialize(model, device)
         model.train()
-        optimizer = configured_optimizer(config, model, spec)
+        optimizer = configured_optimizer(config, model, spec, lr)
         set_train_mode(optimizer, True)  # as fit() does (schedule-free)
-        # As effitrain.data.tokenize: capped by the tokenizer's model_max_length.
+        # As effitrain.tasks.sources.tokenize: capped by the tokenizer's model_max_length.
         length = min(config.max_length, tokenizer.model_max_length)
-        batch = _batch(tokenizer, config.batch_size, length, causal_lm)
+        batch = task.fake_batch(tokenizer, config.batch_size, length)
         if spec.module == "torchao":
             notes.append(
                 f"{spec.name}: torchao's own state allocation was run, not its compiled update "
@@ -224,7 +156,7 @@ def estimate(config: TrainConfig) -> dict[str, Any]:
                 "not in the peak"
             )
         step_memory = _train_steps(config, spec, model, optimizer, batch, device)
-        result = _measured(config, spec, model, optimizer, step_memory)
+        result = _measured(config, spec, lr, model, optimizer, step_memory)
         if config.optimizer_in_backward:
             optimizer.remove_hooks()
     result["estimate"] = {
@@ -252,10 +184,10 @@ def _train_steps(
     ``effitrain train`` measures its tracked step. Returns the probe's step memory."""
     import torch
 
-    from effitrain.step_memory import StepMemoryProbe
+    from effitrain.memory.step import StepMemoryProbe
 
-    bf16 = config.mixed_precision == "bf16"
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
+    autocast_bf16 = config.mixed_precision == "bf16"
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if autocast_bf16 else nullcontext()
     step_memory: dict[str, Any] = {}
     with (
         StepMemoryProbe(model, optimizer, device, compiled_step=False) as probe,
@@ -330,27 +262,32 @@ def per_device(result: dict[str, Any], num_processes: int, sharding: str) -> dic
 
 
 def _measured(
-    config: TrainConfig, spec: Any, model: Any, optimizer: Any, step_memory: dict[str, Any]
+    config: TrainConfig,
+    spec: Any,
+    lr: float,
+    model: Any,
+    optimizer: Any,
+    step_memory: dict[str, Any],
 ) -> dict[str, Any]:
     """What a run's metrics JSON would say (the same fields, computed the same way as
     ``effitrain.train`` does), from the fake model and optimizer after the measured step."""
-    from effitrain import levers
+    import effitrain.levers as levers
 
     kind_peaks = step_memory.get("kind_peaks", {})
     return {
         "optimizer": spec.name,
         "optimizer_class": spec.class_path,
-        "lr": config.effective_lr,
-        "optimizer_state": memory.optimizer_state_ledger(optimizer).to_dict(),
-        "parameter_bytes": memory.parameter_bytes(model),
-        "trainable_parameters": memory.trainable_parameter_count(model),
-        "trainable_parameter_bytes": memory.trainable_parameter_bytes(model),
+        "lr": lr,
+        "optimizer_state": ledger.optimizer_state_ledger(optimizer).to_dict(),
+        "parameter_bytes": ledger.parameter_bytes(model),
+        "trainable_parameters": ledger.trainable_parameter_count(model),
+        "trainable_parameter_bytes": ledger.trainable_parameter_bytes(model),
         "gradient_bytes": kind_peaks.get("gradients", 0),
-        "adamw_equivalent_bytes": memory.adamw_equivalent_bytes(model),
-        "adamw_equivalent_elements": memory.adamw_equivalent_elements(model),
+        "adamw_equivalent_bytes": ledger.adamw_equivalent_bytes(model),
+        "adamw_equivalent_elements": ledger.adamw_equivalent_elements(model),
         "activation_bytes": kind_peaks.get("activations"),
         "peak_tensor_bytes": step_memory.get("peak_tensor_bytes"),
         "step_memory": step_memory,
         "levers": levers.active(config),
-        "baseline": memory.fp32_adamw_baseline(levers.original_parameters(model)),
+        "baseline": ledger.fp32_adamw_baseline(levers.original_parameters(model)),
     }

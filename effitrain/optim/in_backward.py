@@ -13,7 +13,7 @@ ordinary optimizer to the rest of effitrain:
   parameter's optimizer just before stepping it;
 - ``step()`` and ``zero_grad()`` do nothing more (the update already happened in backward);
 - ``state`` maps each parameter to its own optimizer's state, so
-  :func:`effitrain.memory.optimizer_state_ledger` counts it like any optimizer's;
+  :func:`effitrain.memory.ledger.optimizer_state_ledger` counts it like any optimizer's;
 - ``state_dict()`` is laid out like a normal optimizer's (``{"state": {index: …},
   "param_groups": [… "params": [index, …]]}``, indices in group order), so Accelerate's
   ``save_state``/``load_state`` checkpoint it, ``inspect-state`` reads it, and resume is exact.

@@ -1,4 +1,6 @@
-"""Causal-LM evaluation: token-weighted validation loss and perplexity, and a greedy sample.
+"""Causal-LM training: next-token loss on documents, prompt/completion, instruction or chat data
+(the pipeline is :mod:`.lm_data`), a ``*ForCausalLM`` model, and its evaluation: token-weighted
+validation loss and perplexity, and a greedy sample.
 
 Every token with a label counts once: each process sums the per-token losses of each sequence,
 ``gather_for_metrics`` drops the sequences that the last batch repeats to even out processes,
@@ -10,24 +12,32 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from effitrain.optim import set_train_mode
+import effitrain.models as models
+from effitrain.tasks.base import CAUSAL_LM, Prepared, Task
+from effitrain.tasks.lm_data import (
+    IGNORE_INDEX,
+    LMData,
+    build_lm_dataloaders,
+    check_packing,
+    load_lm_data,
+)
 
 if TYPE_CHECKING:
-    from effitrain.build import Run
+    from torch.utils.data import DataLoader
+
+    from effitrain.config import TrainConfig
 
 SAMPLE_TOKENS = 40
 """Tokens a ``--sample-prompt`` continuation runs to (greedy, stops earlier at eos)."""
 
 
-def evaluate_lm(run: Run) -> dict[str, Any]:
+def evaluate_lm(run: Prepared) -> dict[str, Any]:
     """Validation loss and perplexity over every labelled token; with a sample prompt (given,
     or the built-in demo's), its greedy continuation under ``"sample"``."""
     import torch
     import torch.nn.functional as F
 
     model, accelerator = run.model, run.accelerator
-    model.eval()
-    set_train_mode(run.optimizer, False)  # schedule-free: evaluate its averaged weights
     loss_sums, token_counts = [], []
     for batch in run.eval_loader:
         inputs = {k: v for k, v in batch.items() if k != "labels"}
@@ -36,10 +46,13 @@ def evaluate_lm(run: Run) -> dict[str, Any]:
         # Position t predicts token t + 1, as the model's own loss shifts the labels.
         labels = batch["labels"][:, 1:]
         token_loss = F.cross_entropy(
-            logits[:, :-1].float().transpose(1, 2), labels, ignore_index=-100, reduction="none"
+            logits[:, :-1].float().transpose(1, 2),
+            labels,
+            ignore_index=IGNORE_INDEX,
+            reduction="none",
         )
         sums, counts = accelerator.gather_for_metrics(
-            (token_loss.sum(dim=-1), (labels != -100).sum(dim=-1))
+            (token_loss.sum(dim=-1), (labels != IGNORE_INDEX).sum(dim=-1))
         )
         loss_sums.append(sums.double().cpu())
         token_counts.append(counts.cpu())
@@ -54,12 +67,10 @@ def evaluate_lm(run: Run) -> dict[str, Any]:
     prompt = sample_prompt(run)
     if prompt:
         metrics["sample"] = generate_sample(run, prompt)
-    model.train()
-    set_train_mode(run.optimizer, True)
     return metrics
 
 
-def sample_prompt(run: Run) -> str | None:
+def sample_prompt(run: Prepared) -> str | None:
     """``--sample-prompt``, else the demo corpus's own prompt when training on it."""
     config = run.config
     if config.sample_prompt is not None:
@@ -71,7 +82,7 @@ def sample_prompt(run: Run) -> str | None:
     return None
 
 
-def generate_sample(run: Run, prompt: str, max_new_tokens: int = SAMPLE_TOKENS) -> str:
+def generate_sample(run: Prepared, prompt: str, max_new_tokens: int = SAMPLE_TOKENS) -> str:
     """The greedy continuation of ``prompt`` (the new text only). With instruction or chat
     data, the prompt is a user turn rendered by the chat template the data was rendered with.
 
@@ -81,7 +92,7 @@ def generate_sample(run: Run, prompt: str, max_new_tokens: int = SAMPLE_TOKENS) 
 
     tokenizer = run.tokenizer
     model = run.accelerator.unwrap_model(run.model)
-    if run.info is not None and run.info.data_format in ("instruction", "messages"):
+    if run.data.format in ("instruction", "messages"):
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
         )
@@ -99,3 +110,45 @@ def generate_sample(run: Run, prompt: str, max_new_tokens: int = SAMPLE_TOKENS) 
         )
     new = output[0, encoded["input_ids"].shape[1] :]
     return tokenizer.decode(new, skip_special_tokens=True)
+
+
+class CausalLMTask(Task):
+    """Causal-LM training: ``*ForCausalLM``, packed or padded sequences, perplexity."""
+
+    name = CAUSAL_LM
+    speed_unit = "tokens"
+
+    def load_data(self, config: TrainConfig) -> LMData:
+        return load_lm_data(config)
+
+    def load_model(self, config: TrainConfig, data: LMData, tokenizer: Any) -> Any:
+        return models.load_causal_lm(config.model, tokenizer)
+
+    def model_from_config(self, config: TrainConfig, data: LMData | None, tokenizer: Any) -> Any:
+        return models.model_from_config(config.model, tokenizer, causal_lm=True)
+
+    def check_model(self, config: TrainConfig, data: LMData, model: Any) -> None:
+        check_packing(data, model.config.model_type, config)
+
+    def dataloaders(
+        self, config: TrainConfig, data: LMData, tokenizer: Any, pad_to_multiple_of: int | None
+    ) -> tuple[DataLoader, DataLoader]:
+        return build_lm_dataloaders(data, tokenizer, config, pad_to_multiple_of)
+
+    def evaluate(self, run: Prepared) -> dict[str, Any]:
+        return evaluate_lm(run)
+
+    def data_line(self, data: LMData, train_loader: Any) -> str:
+        plural = "s" if len(data.columns) > 1 else ""
+        sequences = len(train_loader.dataset) if train_loader is not None else 0
+        return (
+            f"{data.format} data in column{plural} {' + '.join(data.columns)}, "
+            + ("packed" if data.packing else "padded")
+            + f" into {sequences:,} training sequences"
+            + (", loss on completions only" if data.completion_only else "")
+        )
+
+    def fake_batch(self, tokenizer: Any, batch_size: int, length: int) -> dict[str, Any]:
+        batch = super().fake_batch(tokenizer, batch_size, length)
+        batch["labels"] = batch["input_ids"].clone()  # every token labelled, as a packed block
+        return batch

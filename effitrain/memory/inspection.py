@@ -12,7 +12,7 @@ rules:
   environment variable can flip the default, ``mmap`` so a 500 MB file is measured without being
   read into memory (sizes come from storage metadata; the data pages are never touched).
 
-Pure data: nothing here prints. Accounting reuses :func:`effitrain.memory.optimizer_state_ledger`.
+Pure data: nothing here prints. Accounting reuses :func:`effitrain.memory.ledger.optimizer_state_ledger`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import effitrain.memory as memory
 from effitrain.checkpoint import (
     METADATA_FILE,
     list_checkpoints,
@@ -34,6 +33,7 @@ from effitrain.checkpoint import (
     read_metadata,
 )
 from effitrain.errors import EffitrainError, first_line
+from effitrain.memory import ledger
 
 ZIP_MAGIC = b"PK\x03\x04"
 PICKLE_PROTO = b"\x80"
@@ -117,7 +117,7 @@ def _torchao_state_classes(names: list[str], path: Path) -> list[type]:
     Raises:
         EffitrainError: the checkpoint holds torchao state and torchao is not installed.
     """
-    from effitrain.optim_ao import STATE_CLASSES, state_classes
+    from effitrain.optim.low_bit import STATE_CLASSES, state_classes
 
     if not any(name in STATE_CLASSES for name in names):
         return []
@@ -274,7 +274,7 @@ def _flat_entry(entry: Mapping[str, Any]) -> dict[str, Any]:
     """A parameter's state with bitsandbytes' nested quantization state lifted to the top."""
     flat = {}
     for key, value in entry.items():
-        if key == memory.BNB_QUANT_STATE_KEY:
+        if key == ledger.BNB_QUANT_STATE_KEY:
             if isinstance(value, (list, tuple)) and value and isinstance(value[0], Mapping):
                 value = value[0]
             if isinstance(value, Mapping):
@@ -369,14 +369,14 @@ def _adam_mini_parameter(flat: Mapping[str, Any]) -> tuple[list[int] | None, str
 
 def _torchao_kind(value: Any) -> str | None:
     """'8-bit', '4-bit' or 'fp8' for torchao's optimizer-state subclasses, else None."""
-    from effitrain.optim_ao import STATE_CLASSES
+    from effitrain.optim.low_bit import STATE_CLASSES
 
     return STATE_CLASSES.get(f"{type(value).__module__}.{type(value).__qualname__}")
 
 
 def infer_optimizer(state_dict: Mapping[str, Any]) -> str:
     """A best guess at the optimizer class from its state keys and hyperparameters."""
-    from effitrain.optim_ao import OPTIMIZER_OF_STATE
+    from effitrain.optim.low_bit import OPTIMIZER_OF_STATE
 
     keys: set[str] = set()
     for entry in state_dict["state"].values():
@@ -455,7 +455,7 @@ class StateReport:
     optimizer_inferred: bool
     step: int | None
     param_groups: list[dict[str, Any]]
-    ledger: memory.OptimizerStateLedger
+    ledger: ledger.OptimizerStateLedger
     params: list[ParamState] = field(default_factory=list)
     """Every parameter's state, largest first."""
     adamw_equivalent_elements: int = 0
@@ -506,7 +506,7 @@ def _param_states(
                     parameter=label,
                     shape=shape,
                     elements=_numel(shape) if shape is not None else None,
-                    bytes=memory.optimizer_state_ledger({pid: entry}).bytes,
+                    bytes=ledger.optimizer_state_ledger({pid: entry}).bytes,
                     keys=list(_flat_entry(entry)),
                     second_moment=second,
                 )
@@ -531,13 +531,13 @@ def inspect_state(path: str | Path) -> StateReport:
     combined = {
         (i, pid): entry for i, sd in enumerate(state_dicts) for pid, entry in sd["state"].items()
     }
-    ledger = memory.optimizer_state_ledger(combined)
+    state_ledger = ledger.optimizer_state_ledger(combined)
     meta = source.metadata or {}
     saved_optimizer = meta.get("optimizer", {})
     names = saved_optimizer.get("param_names")
     params = _param_states(state_dicts, names if isinstance(names, list) else None)
     known = [p.elements for p in params if p.elements is not None]
-    adamw_elements, adamw_bytes = memory.adamw_state_size(known)
+    adamw_elements, adamw_bytes = ledger.adamw_state_size(known)
     groups = [g for sd in state_dicts for g in param_group_hyperparameters(sd["param_groups"])]
     step = source.step if source.step is not None else _step_of(state_dicts[0])
     return StateReport(
@@ -549,7 +549,7 @@ def inspect_state(path: str | Path) -> StateReport:
         optimizer_inferred=not saved_optimizer,
         step=step,
         param_groups=groups,
-        ledger=ledger,
+        ledger=state_ledger,
         params=params,
         adamw_equivalent_elements=adamw_elements,
         adamw_equivalent_bytes=adamw_bytes,

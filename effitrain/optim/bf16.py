@@ -44,7 +44,7 @@ from effitrain.errors import EffitrainError
 if TYPE_CHECKING:
     import torch
 
-    from effitrain.optim import OptimizerSpec, ParamGroups
+    from effitrain.optim.registry import OptimizerSpec, ParamGroups
 
 INSTALL = "pip install 'effitrain[bf16]'  (torch-optimi)"
 
@@ -126,7 +126,7 @@ def refusal(config: Any) -> str | None:
 def optimizer_spec(config: Any) -> OptimizerSpec:
     """The registry's spec for ``--optim``; with bf16 weights, its bf16 variant in its place
     (same name, lr and defaults; another class, state and factory)."""
-    from effitrain.optim import get_spec
+    from effitrain.optim.registry import get_spec
 
     spec = get_spec(config.optim)
     variant = BF16_VARIANTS.get(spec.name) if config.weights_dtype == "bf16" else None

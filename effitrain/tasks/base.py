@@ -1,0 +1,92 @@
+"""What a task is: the part of a run that differs between sequence classification and causal-LM
+training (the data pipeline, the model class, the loss, the evaluation, and the words the banner
+uses for them). Everything else (optimizers, levers, the loop, memory) is the same for both.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
+
+    from effitrain.config import TrainConfig
+
+SEQUENCE_CLASSIFICATION, CAUSAL_LM = "sequence-classification", "causal-lm"
+TASK_NAMES = (SEQUENCE_CLASSIFICATION, CAUSAL_LM)
+CAUSAL_LM_OPTIONS = ("packing", "completion_only_loss", "sample_prompt")
+"""Config fields that only causal-LM training takes."""
+
+
+class Prepared(Protocol):
+    """What evaluation reads of a built run (:class:`effitrain.build.Run` is one)."""
+
+    config: TrainConfig
+    accelerator: Any
+    model: Any
+    eval_loader: Any
+    data: Any
+    tokenizer: Any
+
+
+class Task:
+    """One task's pipeline. Methods import what they need when called, so that importing a
+    task (``--help``, the report) loads no torch."""
+
+    name: str
+    speed_unit: str
+    """What throughput counts: ``samples`` or ``tokens`` (padding left out)."""
+
+    def check_options(self, config: TrainConfig) -> None:
+        """Refuse options that belong to the other task (EffitrainError)."""
+
+    def load_data(self, config: TrainConfig) -> Any:
+        """The raw training and validation splits, with columns and format resolved."""
+        raise NotImplementedError
+
+    def load_model(self, config: TrainConfig, data: Any, tokenizer: Any) -> Any:
+        """The model to train: a preset (random init) or pretrained weights, in fp32."""
+        raise NotImplementedError
+
+    def model_from_config(self, config: TrainConfig, data: Any, tokenizer: Any) -> Any:
+        """The same model built from its config alone, no weights read (``effitrain estimate``
+        calls it on the meta device). ``data`` may be None where the model needs none."""
+        raise NotImplementedError
+
+    def check_model(self, config: TrainConfig, data: Any, model: Any) -> None:
+        """Fit the data options to the loaded model (may change ``data``, add notes)."""
+
+    def dataloaders(
+        self, config: TrainConfig, data: Any, tokenizer: Any, pad_to_multiple_of: int | None
+    ) -> tuple[DataLoader, DataLoader]:
+        """Tokenized, shuffled training and ordered evaluation loaders."""
+        raise NotImplementedError
+
+    def loss(self, model: Any, batch: dict[str, Any]) -> Any:
+        """The training loss of one micro-batch: the model's own (labels are in the batch)."""
+        return model(**batch).loss
+
+    def evaluate(self, run: Prepared) -> dict[str, Any]:
+        """Metrics over the whole validation set, each example counted once on all processes."""
+        raise NotImplementedError
+
+    def data_line(self, data: Any, train_loader: Any) -> str:
+        """The banner's words for what the data became (columns, labels, packing …)."""
+        raise NotImplementedError
+
+    def fake_batch(self, tokenizer: Any, batch_size: int, length: int) -> dict[str, Any]:
+        """A full batch as the collator makes it, every example ``length`` tokens long
+        (``effitrain estimate``)."""
+        import torch
+
+        batch = dict(
+            tokenizer(
+                ["a"] * batch_size,
+                padding="max_length",
+                truncation=True,
+                max_length=length,
+                return_tensors="pt",
+            )
+        )
+        batch["attention_mask"] = torch.ones_like(batch["attention_mask"])
+        return batch
