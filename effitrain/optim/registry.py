@@ -51,20 +51,19 @@ class OptimizerSpec:
     scratch: Defaults
     """Defaults for the built-in presets, trained from random init."""
     fine_tune: Defaults
-    """Defaults for pretrained weights, checked on real checkpoints (README, fine-tuning)."""
+    """Defaults for pretrained weights, chosen on real checkpoints (benchmarks/finetune/)."""
     description: str
     state: str
     """The state it keeps per parameter tensor."""
     bytes_per_param: str
-    """Optimizer-state bytes per trained parameter, measured (starts with the figure): the
-    distilbert-base preset (65.8M fp32 parameters) after one step, fine-tuning defaults
-    (tests/test_optimizer_costs.py re-measures it); then, optionally, a short note."""
+    """Optimizer-state bytes per trained parameter of the distilbert-base preset after one step
+    (starts with the figure, which a test re-measures); then, optionally, a short note."""
     factory: Callable[[ParamGroups, float], torch.optim.Optimizer]
     caveat: str = ""
     """Where its defaults are known not to learn (shown by ``effitrain optimizers``)."""
     lora: Defaults | None = None
-    """Defaults for LoRA adapters on pretrained weights (``--lora-rank``), where measured on the
-    fine-tuning benchmark (README, LoRA); None: the fine-tuning defaults."""
+    """Defaults for LoRA adapters on pretrained weights (``--lora-rank``), where the fine-tuning
+    benchmark chose them (benchmarks/finetune/); None: the fine-tuning defaults."""
     model_factory: Callable[[torch.nn.Module, ParamGroups, float], torch.optim.Optimizer] | None = (
         None
     )
@@ -187,11 +186,9 @@ def _lion_8bit(groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
 CAME_BETAS = (0.9, 0.999, 0.99)
 """CAME's betas here: its third (the confidence average's) at 0.99, not its paper's 0.9999.
 
-None of CAME's moments is bias-corrected, and the update divides by the root of the confidence
-average: at 0.9999 that average is ``1 - 0.9999**t`` of its settled value (0.3 % at step 30), which
-makes early updates up to ~18x larger than the lr says (at step 30; still 2x at step 3,000). At
-0.99 it is 1.5x at step 60. With the paper's betas the lr that suited one fine-tuning run
-failed another (README's benchmark).
+None of CAME's moments is bias-corrected and its update divides by the root of the confidence
+average, which starts at ``1 - beta3**t`` of its settled value: at 0.9999 early updates are many
+times larger than the lr says for thousands of steps (see docs/optimizers.md).
 """
 
 
@@ -282,8 +279,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             state="step, exp_avg_sq_row/col (>=2-D) or exp_avg_sq, RMS",
             bytes_per_param="0.01 (fp32 state, factored as adafactor)",
             factory=_adafactor_hf,
-            # All levers on MiniLM (README, Memory levers): 0.697 / 0.780.
-            lora=Defaults(2e-3, 0.1, "linear"),
+            lora=Defaults(2e-3, 0.1, "linear"),  # as adamw's (benchmarks/levers/)
         ),
         OptimizerSpec(
             name="adamw-8bit",
@@ -309,7 +305,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             state="momentum_buffer",
             bytes_per_param="4.00",
             factory=_sgd,
-            caveat="its defaults fail the demo from scratch and long texts (see README)",
+            caveat="its defaults fail the demo from scratch and long texts",  # docs/optimizers.md
         ),
         OptimizerSpec(
             name="adam-mini",
@@ -322,10 +318,9 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             state="step, m, vmean (per head or row), head/neuron_per_gpu; 1-D: m, v",
             bytes_per_param="4.01 (measured, distilbert-base)",
             # A quarter of AdamW's lr: a pretrained model's outlier features make its per-row and
-            # per-head steps up to 42x (MiniLM) and 78x (MPNet) Adam's on the weights that read
-            # them. At 2e-4 it ended at chance on the long reviews (both models) and on MPNet's
-            # pl-sentences; at 5e-5 it learns every task of the benchmark (README).
-            caveat="fine-tuning above lr 5e-5 failed long texts (README)",
+            # per-head steps far larger than Adam's on the weights that read them
+            # (docs/optimizers.md; benchmarks/finetune/).
+            caveat="fine-tuning above lr 5e-5 failed long texts (docs/optimizers.md)",
             factory=_adamw,  # unused: model_factory builds it (it partitions by name)
             model_factory=_adam_mini,
         ),
@@ -335,7 +330,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             module="torch",
             install="pip install 'torch>=2.9'",
             scratch=Defaults(1e-3, 0.06, "linear"),
-            # 2e-4 (AdamW's): 0.623 / 0.703 on the benchmark's MiniLM tasks (README).
+            # Above AdamW's 2e-4, at which it fell behind AdamW (benchmarks/finetune/).
             fine_tune=Defaults(5e-4, 0.1, "linear"),
             description="Muon on hidden matrices (lr matched to AdamW's RMS), AdamW on the rest",
             state="momentum_buffer (Muon); step, exp_avg, exp_avg_sq (AdamW)",
@@ -349,13 +344,13 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             module="pytorch_optimizer",
             install="pip install 'effitrain[galore]'  (pytorch-optimizer)",
             scratch=Defaults(1e-3, 0.06, "linear"),
-            # MiniLM, 2 epochs: 2e-4 gives 0.600 / 0.720, 1e-3 0.703 / 0.743 (AdamW 0.693 / 0.770).
+            # Above AdamW's 2e-4, at which it fell behind AdamW (benchmarks/finetune/).
             fine_tune=Defaults(1e-3, 0.1, "linear"),
             description="hidden matrices: Adam on SVD-projected gradients (rank <= 128); rest AdamW",
             state="exp_avg, exp_avg_sq (projected), projector.ortho_matrix (rank x n)",
             bytes_per_param="3.91 (measured, distilbert-base, rank 128)",
             factory=_by_model_only,
-            caveat="from scratch it learns slowly (demo: 0.67 after 5 epochs)",
+            caveat="from scratch it learns slowly (docs/optimizers.md)",
             model_factory=_galore,
         ),
         OptimizerSpec(
@@ -413,10 +408,8 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             class_path="pytorch_optimizer.CAME",
             module="pytorch_optimizer",
             install="pip install 'effitrain[came]'  (pytorch-optimizer)",
-            # The demo, 2 epochs, with CAME_BETAS: 5e-4 0.79, 1e-3 0.90, 2e-3 chance.
+            # Both lrs go with CAME_BETAS (lr sweeps: docs/optimizers.md).
             scratch=Defaults(1e-3, 0.06, "linear"),
-            # With its paper's betas 2e-4 gave 0.39 on vader-sent3 and 3e-5 failed MPNet's long
-            # reviews; with CAME_BETAS, 1e-4 (README).
             fine_tune=Defaults(1e-4, 0.1, "linear"),
             description="Adafactor-like factored second moment plus a factored confidence term",
             state="exp_avg; exp_avg_sq_row/col, exp_avg_res_row/col (1-D: exp_avg_sq); RMS",
@@ -429,12 +422,12 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             module="schedulefree",
             install="pip install 'effitrain[schedulefree]'  (schedulefree)",
             scratch=Defaults(2e-3, 0.06, "constant"),
-            # 5e-4 ended at chance on the benchmark's long reviews (0.487, MiniLM; README).
+            # AdamW's lr: a higher one failed the long reviews (benchmarks/finetune/).
             fine_tune=Defaults(2e-4, 0.1, "constant"),
             description="AdamW with iterate averaging instead of a schedule (eval mode: the average)",
             state="z, exp_avg_sq",
             bytes_per_param="8.00 (measured, distilbert-base)",
-            caveat="from scratch it learns slowly (demo: 0.71 after 2 epochs)",
+            caveat="from scratch it learns slowly (docs/optimizers.md)",
             factory=_adamw_schedule_free,
         ),
         OptimizerSpec(
