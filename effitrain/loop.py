@@ -233,11 +233,10 @@ def _measure_now(run: Run, progress: TrainingProgress, probe: StepMemoryProbe) -
 
     The optimizer state exists in it, as in every step after the first. Not an early one: the
     tracker's bookkeeping (a Python object per storage and per module event) leaves the C heap
-    laid out so that every later step grows it. Measured on all-MiniLM-L6-v2, batch 32, CPU:
-    with the second step tracked, the same bytes in use (381 MB) but a 107 MB larger malloc
-    arena from then on, and a peak RSS ~80 MiB higher. Late, the bookkeeping lands where RSS
-    already peaks, so the probe trims the heap first (``step_memory.return_freed_heap``). A run
-    stopped before that step (a signal) has no breakdown.
+    laid out so that every later step grows it, which would raise the run's peak RSS
+    (docs/memory.md). Late, the bookkeeping lands where RSS already peaks, so the probe trims
+    the heap first (:func:`effitrain.memory.step.return_freed_heap`). A run stopped before that
+    step (a signal) has no breakdown.
     """
     if progress.step_memory or probe.done or not run.config.memory_breakdown:
         return False

@@ -3,10 +3,8 @@
 What gets adapters (``--lora-target-modules``, else automatic): every Linear layer outside the
 head (peft's ``all-linear``), as QLoRA recommends. peft's own per-architecture default (BERT,
 RoBERTa, Llama, …: the attention query and value projections only, as in the LoRA paper) learned
-less on the fine-tuning benchmark: all-MiniLM-L6-v2, 2 epochs, AdamW at 1e-3, vader-sent3 /
-pl-sentences 0.650 / 0.710 with query and value, 0.710 / 0.740 with all-linear, against full
-fine-tuning's 0.693 / 0.770 (README, LoRA). ``--lora-target-modules query,value`` still chooses
-them; the banner names the layers chosen.
+less on the fine-tuning benchmark (benchmarks/finetune/, docs/levers.md).
+``--lora-target-modules query,value`` still chooses them; the banner names the layers chosen.
 
 The head trains in full through peft's ``modules_to_save``: every top-level module of the
 ``*ForSequenceClassification`` model outside its base model, and the base model's pooler where
