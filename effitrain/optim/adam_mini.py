@@ -23,7 +23,7 @@ ParamGroups = list[dict[str, Any]]  # as effitrain.optim's (not imported: it imp
 
 EXTRA_NAMES = {
     # DistilBERT (q_lin…) and MPNet (attention.attn.q…); BERT's query/key/value are already in
-    # Adam-mini's own sets. Without these, MPNet's four attention matrices fell through to one
+    # Adam-mini's own sets. Without these, MPNet's four attention matrices fall through to one
     # second moment per whole matrix.
     "wqk_names": ("q_lin", "k_lin", "attn.q", "attn.k"),
     "wv_names": ("v_lin", "attn.v"),

@@ -17,10 +17,10 @@ sgd          optimi.SGD, kahan_sum        exp_avg (momentum), kahan_comp   (4 by
 
 The rest have none and are refused (:func:`refusal`): no Adafactor in torch-optimi or torchao
 compensates its bf16 updates, and bitsandbytes' 8-bit AdamW rounds bf16 weights to nearest.
-torchao's ``_AdamW(bf16_stochastic_round=True)`` and ``AdamW8bit`` were left out: they
-``torch.compile`` every parameter shape on the first step (30 s for a two-layer toy model on
-this CPU) and draw random numbers for the rounding. With ``--lora-rank`` any optimizer is
-allowed: the trained adapters stay fp32 (the frozen base is what bf16 halves).
+Not torchao's ``_AdamW(bf16_stochastic_round=True)`` nor ``AdamW8bit``: they ``torch.compile``
+every parameter shape on the first step (slow to start on a CPU, see docs/levers.md) and draw
+random numbers for the rounding. With ``--lora-rank`` any optimizer is allowed: the trained
+adapters stay fp32 (the frozen base is what bf16 halves).
 
 The variants reproduce the registry's hyperparameters (torch's AdamW betas and eps, SGD momentum
 0.9 without dampening, L2 weight decay for SGD), so a bf16 run differs from its fp32 twin only in
@@ -28,8 +28,8 @@ precision. One known loss: optimi applies AdamW's decoupled weight decay (``w *=
 to the bf16 weight before the compensated step, so at fine-tuning lr it rounds away.
 Kahan summation uses no random numbers, so checkpoints resume bit-exactly.
 
-Nothing heavy is imported at module level: config.py reads :func:`refusal`. ``config`` arguments
-are :class:`effitrain.config.TrainConfig` (not imported: config.py imports this module).
+Nothing heavy is imported at module level: :func:`effitrain.levers.check_options` reads
+:func:`refusal` before anything is built.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from effitrain.errors import EffitrainError
 if TYPE_CHECKING:
     import torch
 
+    from effitrain.config import TrainConfig
     from effitrain.optim.registry import OptimizerSpec, ParamGroups
 
 INSTALL = "pip install 'effitrain[bf16]'  (torch-optimi)"
@@ -98,7 +99,7 @@ _NONE_BECAUSE = {
 }
 
 
-def refusal(config: Any) -> str | None:
+def refusal(config: TrainConfig) -> str | None:
     """Why ``config``'s weights dtype cannot work with its other options, or None.
 
     Only the dtype of the *trained* parameters matters: with LoRA they are fp32 adapters.
@@ -123,7 +124,7 @@ def refusal(config: Any) -> str | None:
     return None
 
 
-def optimizer_spec(config: Any) -> OptimizerSpec:
+def optimizer_spec(config: TrainConfig) -> OptimizerSpec:
     """The registry's spec for ``--optim``; with bf16 weights, its bf16 variant in its place
     (same name, lr and defaults; another class, state and factory)."""
     from effitrain.optim.registry import get_spec
@@ -142,7 +143,7 @@ def optimizer_spec(config: Any) -> OptimizerSpec:
     )
 
 
-def banner_line(config: Any) -> str | None:
+def banner_line(config: TrainConfig) -> str | None:
     """One line for the banner: the weights' dtype and the update rule, or None for fp32."""
     if config.weights_dtype != "bf16":
         return None
@@ -151,7 +152,7 @@ def banner_line(config: Any) -> str | None:
     return f"weights bf16 (parameters, gradients, optimizer state), {rule}"
 
 
-def cast_model(model: Any, config: Any) -> Any:
+def cast_model(model: Any, config: TrainConfig) -> Any:
     """Cast the model's floating-point parameters and buffers to bf16 (integer buffers such as
     position ids keep their dtype). Done before LoRA wraps the model, so its adapters stay fp32.
 

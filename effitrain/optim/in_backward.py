@@ -2,36 +2,20 @@
 its gradient is accumulated, and that gradient is freed at once, so the full set of gradients
 never exists.
 
-How: one optimizer per parameter, built by the registry's own factory (so every registry
-optimizer works), and a ``register_post_accumulate_grad_hook`` on each parameter that steps its
-optimizer and sets ``p.grad = None``. :class:`InBackwardOptimizer` holds them and looks like one
-ordinary optimizer to the rest of effitrain:
-
-- its ``param_groups`` are the real groups (the same parameters, lr, weight decay and every
-  other hyperparameter as the optimizer a normal run builds), so the one shared lr scheduler
-  (``optim.build_scheduler``) drives them; each hook copies its group's current lr into the
-  parameter's optimizer just before stepping it;
-- ``step()`` and ``zero_grad()`` do nothing more (the update already happened in backward);
-- ``state`` maps each parameter to its own optimizer's state, so
-  :func:`effitrain.memory.ledger.optimizer_state_ledger` counts it like any optimizer's;
-- ``state_dict()`` is laid out like a normal optimizer's (``{"state": {index: …},
-  "param_groups": [… "params": [index, …]]}``, indices in group order), so Accelerate's
-  ``save_state``/``load_state`` checkpoint it, ``inspect-state`` reads it, and resume is exact.
-
-Compared with torchtune (``optimizer_in_bwd``: a dict of per-parameter optimizers, a
-``OptimizerInBackwardWrapper`` whose state dict is keyed by parameter name, and an lr scheduler
-built on one of the optimizers whose ``step`` is patched to push the lr to all the others) and
-the Trainer's layer-wise optimizers (``LayerWiseDummyOptimizer`` with a dummy parameter, one
-scheduler per parameter stepped in the hook, no optimizer state in checkpoints): here the
-wrapper *is* the optimizer that Accelerate prepares, checkpoints and the memory ledger see,
-and its groups are the real ones, so the existing scheduler, checkpoint and inspection code work
-unchanged and a checkpoint has the same layout as a normal run's.
-
-Only imported when the lever is on (it imports torch at module level).
+One optimizer per parameter, built by the registry's own factory (so every per-parameter
+optimizer works), stepped by a ``register_post_accumulate_grad_hook`` that then sets
+``p.grad = None``. :class:`InBackwardOptimizer` holds them and *is* the optimizer that
+Accelerate prepares, the scheduler drives, checkpoints save and the ledger counts: its
+``param_groups`` are the real groups (each hook copies its group's current lr into the
+parameter's optimizer), ``step()``/``zero_grad()`` do nothing more, ``state`` is a view of the
+per-parameter states, and ``state_dict()`` has a normal optimizer's layout, so checkpoints,
+``inspect-state`` and exact resume need no special case (how this differs from torchtune's and
+the Trainer's versions: docs/levers.md).
 
 Rules (refused before anything is built, see ``TrainConfig._validate_optimizer_in_backward`` and
 ``levers.check_launch``): no global-norm clipping, no gradient accumulation, no fp16 loss
-scaling, one process only (the hook fires before DDP's all-reduce).
+scaling, one process only (the hook fires before DDP's all-reduce). Only imported when the
+lever is on (it imports torch at module level).
 """
 
 from __future__ import annotations

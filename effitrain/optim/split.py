@@ -328,10 +328,9 @@ def build_galore(model: torch.nn.Module, groups: ParamGroups, lr: float) -> torc
     top singular vectors (rank :func:`projection_rank`, SVD refreshed every 200 steps, scale
     0.25: the Trainer's defaults), plain AdamW (decoupled decay) on the other groups.
 
-    Not galore-torch 1.0 (the authors' package, what the Trainer uses; last release 2024-03):
-    it runs on torch 2.13, but its projector keeps ``Vh[:rank]``, a *view*, so the whole
-    min(m, n)² SVD factor stays alive per matrix (measured: 128×128 instead of 32×128 on the
-    tiny preset); pytorch-optimizer clones the slice.
+    Not galore-torch (the authors' package, what the Trainer uses): its projector keeps
+    ``Vh[:rank]``, a *view*, so the whole min(m, n)² SVD factor stays alive per matrix;
+    pytorch-optimizer clones the slice (docs/optimizers.md).
     """
     from pytorch_optimizer.optimizer.galore import GaLore
     from pytorch_optimizer.optimizer.utils.galore import GaLoreProjector
