@@ -14,11 +14,10 @@ synonyms, active or passive voice, and a fronted or trailing time phrase or clau
 Every sentence on its own is a plausible sentence of either label: only comparing the two
 sentences (content words, modulo synonyms) tells the labels apart.
 
-Why not MRPC's harder negatives (one word changed)? Measured on the tiny preset: with one to
-three slots changed, a 2-layer DistilBERT trained from scratch for the ~600 steps that fit in
-the demo's time budget stays at 0.5-0.8 validation accuracy; with every slot changed and a
-small vocabulary it passes 0.95. The demo has to show a loss that falls and an accuracy that
-rises within seconds on a laptop CPU, with every optimizer, so it takes the learnable version.
+Why not MRPC's harder negatives (one word changed)? The tiny preset, trained from scratch within
+the demo's time budget, does not learn them (docs/architecture.md, the demo). The demo has to
+show a loss that falls and an accuracy that rises within seconds on a laptop CPU, with every
+optimizer, so it takes the learnable version.
 """
 
 from __future__ import annotations
@@ -41,7 +40,8 @@ _PROPER = {
 }  # fmt: skip
 
 
-def _sample_meaning(rng: random.Random) -> Meaning:
+def sample_meaning(rng: random.Random) -> Meaning:
+    """A random meaning: a group per slot, optional slots absent (None) by chance."""
     meaning: Meaning = {}
     for slot, groups in SLOTS.items():
         if slot in _OPTIONAL and rng.random() >= _OPTIONAL[slot]:
@@ -68,7 +68,8 @@ def _proper_case(phrase: str) -> str:
 Style = dict  # {"form": {slot: index in group}, "passive": bool, "front": "time" | "clause" | None}
 
 
-def _random_style(rng: random.Random) -> Style:
+def random_style(rng: random.Random) -> Style:
+    """A random choice of synonyms, voice and fronted phrase."""
     return {
         "form": {slot: rng.randrange(3) for slot in SLOTS},
         "passive": rng.random() < 0.5,
@@ -89,7 +90,8 @@ def _restyle(style: Style, rng: random.Random) -> Style:
     return {"form": form, "passive": passive, "front": front}
 
 
-def _render(meaning: Meaning, style: Style) -> str:
+def render(meaning: Meaning, style: Style) -> str:
+    """The sentence that says ``meaning`` in ``style``."""
     word = {
         slot: (
             SLOTS[slot][value][style["form"][slot] % len(SLOTS[slot][value])]
@@ -147,12 +149,12 @@ def generate_pairs(
     out: list[tuple[str, str, int]] = []
     for label in labels:
         while True:
-            meaning = _sample_meaning(rng)
+            meaning = sample_meaning(rng)
             if _key(meaning) in exclude_meanings:
                 continue
             other = meaning if label == 1 else _perturb(meaning, rng)
-            style = _random_style(rng)
-            s1, s2 = _render(meaning, style), _render(other, _restyle(style, rng))
+            style = random_style(rng)
+            s1, s2 = render(meaning, style), render(other, _restyle(style, rng))
             if (s1, s2) in seen or (s1, s2) in exclude_pairs:
                 continue
             break

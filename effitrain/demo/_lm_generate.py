@@ -1,7 +1,7 @@
 """Deterministic generator of the causal-LM demo's documents (pure Python, no heavy imports).
 
 A document is a short news report of two to four sentences. The first sentence reports an
-event in the classification demo's style (``_generate._render``: who did what to what, and
+event in the classification demo's style (``_generate.render``: who did what to what, and
 maybe when, where and how); the sentences after it pick up that event: a spokesperson of the
 same subject on the same object, a vote count, a price, a reaction, a date for what comes next.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 
-from effitrain.demo._generate import _random_style, _render, _sample_meaning
+from effitrain.demo._generate import random_style, render, sample_meaning
 from effitrain.demo._lexicon import SLOTS
 
 _DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
@@ -35,8 +35,8 @@ _REACTIONS = (
 )
 _CRITICS = ("Critics", "Supporters", "Analysts", "Local residents")
 _ORDINALS = ("first", "second", "third")
-#: a few round prices: with 2-99 they were spread so thin that a greedy sample stuttered
-#: ("worth worth worth ...") instead of naming one
+#: a few round prices: spread over a wide range, each is too rare to learn and a greedy sample
+#: stutters ("worth worth worth ...") instead of naming one (docs/causal-lm.md)
 _PRICES = (5, 10, 15, 20, 25, 30, 40, 50)
 #: verb groups (indexes into ``SLOTS["verb"]``) that follow a vote, and that involve a price
 _VOTED = {0, 1}
@@ -84,14 +84,14 @@ def generate_documents(
     meanings: set[tuple] = set()
     out: list[str] = []
     while len(out) < n:
-        meaning = _sample_meaning(rng)
+        meaning = sample_meaning(rng)
         key = _meaning_key(meaning)
         if key in exclude_meanings:
             continue
         follow = _follow_ups(meaning, rng)
         # two to four sentences: the lead, then the first one to three follow-ups, in order
         keep = rng.randrange(1, min(3, len(follow)) + 1)
-        text = " ".join([_render(meaning, _random_style(rng)), *follow[:keep]])
+        text = " ".join([render(meaning, random_style(rng)), *follow[:keep]])
         if text in seen:
             continue
         seen.add(text)

@@ -115,9 +115,8 @@ def build_demo_corpus(
 def _trained_tokenizer_json() -> str:
     """The BPE tokenizer trained on the default corpus's train split, serialized.
 
-    Cached: training takes about a second, and each process trains once. The trainer is
-    deterministic (same text, same merges), so every process of a multi-process run gets the
-    same ids.
+    Cached, so each process trains it once. The trainer is deterministic (same text, same
+    merges), so every process of a multi-process run gets the same ids.
     """
     from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
     from tokenizers.models import BPE
