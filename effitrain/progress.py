@@ -2,8 +2,8 @@
 took (:class:`Stopwatch`).
 
 ``TrainingProgress.state_dict()`` is saved in every checkpoint's ``effitrain.json`` (its keys at
-the top level, as effitrain 0.1 wrote them) and ``load_state_dict`` restores it on resume, so a
-resumed run continues its counters, sums and evaluation history exactly.
+the top level) and ``load_state_dict`` restores it on resume, so a resumed run continues its
+counters, sums and evaluation history exactly.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from effitrain.errors import EffitrainError
 from effitrain.memory import ledger
 
 if TYPE_CHECKING:
@@ -50,8 +51,8 @@ class TrainingProgress:
     gradient_bytes: int = 0
     """Bytes of the gradients, measured once, at the first optimizer step."""
     step_memory: dict[str, Any] = field(default_factory=dict)
-    """The first optimizer step's tensor memory by kind (``StepMemory.to_dict()``; empty when
-    not measured)."""
+    """The measured optimizer step's tensor memory by kind (``StepMemory.to_dict()``; empty
+    when not measured)."""
     loss_history: list[dict[str, float]] = field(default_factory=list)
     """Every log line's ``{"step", "loss"}`` (the mean loss since the previous one)."""
 
@@ -161,15 +162,26 @@ class TrainingProgress:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict` output (``effitrain.json`` of a checkpoint)."""
+        """Continue from :meth:`state_dict` output (``effitrain.json`` of a checkpoint).
+
+        Raises:
+            EffitrainError: a field is missing (a checkpoint of another effitrain version).
+        """
         import torch
 
+        missing = [
+            name for name in (*(f.name for f in fields(self)), "window") if name not in state
+        ]
+        if missing or len(state["window"]) != _WINDOW:
+            raise EffitrainError(
+                f"the checkpoint's progress lacks {', '.join(missing) or 'a full window'}: it was "
+                "written by another effitrain version; start a new --output-dir"
+            )
         for f in fields(self):
-            default = _default(f)
-            # int(), float() and list() of the saved JSON values (gradient_bytes came later).
-            setattr(self, f.name, type(default)(state.get(f.name, default)))
-        window = [float(x) for x in state["window"]] if self._is_main_process else []
-        window += [0.0] * (_WINDOW - len(window))  # a checkpoint from before tokens were counted
+            # int(), float(), list() and dict() of the saved JSON values.
+            setattr(self, f.name, type(_default(f))(state[f.name]))
+        # The window was summed over processes when saved: only the main process takes it back.
+        window = [float(x) for x in state["window"]] if self._is_main_process else [0.0] * _WINDOW
         self._window = torch.tensor(window, device=self._window.device, dtype=torch.float64)
 
 

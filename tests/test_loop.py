@@ -302,24 +302,11 @@ def test_progress_state_dict_round_trip():
     assert other_rank.state_dict()["window"] == [0.0, 0.0, 0.0, 0.0]  # summed into the main's once
 
 
-def test_progress_reads_a_v0_1_checkpoint_without_gradient_bytes():
-    legacy = {
-        "format": "effitrain-checkpoint",
-        "version": 1,
-        "global_step": 7,
-        "epoch": 1,
-        "step_in_epoch": 1,
-        "total_loss": 3.5,
-        "total_batches": 7.0,
-        "total_samples": 28.0,
-        "window": [0.5, 1.0, 4.0],
-        "eval_history": [{"accuracy": 0.9, "epoch": 1, "step": 6}],
-    }
-    progress = TrainingProgress()
-    progress.load_state_dict(legacy)
-    assert (progress.global_step, progress.epoch, progress.step_in_epoch) == (7, 1, 1)
-    assert progress.gradient_bytes == 0 and progress.epoch_number == 2
-    assert progress.flush_window() == (0.5, 1.0, 4.0) and progress.train_loss == 0.5
+def test_progress_refuses_a_checkpoint_without_every_field():
+    state = TrainingProgress().state_dict()
+    del state["gradient_bytes"]
+    with pytest.raises(EffitrainError, match="lacks gradient_bytes: it was written by another"):
+        TrainingProgress().load_state_dict(state)
 
 
 def test_evaluation_mid_epoch_keeps_the_pointer():
