@@ -66,8 +66,8 @@ DTENSOR_INCOMPATIBLE = {
     "adamw-4bit": "torchao's AdamW4bit",
     "adamw-fp8": "torchao's AdamWFp8",
 }
-"""Optimizers that crash on FSDP2's DTensor parameters (checked with torch 2.13, bnb 0.50.2,
-torchao 0.18 on CPU/gloo: its AdamW8bit trains on FSDP2, 4-bit and FP8 crash in their step)."""
+"""Optimizers that crash on FSDP2's DTensor parameters (torchao's AdamW8bit trains; 4-bit and FP8
+crash in their step). Which versions and launches showed it: docs/distributed.md."""
 
 TORCHAO_OPTIMIZERS = {"adamw-8bit-ao": 256, "adamw-4bit": 128, "adamw-fp8": 256}
 """torchao's low-bit AdamW and its block size: it quantizes a local tensor only when it has at
@@ -87,8 +87,8 @@ def _flat_shard_note(what: str, optim: str) -> list[str]:
 NEEDS_2D_SHARDS = {
     "adam-mini": "Adam-mini's per-row and per-head blocks index 2-D weights (IndexError on 1-D)",
 }
-"""Optimizers that crash on FSDP1's and DeepSpeed ZeRO's flat 1-D shards (checked on FSDP1 with
-torch 2.13, adam-mini 1.1.1); FSDP2's row-sharded DTensors keep their shapes."""
+"""Optimizers that crash on FSDP1's and DeepSpeed ZeRO's flat 1-D shards (docs/distributed.md);
+FSDP2's row-sharded DTensors keep their shapes."""
 
 RANK_FIELDS = ("optimizer_state_bytes", "parameter_bytes", "peak_memory_bytes")
 """Per-rank byte counts that :func:`rank_totals` sums over ranks."""

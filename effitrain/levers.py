@@ -89,9 +89,9 @@ def check_launch(config: TrainConfig, state: Any) -> None:
 
         require_peft()
         if sharded:
-            # Untested here (FSDP and DeepSpeed need GPUs under Accelerate): peft under FSDP
-            # needs its own wrap policy and mixed frozen/trainable shards, and the adapters
-            # would have to be gathered from the shards for the final save.
+            # Refused, not left unverified: peft under FSDP needs its own wrap policy and mixed
+            # frozen/trainable shards, and the adapters would have to be gathered from the
+            # shards for the final save.
             raise EffitrainError(
                 f"--lora-rank is not supported under {sharding.description}: LoRA's base "
                 "weights are frozen, so plain DDP (accelerate launch --multi_gpu) or one process "
@@ -106,8 +106,8 @@ def check_launch(config: TrainConfig, state: Any) -> None:
             "gradients; run one process, or drop --optimizer-in-backward"
         )
     if config.weights_dtype == "bf16" and sharded:
-        # Untested here (FSDP and DeepSpeed need GPUs under Accelerate); both bring their own
-        # low-precision parameters, and optimi's Kahan buffers are not sharding-aware.
+        # Refused, not left unverified: both bring their own low-precision parameters, and
+        # optimi's Kahan buffers are not sharding-aware.
         raise EffitrainError(
             f"--weights-dtype bf16 is not supported under {sharding.description}: use its "
             "own bf16 (FSDP's mixed-precision policy, DeepSpeed's bf16 section) with "

@@ -72,11 +72,10 @@ PACKING_KEEPS_DOCUMENTS_APART = frozenset(
     }
 )  # fmt: skip
 """Architectures (``config.model_type``) whose attention follows per-document position_ids in
-a packed block (transformers 5.24, sdpa and eager: packed logits equal each document's alone;
-``scripts/lm_packing.py --architectures`` re-checks)."""
+a packed block: packed logits equal each document's alone (benchmarks/causal_lm/ re-checks)."""
 
 PACKING_MIXES_DOCUMENTS = frozenset({"opt", "bloom", "mpt", "xglm", "biogpt"})
-"""Architectures measured to let packed documents attend to each other."""
+"""Architectures that let packed documents attend to each other (benchmarks/causal_lm/)."""
 
 
 def check_packing(data: LMData, model_type: str, config: TrainConfig) -> None:
@@ -96,7 +95,7 @@ def check_packing(data: LMData, model_type: str, config: TrainConfig) -> None:
             )
         data.notes.append(
             f"--packing with {model_type}: not verified to keep packed documents apart "
-            "(scripts/lm_packing.py --architectures checks it)"
+            "(benchmarks/causal_lm/ checks it)"
         )
         return
     data.packing = False
