@@ -207,8 +207,8 @@ class TrainConfig:
     memory_breakdown: bool = _opt(
         True,
         "Measure one optimizer step's memory by kind (activations, gradients, state, peak "
-        "tensors). That step (one of the last two) runs 2-5x slower and is left out of the time "
-        "per step; --no-memory-breakdown skips it.",
+        "tensors). That step (one of the last two) runs several times slower and is left out "
+        "of the time per step; --no-memory-breakdown skips it.",
     )
     quiet: bool = _opt(False, "Only print the final results (no progress, no per-epoch lines).")
 

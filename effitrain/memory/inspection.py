@@ -9,7 +9,7 @@ rules:
   import *before* anything is loaded; any global outside torch's weights-only allowlist is
   refused, and there is no fallback to a full unpickle;
 - ``torch.load(..., weights_only=True, mmap=True)``, explicitly: ``weights_only`` because an
-  environment variable can flip the default, ``mmap`` so a 500 MB file is measured without being
+  environment variable can flip the default, ``mmap`` so a large file is measured without being
   read into memory (sizes come from storage metadata; the data pages are never touched).
 
 Pure data: nothing here prints. Accounting reuses :func:`effitrain.memory.ledger.optimizer_state_ledger`.

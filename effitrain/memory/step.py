@@ -5,8 +5,8 @@ Measured once per run, over one optimizer step (every micro-batch of it; one of 
 two, see ``effitrain.build.Plan.measured_step``), with PyTorch's ``MemTracker``
 (``torch.distributed._tools.mem_tracker``, torch >= 2.5). It is a ``TorchDispatchMode``: it sees
 every tensor an operator creates, keeps a weak reference to its storage, and knows when the storage
-dies, so it counts live tensor bytes on every device, **CPU included**, without the ~300 MiB of
-libraries that make up most of a CPU process's RSS. It files each storage under a kind: parameters
+dies, so it counts live tensor bytes on every device, **CPU included**, without the libraries
+that make up most of a CPU process's RSS. It files each storage under a kind: parameters
 and buffers (given to it), gradients (found through gradient hooks), optimizer state (created
 inside ``optimizer.step()``: what the optimizer keeps, per
 :func:`effitrain.memory.ledger.optimizer_state_ledger`, is its state, the rest the step's working tensors,
@@ -193,8 +193,8 @@ def return_freed_heap() -> None:
     (freed tensors leave pages resident in it, in any training loop), and the tracker's own
     bookkeeping (a Python object per storage and module event) comes on top of that at the step's
     peak. Returning the free pages first leaves room for the bookkeeping within what the step
-    would have held anyway. It takes milliseconds; that one step faults its pages back in, and
-    it is left out of the time per step.
+    would have held anyway. It is cheap; that one step faults its pages back in, and it is left
+    out of the time per step.
     """
     import contextlib
     import ctypes
