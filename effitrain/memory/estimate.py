@@ -146,7 +146,8 @@ def estimate(config: TrainConfig) -> dict[str, Any]:
         model.train()
         optimizer = configured_optimizer(config, model, spec, lr)
         set_train_mode(optimizer, True)  # as fit() does (schedule-free)
-        # As effitrain.tasks.sources.tokenize: capped by the tokenizer's model_max_length.
+        # As the tasks tokenize (classification.tokenize, lm_data.tokenize_lm): capped by the
+        # tokenizer's model_max_length.
         length = min(config.max_length, tokenizer.model_max_length)
         batch = task.fake_batch(tokenizer, config.batch_size, length)
         if spec.module == "torchao":

@@ -400,7 +400,7 @@ def infer_optimizer(state_dict: Mapping[str, Any]) -> str:
         return "CAME (pytorch_optimizer.CAME)"
     if keys & {"exp_avg_sq_row", "exp_avg_sq_col", "RMS"}:
         return "transformers.optimization.Adafactor"
-    if "projector" in keys:  # GaLore/APOLLO (optim_split.keep_projectors_in_state_dict)
+    if "projector" in keys:  # GaLore/APOLLO (optim.split.keep_projectors_in_state_dict)
         if {"seed", "scaled_grad"} & keys:
             return "apollo_torch.APOLLOAdamW (APOLLO)"
         return "pytorch_optimizer.GaLore (GaLore)"
