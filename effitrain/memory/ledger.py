@@ -299,62 +299,77 @@ def optimizer_state_ledger(optimizer_or_state: Any) -> OptimizerStateLedger:
     When several state tensors are views into one flat buffer, the whole buffer is charged to
     the first key that reaches it; totals stay exact.
     """
-    import torch
+    walk = _StateWalk()
+    for entry in _state_mapping(optimizer_or_state).values():
+        if isinstance(entry, Mapping):
+            walk.add_entry(entry)
+    return walk.finish()
 
-    state = _state_mapping(optimizer_or_state)
-    ledger = OptimizerStateLedger()
-    dedup = _Dedup()
-    dtypes: dict[str, set[str]] = {}
 
-    def usage(key: str) -> StateKeyUsage:
-        if key not in ledger.by_key:
-            ledger.by_key[key] = StateKeyUsage()
-            dtypes[key] = set()
-        return ledger.by_key[key]
+class _StateWalk:
+    """Fills one :class:`OptimizerStateLedger` by the rules of :func:`optimizer_state_ledger`,
+    each storage counted once over the whole walk."""
 
-    def visit(key: str, value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            entry = usage(key)
-            new, nbytes, elements, seen_dtypes = dedup.add(value)
-            dtypes[key].update(seen_dtypes)
-            if new:
-                entry.tensors += 1
-            entry.bytes += nbytes
-            entry.elements += elements
-            return
-        scalar = _python_scalar_dtype(value)
-        if scalar is not None:
-            entry = usage(key)
-            dtypes[key].add(scalar)
-            entry.elements += 1
-            entry.bytes += PYTHON_SCALAR_BYTES
-            return
-        if isinstance(value, Mapping):
+    def __init__(self) -> None:
+        import torch
+
+        self._tensor_type = torch.Tensor
+        self.ledger = OptimizerStateLedger()
+        self._dedup = _Dedup()
+        self._dtypes: dict[str, set[str]] = {}
+
+    def add_entry(self, entry: Mapping[Any, Any]) -> None:
+        """One parameter's state entry."""
+        self.ledger.params_with_state += len(entry) > 0
+        for key, value in entry.items():
+            self._visit(str(key), value)
+
+    def finish(self) -> OptimizerStateLedger:
+        """The ledger, with its dtypes sorted and its totals summed over the keys."""
+        ledger = self.ledger
+        for key, usage in ledger.by_key.items():
+            usage.dtypes = sorted(self._dtypes[key])
+            ledger.tensors += usage.tensors
+            ledger.elements += usage.elements
+            ledger.bytes += usage.bytes
+        return ledger
+
+    def _usage(self, key: str) -> StateKeyUsage:
+        if key not in self.ledger.by_key:
+            self.ledger.by_key[key] = StateKeyUsage()
+            self._dtypes[key] = set()
+        return self.ledger.by_key[key]
+
+    def _visit(self, key: str, value: Any) -> None:
+        if isinstance(value, self._tensor_type):
+            self._add_tensor(key, value)
+        elif (scalar := _python_scalar_dtype(value)) is not None:
+            usage = self._usage(key)
+            self._dtypes[key].add(scalar)
+            usage.elements += 1
+            usage.bytes += PYTHON_SCALAR_BYTES
+        elif isinstance(value, Mapping):
             for child_key, child in value.items():
                 child_name = str(child_key)
                 if key and key != BNB_QUANT_STATE_KEY:
                     child_name = f"{key}.{child_name}"
-                visit(child_name, child)
-            return
-        if isinstance(value, (list, tuple)):
+                self._visit(child_name, child)
+        elif isinstance(value, (list, tuple)):
             for item in value:
-                visit(key, item)
-            return
-        attributes = getattr(value, "__dict__", None)
-        if isinstance(attributes, dict) and not isinstance(value, type) and not callable(value):
-            visit(key, attributes)
+                self._visit(key, item)
+        else:
+            attributes = getattr(value, "__dict__", None)
+            if isinstance(attributes, dict) and not isinstance(value, type) and not callable(value):
+                self._visit(key, attributes)
 
-    for entry in (e for e in state.values() if isinstance(e, Mapping)):
-        ledger.params_with_state += len(entry) > 0
-        for key, value in entry.items():
-            visit(str(key), value)
-
-    for key, entry in ledger.by_key.items():
-        entry.dtypes = sorted(dtypes[key])
-        ledger.tensors += entry.tensors
-        ledger.elements += entry.elements
-        ledger.bytes += entry.bytes
-    return ledger
+    def _add_tensor(self, key: str, tensor: torch.Tensor) -> None:
+        usage = self._usage(key)
+        new, nbytes, elements, seen_dtypes = self._dedup.add(tensor)
+        self._dtypes[key].update(seen_dtypes)
+        if new:
+            usage.tensors += 1
+        usage.bytes += nbytes
+        usage.elements += elements
 
 
 # --------------------------------------------------------------------------------------------
