@@ -200,19 +200,8 @@ def optimizer_memory(obj: Any) -> OptimizerMemory:
     return _from_optimizer(obj)
 
 
-def _unwrap(optimizer: Any) -> Any:
-    # The same unwrapping as ledger.optimizer_state_ledger: Accelerate (and others) keep the
-    # real optimizer in .optimizer.
-    for _ in range(8):
-        inner = getattr(optimizer, "optimizer", None)
-        if inner is None or inner is optimizer or not hasattr(inner, "state"):
-            break
-        optimizer = inner
-    return optimizer
-
-
 def _from_optimizer(obj: Any) -> OptimizerMemory:
-    optimizer = _unwrap(obj)
+    optimizer = ledger.unwrap_optimizer(obj)
     groups = getattr(optimizer, "param_groups", None)
     if not isinstance(getattr(optimizer, "state", None), Mapping) or not isinstance(groups, list):
         raise TypeError(

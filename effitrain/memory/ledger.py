@@ -41,6 +41,7 @@ __all__ = [
     "tensor_storage",
     "trainable_parameter_bytes",
     "trainable_parameter_count",
+    "unwrap_optimizer",
 ]
 
 BNB_QUANT_STATE_KEY = "__bnb_optimizer_quant_state__"
@@ -238,6 +239,17 @@ class _Dedup:
 # --------------------------------------------------------------------------------------------
 
 
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The optimizer inside wrappers that keep it as ``.optimizer`` (Accelerate's
+    ``AcceleratedOptimizer`` and similar); ``optimizer`` itself when it is not wrapped."""
+    for _ in range(8):
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None or inner is optimizer or not hasattr(inner, "state"):
+            break
+        optimizer = inner
+    return optimizer
+
+
 def _state_mapping(optimizer_or_state: Any) -> Mapping[Any, Any]:
     obj = optimizer_or_state
     if isinstance(obj, Mapping):
@@ -245,13 +257,7 @@ def _state_mapping(optimizer_or_state: Any) -> Mapping[Any, Any]:
         if "state" in obj and "param_groups" in obj and isinstance(obj["state"], Mapping):
             return obj["state"]
         return obj
-    # accelerate's AcceleratedOptimizer (and similar wrappers) keep the real one in .optimizer
-    for _ in range(8):
-        inner = getattr(obj, "optimizer", None)
-        if inner is None or inner is obj or not hasattr(inner, "state"):
-            break
-        obj = inner
-    state = getattr(obj, "state", None)
+    state = getattr(unwrap_optimizer(obj), "state", None)
     if not isinstance(state, Mapping):
         raise TypeError(
             f"expected a torch optimizer or a state mapping, got {type(optimizer_or_state).__name__}"
