@@ -100,6 +100,19 @@ def smollm2_folder(dest: Path) -> Path:
     return dest
 
 
+def tiny_folder(dest: Path) -> Path:
+    """effitrain's tiny preset (random init, about 1M parameters) saved as a checkpoint folder:
+    a stand-in for a pretrained model in trial runs, built offline in seconds."""
+    if (dest / "config.json").exists():
+        return dest
+    from effitrain.models import load_model, load_tokenizer
+
+    tokenizer = load_tokenizer("tiny")
+    load_model("tiny", ["0", "1"], tokenizer).save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+    return dest
+
+
 def save_half(source: Path, dest: Path) -> Path:
     """A copy of a checkpoint folder with its floating weights in fp16 (half the bytes), for
     carrying to a machine without network; :func:`restore_fp32` undoes the dtype there."""

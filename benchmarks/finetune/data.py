@@ -174,6 +174,18 @@ def build(
     return folders
 
 
+def demo_task(out: Path, train: int = 256, dev: int = 64) -> Path:
+    """effitrain's built-in demo data as a task folder (``train.csv``, ``dev.csv``), offline:
+    for trial runs of the benchmarks that take a task folder."""
+    from effitrain.demo import build_demo_dataset
+
+    splits = build_demo_dataset(seed=3, num_train=train, num_validation=dev)
+    out.mkdir(parents=True, exist_ok=True)
+    splits["train"].to_csv(out / "train.csv", index=False)
+    splits["validation"].to_csv(out / "dev.csv", index=False)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
