@@ -141,16 +141,17 @@ def run_one(
     configuration: Configuration, common: list[str], metrics_path: Path
 ) -> tuple[dict[str, Any] | None, str]:
     """One ``effitrain train`` (or the configuration's own program) in a fresh process: its
-    metrics, with the process's wall time and peak RSS under ``process``, or None and its error
-    line. Its output is kept beside the metrics (``.log``)."""
+    metrics, with the process's wall time, peak RSS and output file under ``process``, or None
+    and its error line. Its output is kept beside the metrics (``.log``)."""
     command = configuration.command(common, metrics_path)
     proc, usage = run_process(command, {**os.environ, **configuration.env})
-    metrics_path.with_suffix(".log").write_text(proc.stdout + proc.stderr)
+    log = metrics_path.with_suffix(".log")
+    log.write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
         errors = [line for line in lines if line.startswith("error:")]
         return None, (errors or lines or [f"exit code {proc.returncode}"])[-1]
-    return {**json.loads(metrics_path.read_text()), "process": usage}, ""
+    return {**json.loads(metrics_path.read_text()), "process": {**usage, "output": str(log)}}, ""
 
 
 def summarize(configuration: Configuration, runs: list[dict[str, Any]]) -> dict[str, Any]:
