@@ -8,6 +8,10 @@ time per step is the median over repeats. Written to the output folder: ``compar
 row and every run), ``compare.csv`` (one line per configuration) and ``compare.png`` (stacked
 memory bars and the loss curves; matplotlib, the ``plot`` extra).
 
+The benchmarks (``benchmarks/``) run their configurations through the same runner: a
+configuration may set its own environment or a baseline ``program`` that is not effitrain, and
+:func:`compare` takes callbacks for what a benchmark derives from each run.
+
 Heavy imports (matplotlib) happen inside functions.
 """
 
@@ -151,7 +155,9 @@ def run_one(
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
         errors = [line for line in lines if line.startswith("error:")]
         return None, (errors or lines or [f"exit code {proc.returncode}"])[-1]
-    return {**json.loads(metrics_path.read_text()), "process": {**usage, "output": str(log)}}, ""
+    metrics = {**json.loads(metrics_path.read_text()), "process": {**usage, "output": str(log)}}
+    metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")  # the file as compare.json has it
+    return metrics, ""
 
 
 def summarize(configuration: Configuration, runs: list[dict[str, Any]]) -> dict[str, Any]:

