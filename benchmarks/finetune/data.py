@@ -177,8 +177,11 @@ def build(
 def demo_task(out: Path, train: int = 256, dev: int = 64) -> Path:
     """effitrain's built-in demo data as a task folder (``train.csv``, ``dev.csv``), offline:
     for trial runs of the benchmarks that take a task folder."""
+    from datasets.utils.logging import disable_progress_bar
+
     from effitrain.demo import build_demo_dataset
 
+    disable_progress_bar()
     splits = build_demo_dataset(seed=3, num_train=train, num_validation=dev)
     out.mkdir(parents=True, exist_ok=True)
     splits["train"].to_csv(out / "train.csv", index=False)

@@ -113,12 +113,18 @@ def score(row: common.Row) -> str:
     return text + (f" ({row['f1']:.3f})" if isinstance(row.get("f1"), float) else "")
 
 
+DETAILS = ("history", "wall_seconds", "ms_per_step", "peak_memory_bytes", "tracked_step", "error")
+"""What only the table of every run shows."""
+
+
 def render(run: common.Run) -> str:
-    """A summary (one line per model, optimizer and variant; a column per task), then every run
-    with its per-epoch accuracy and wall time where the run recorded them."""
+    """One task: every run. More: a summary (one line per model, optimizer and variant; a
+    column per task), then every run where the runs recorded more than the summary shows."""
     rows = run["rows"]
+    if len({row["task"] for row in rows}) == 1:
+        return runs_table(rows)
     parts = [summary_table(rows)]
-    if any("history" in row or "wall_seconds" in row for row in rows):
+    if any(key in row for row in rows for key in DETAILS):
         parts.append(f"<details><summary>each run ({len(rows)})</summary>\n\n{runs_table(rows)}")
         parts.append("</details>")
     return "\n\n".join(parts)
@@ -153,12 +159,13 @@ def runs_table(rows: list[common.Row]) -> str:
         "history": lambda h: " ".join(f"{a:.2f}" for a in h), "wall_seconds": "{:.0f} s".format,
         "ms_per_step": "{:.1f}".format, "optimizer_state_bytes": common.size,
         "peak_memory_bytes": common.size, "tracked_step": str, "error": str,
+        "trainable_parameters": "{:,}".format,
     }  # fmt: skip
     headers = {
         "lr": "lr", "accuracy": "accuracy", "f1": "F1", "history": "per epoch", "wall_seconds": "wall",
         "ms_per_step": "ms/step", "optimizer_state_bytes": "optimizer state",
         "peak_memory_bytes": "peak (run)", "tracked_step": "tracked step: tracker / CUDA",
-        "error": "error",
+        "error": "error", "trainable_parameters": "trainable parameters",
     }  # fmt: skip
     places = ("task", "optimizer", "variant")
     if len({row["model"] for row in rows}) > 1:
