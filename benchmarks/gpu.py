@@ -187,11 +187,13 @@ def prepare(args: argparse.Namespace) -> int:
     build(GPU_DIR / "data", GPU_DIR / "sdists", 960, 300, tasks=("pl-sentences",))
     shutil.rmtree(GPU_DIR / "sdists", ignore_errors=True)
     download = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                "--python-version", args.python_version, "--platform", "manylinux2014_x86_64",
-                "--platform", "manylinux_2_28_x86_64"]  # fmt: skip
-    subprocess.run([*download, "-d", str(GPU_DIR / "wheels"), *WHEELS], check=True)
-    subprocess.run([*download, "-d", str(GPU_DIR / "fallback"), *FALLBACK], check=True)
-    subprocess.run([*download, "-d", str(GPU_DIR / "bnb"), "bitsandbytes"], check=True)
+                "--python-version", args.python_version, "-d"]  # fmt: skip
+    for tag in ("manylinux2014_x86_64", "manylinux_2_24_x86_64", "manylinux_2_28_x86_64"):
+        download[-1:-1] = ["--platform", tag]
+    pinned = [tested(name) for name in WHEELS]
+    subprocess.run([*download, str(GPU_DIR / "wheels"), *pinned], check=True)
+    subprocess.run([*download, str(GPU_DIR / "fallback"), *FALLBACK], check=True)
+    subprocess.run([*download, str(GPU_DIR / "bnb"), tested("bitsandbytes")], check=True)
     keep_bitsandbytes(GPU_DIR / "bnb", GPU_DIR / "site", args.cuda)
     size = sum(p.stat().st_size for p in GPU_DIR.rglob("*") if p.is_file())
     print(
@@ -199,6 +201,17 @@ def prepare(args: argparse.Namespace) -> int:
         + (" (over the 64 MiB a call may carry)" if size > 64 * 2**20 else "")
     )
     return 0
+
+
+def tested(name: str) -> str:
+    """``name==version`` of the release installed here (the one the benchmarks ran with), or
+    just ``name`` where it is not installed."""
+    from importlib import metadata
+
+    try:
+        return f"{name}=={metadata.version(name)}"
+    except metadata.PackageNotFoundError:
+        return name
 
 
 def keep_bitsandbytes(wheels: Path, site: Path, cuda: str) -> None:
