@@ -16,7 +16,8 @@ Then, on the GPU machine: (1) setup: the wheels installed into a scratch folder 
 see on PYTHONPATH (datasets falls back to an older release where the machine's pyarrow is too
 old), MiniLM restored to fp32; (2) the timing-sensitive benchmarks alone, one after the other
 (vs_trainer, loop_overhead); (3) the rest at once (memory is per process; their times are
-indicative only). Each benchmark writes its run, named ``gpu`` (or as its GPU_ARGS say), into
+indicative only), with two checks that only a GPU shows, logged only: FSDP2 at world size 1 and
+the tests whose numbers differ on CUDA. Each benchmark writes its run, named ``gpu`` (or as its GPU_ARGS say), into
 its own results.json and renders its README, exactly as when run by hand; the logs go to --out.
 """
 
@@ -63,7 +64,28 @@ class Step:
     """Timing-sensitive: runs with nothing else on the machine."""
     seconds: int
     """Its share of the budget: killed after this long."""
+    command: tuple[str, ...] = ()
+    """Not a benchmark: a check of what only a GPU shows, logged only."""
 
+
+FSDP2 = " ".join(
+    f"accelerate launch --config_file configs/accelerate/fsdp2-full-shard.yaml --num_processes 1 "
+    f"-m effitrain train --optim {optim} --epochs 1 --save-strategy no --output-dir "
+    f'/tmp/fsdp2-{optim} --metrics-json /tmp/fsdp2-{optim}.json; echo "fsdp2 {optim}: exit $?";'
+    for optim in ("adamw", "adamw-8bit-ao", "adafactor")
+)
+"""FSDP2 at world size 1 (the code path, not the sharding): adamw and torchao's 8-bit train,
+adafactor is refused with one line before training."""
+GPU_TESTS = ("tests/test_step_memory.py", "tests/test_memory.py", "tests/test_bf16.py")
+"""The tests whose numbers differ on CUDA (step memory, the ledger, bf16 weights)."""
+CHECKS = [
+    Step("fsdp2", alone=False, seconds=220, command=("bash", "-c", FSDP2 + " true")),
+    Step("gpu-tests", alone=False, seconds=220, command=(
+        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+        *(test for test in GPU_TESTS if (REPO / test).exists()),
+    )),
+]  # fmt: skip
+"""Checks beside the benchmarks, on a GPU only (not with --smoke)."""
 
 PLAN = [
     Step("vs_trainer", alone=True, seconds=200),
@@ -82,6 +104,8 @@ SMOKE_ONLY = [Step("inspect_state", alone=False, seconds=300)]
 def arguments(step: Step, smoke: bool, device: str, results_dir: Path | None) -> list[str]:
     """The command line of one benchmark: its GPU_ARGS (or SMOKE_ARGS), the device, and a
     scratch results file for trials."""
+    if step.command:
+        return []
     module = importlib.import_module(f"benchmarks.{step.topic}.run")
     own = list(module.SMOKE_ARGS if smoke else module.GPU_ARGS)
     extra = ["--device", device]
@@ -97,7 +121,7 @@ def arguments(step: Step, smoke: bool, device: str, results_dir: Path | None) ->
 def run_step(step: Step, argv: list[str], out: Path, env: dict[str, str]) -> subprocess.Popen:
     """Start one benchmark in its own process group (so a timeout ends its children too)."""
     log = (out / f"{step.topic}.log").open("w")
-    command = [sys.executable, "-m", f"benchmarks.{step.topic}.run", *argv]
+    command = list(step.command) or [sys.executable, "-m", f"benchmarks.{step.topic}.run", *argv]
     log.write("$ " + " ".join(command) + "\n")
     log.flush()
     return subprocess.Popen(
@@ -247,20 +271,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.prepare:
         return prepare(args)
-    steps = [
-        s
-        for s in PLAN + (SMOKE_ONLY if args.smoke else [])
-        if not args.only or s.topic in args.only
-    ]
+    extra = SMOKE_ONLY if args.smoke else CHECKS
+    steps = [step for step in PLAN + extra if not args.only or step.topic in args.only]
     if args.dry_run:
         for step in steps:
-            argv_ = arguments(
-                step, args.smoke, args.device, args.out / "results" if args.smoke else None
-            )
+            results = args.out / "results" if args.smoke else None
+            what = step.command or ["python", "-m", f"benchmarks.{step.topic}.run",
+                                    *arguments(step, args.smoke, args.device, results)]  # fmt: skip
             when = "alone" if step.alone else "together"
-            print(
-                f"[{when}, at most {step.seconds} s] python -m benchmarks.{step.topic}.run {' '.join(argv_)}"
-            )
+            print(f"[{when}, at most {step.seconds} s] {' '.join(what)}")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
