@@ -143,14 +143,15 @@ def versions() -> dict[str, str]:
 
 
 def git_commit() -> str | None:
-    """The effitrain commit measured, with ``+changes`` when effitrain/ differs from it."""
+    """The effitrain commit measured, with ``+changes`` when effitrain/ or a benchmark's code
+    differs from it."""
     try:
         head = subprocess.run(
             ["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"],
             capture_output=True, text=True, check=True,
         ).stdout.strip()  # fmt: skip
         dirty = subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--", "effitrain"],
+            ["git", "-C", str(REPO), "status", "--porcelain", "--", "effitrain", "benchmarks/*.py"],
             capture_output=True, text=True, check=True,
         ).stdout.strip()  # fmt: skip
     except (OSError, subprocess.CalledProcessError):

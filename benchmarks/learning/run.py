@@ -187,7 +187,8 @@ def measure(args: argparse.Namespace, device: str) -> common.Run:
             env=common.device_env(device), program=[sys.executable, "-m", "effitrain", "train"],
         ))  # fmt: skip
     comparison = common.run_configurations(
-        configurations, [], args.work_dir, summarize=lambda c, runs: {"check": c.label, **judged(c, runs[0])}
+        configurations, [], args.work_dir, on_run=announce,
+        summarize=lambda c, runs: {"check": c.label, **judged(c, runs[0])},
     )  # fmt: skip
     rows += comparison.rows
     rows += [{"check": label, "error": error} for label, error in comparison.failed.items()]
@@ -202,6 +203,14 @@ def measure(args: argparse.Namespace, device: str) -> common.Run:
         "notes": [f"failed: {', '.join(failed)}"] if failed else ["every check passed its bar"],
         "failed": bool(failed),
     }  # fmt: skip
+
+
+def announce(configuration, metrics: dict) -> None:
+    """Each check's verdict as soon as its run ends (a whole run takes a while)."""
+    row = judged(configuration, metrics)
+    verdict = "passes" if row["bar"] is not None else "recorded (no bar)"
+    verdict = "fails: " + "; ".join(row["failed"]) if row["failed"] else verdict
+    print(f"{configuration.label}: {verdict}", file=sys.stderr, flush=True)
 
 
 def judged(configuration, metrics: dict) -> common.Row:
