@@ -29,9 +29,7 @@ def test_json_lines_name_the_broken_line(tmp_path, capfd, suffix):
     path = tmp_path / f"bad{suffix}"
     path.write_text("\n".join(rows) + "\n")
     message = _error(capfd, lambda: load_local_file(str(path), "train"))
-    assert message == (
-        f"cannot read '{path}' as json: line 7, column 20: Expecting ',' delimiter"
-    )
+    assert message == (f"cannot read '{path}' as json: line 7, column 20: Expecting ',' delimiter")
 
 
 def test_json_document_names_line_and_column(tmp_path, capfd):
