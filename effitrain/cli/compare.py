@@ -16,6 +16,7 @@ from effitrain.cli.options import (
     given,
     train_arguments,
 )
+from effitrain.cli.quiet import quiet_libraries
 
 if TYPE_CHECKING:
     from effitrain.compare import Comparison, Configuration
@@ -94,6 +95,7 @@ def compare(
     from scratch; a few minutes on a laptop CPU, offline.
     """
     with user_errors():
+        quiet_libraries()  # checking the configurations imports what they use
         from effitrain.compare import write_files
         from effitrain.report import print_comparison
 

@@ -16,6 +16,7 @@ from effitrain.cli.options import (
     config_fields,
     config_options,
 )
+from effitrain.cli.quiet import quiet_libraries
 
 SHOWN = (
     *("task", "model", "dataset", "dataset_config", "train_file", "validation_file"),
@@ -97,6 +98,7 @@ def estimate(
     option of `effitrain train`; those that change nothing a step holds are not listed.
     """
     with user_errors():
+        quiet_libraries()
         results, skipped = _estimates(config_file, overrides, optim, num_processes, sharding)
         measured = _load_metrics(compare_to) if compare_to else None
         against = _against(results, measured, compare_to) if measured is not None else None
@@ -118,7 +120,6 @@ def _estimates(
     """One estimate per optimizer of ``--optim``, with the other options as given; and the
     reasons for those that ``--optim all`` skipped."""
     from effitrain.build import checked_config
-    from effitrain.cli.quiet import quiet_libraries
     from effitrain.errors import EffitrainError
     from effitrain.memory.estimate import SHARDED, per_device
     from effitrain.memory.estimate import estimate as run_estimate
@@ -133,7 +134,6 @@ def _estimates(
     names = _names(optim or from_file.optim, OPTIMIZERS)
     for name in names:
         get_spec(name)
-    quiet_libraries()
     results, skipped = [], []
     for name in names:
         config = checked_config(config_file, _for_optimizer(overrides, name, names, fp32))

@@ -26,6 +26,7 @@ def train(
     defaults.
     """
     with user_errors():
+        quiet_libraries()
         from effitrain.build import checked_config
 
         config = checked_config(config_file, overrides)
@@ -34,7 +35,6 @@ def train(
 
 def run(config: TrainConfig) -> None:
     """Train with the run's one reporter, print the results, write the metrics JSON."""
-    quiet_libraries()
     from effitrain.report import Reporter, write_metrics_json
     from effitrain.signals import TrainingStopped
     from effitrain.train import train
