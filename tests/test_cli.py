@@ -47,6 +47,11 @@ def _help(*args: str) -> str:
 COMMANDS = ("train", "estimate", "compare", "inspect-state", "optimizers")
 
 
+def test_no_arguments_show_the_help(train_cli):
+    proc = train_cli()
+    assert proc.returncode == 0 and "Commands" in proc.stdout and "train" in proc.stdout
+
+
 def test_help_lists_commands_options_and_presets():
     top = _help()
     for command in COMMANDS:
@@ -79,9 +84,11 @@ def test_each_command_has_one_whole_line():
 
     top = _help()
     for info in app.registered_commands:
-        first = info.callback.__doc__.split("\n\n")[0]
+        first = info.help.split("\n\n")[0]
         assert "\n" not in first and first.endswith("."), first
         assert len(first) <= 100 and first in top, first
+        # Later paragraphs are one line each too, for the terminal to wrap.
+        assert "\n" not in info.help.replace("\n\n", ""), info.help
     assert "classifier or a causal LM" in top  # train trains both
 
 

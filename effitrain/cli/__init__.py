@@ -8,6 +8,7 @@ torch, transformers, accelerate and datasets stay out of ``sys.modules``).
 
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Any
 
@@ -52,11 +53,17 @@ class _Group(_Plain, TyperGroup):
             return super().invoke(ctx)
 
 
+def _paragraphs(doc: str) -> str:
+    """A docstring as help: each paragraph one line, for the terminal to wrap (typer's rich
+    mode keeps a docstring's line breaks)."""
+    return "\n\n".join(" ".join(part.split()) for part in inspect.cleandoc(doc).split("\n\n"))
+
+
 app = typer.Typer(
     name="effitrain",
     cls=_Group,
     help="Memory-efficient training for Hugging Face models, with the memory made visible.",
-    no_args_is_help=False,
+    no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
@@ -70,7 +77,7 @@ for name, command in (
     ("inspect-state", inspect_state.inspect_state),
     ("optimizers", optimizers.optimizers),
 ):
-    app.command(name, cls=_Command)(command)
+    app.command(name, cls=_Command, help=_paragraphs(command.__doc__ or ""))(command)
 
 
 def _show_version(value: bool) -> None:
