@@ -90,7 +90,7 @@ def estimate(
     *,
     overrides: dict[str, Any],
 ) -> None:
-    """Estimate a run's memory before training it, from fake tensors: nothing is loaded.
+    """Estimate a run's memory before training it, on fake tensors: no weights are loaded.
 
     Parameters, gradients, optimizer state, activations and peak tensor memory, as `effitrain
     train` measures them: the run's own training step runs on fake tensors (no weights are
