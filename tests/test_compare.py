@@ -64,6 +64,40 @@ def test_shared_arguments_default_and_given():
     assert "--max-steps" not in shared_arguments({"epochs": 1})  # epochs instead of 10 steps
 
 
+def test_the_default_comparison_trains_stably():
+    """With no options, the course's three run at learning rates that keep the random-init
+    distilbert-base shape from diverging, warming up over half the steps; --help says which.
+    Other optimizers, another model or --lr: the optimizers' own defaults."""
+    from effitrain.cli.compare import COURSE_LR, _configurations, _is_course, shared_arguments
+    from effitrain.cli.optimizers import short_number
+
+    assert _is_course(None, None, {}) and _is_course(None, None, {"max_steps": 20})
+    for optim, variants, given in [
+        ("adamw", None, {}),
+        (None, ["adamw"], {}),
+        (None, None, {"model": "tiny"}),
+        (None, None, {"lr": 1e-4}),
+    ]:
+        assert not _is_course(optim, variants, given)  # fmt: skip
+    common = shared_arguments({}, course=True)
+    assert common[-4:] == ["--warmup-ratio", "0.5", "--log-every", "1"]
+    assert "--warmup-ratio" not in shared_arguments({"warmup_steps": 2}, course=True)
+    rows = _configurations(None, None, common, 1, course=True)
+    assert {row.label: row.args for row in rows} == {
+        name: ["--optim", name, "--lr", short_number(lr)] for name, lr in COURSE_LR.items()
+    }
+    text = " ".join(_compare_help().split())
+    assert all(f"{name} {short_number(lr)}" in text for name, lr in COURSE_LR.items()), text
+
+
+def _compare_help() -> str:
+    from typer.testing import CliRunner
+
+    from effitrain.cli import app
+
+    return CliRunner().invoke(app, ["compare", "--help"], env={"COLUMNS": "200"}).stdout
+
+
 def test_max_steps_is_the_option_train_knows(train_cli, monkeypatch, tmp_path):
     """`compare --max-steps 5` (as train spells it) reaches every run; nothing is run here."""
     import effitrain.cli.compare as cli_compare

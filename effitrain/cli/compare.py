@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from effitrain.cli.errors import user_errors
+from effitrain.cli.optimizers import short_number
 from effitrain.cli.options import (
     PANELS,
     PRESET_NAMES,
@@ -25,6 +26,11 @@ RUNS = "Runs"
 
 DEFAULTS: dict[str, Any] = {"model": "distilbert-base", "batch_size": 8, "max_steps": 10}
 """compare's own defaults: the course's model shape, and runs short enough to compare several."""
+
+COURSE_LR = {"adamw": 3e-5, "adafactor": 3e-4, "adamw-8bit": 3e-5}
+"""The default comparison's learning rates, with half its steps warming up: the course's three
+optimizers train the random-init distilbert-base shape stably at these. Their defaults for
+training from scratch suit the small presets; at this size the first full step diverges."""
 
 NOT_SHARED = ("optim", "log_every", "sample_prompt", "lora_merge", *PANELS["Output"])
 """Train options that compare sets itself (each run's optimizer, its metrics and loss log) or
@@ -89,18 +95,22 @@ def compare(
 
     Each configuration trains in a fresh `effitrain train` process with the options given here;
     the table shows each memory part, the peaks, the time per step and the losses, and
-    compare.png draws the memory bars and the loss curves. With no options: the course's
-    comparison (AdamW, Adafactor, 8-bit AdamW) on the distilbert-base shape (65.8M parameters,
-    random init), batch 8, 10 steps, at each optimizer's default learning rate for training
-    from scratch; a few minutes on a laptop CPU, offline.
+    compare.png draws the memory bars and the loss curves.
+
+    With no options: the course's comparison (AdamW, Adafactor, 8-bit AdamW) on the
+    distilbert-base shape (65.8M parameters, random init), batch 8, 10 steps, at learning rates
+    that train it stably from scratch (adamw 3e-5, adafactor 3e-4, adamw-8bit 3e-5; half the
+    steps warm up); a few minutes on a laptop CPU, offline. Other optimizers, another model or
+    --lr: each optimizer's own defaults (see effitrain optimizers).
     """
     with user_errors():
         quiet_libraries()  # checking the configurations imports what they use
         from effitrain.compare import write_files
         from effitrain.report import print_comparison
 
-        common = shared_arguments(overrides)
-        rows = _configurations(optim, variant, common, repeats)
+        course = _is_course(optim, variant, overrides)
+        common = shared_arguments(overrides, course)
+        rows = _configurations(optim, variant, common, repeats, course)
         comparison = _run(rows, common, output_dir, repeats, _model(overrides))
         written = write_files(comparison, output_dir, common)
         print_comparison(comparison.rows, written, comparison.failed)
@@ -108,17 +118,36 @@ def compare(
             raise typer.Exit(1)
 
 
+def _is_course(optim: str | None, variants: list[str] | None, overrides: dict[str, Any]) -> bool:
+    """Whether this is the default comparison, which runs at :data:`COURSE_LR`: the course's
+    optimizers on the default model, no learning rate given."""
+    return (
+        not optim
+        and not variants
+        and _model(overrides) == DEFAULTS["model"]
+        and ("lr" not in overrides)
+    )
+
+
 def _configurations(
-    optim: str | None, variants: list[str] | None, common: list[str], repeats: int
+    optim: str | None,
+    variants: list[str] | None,
+    common: list[str],
+    repeats: int,
+    course: bool = False,
 ) -> list[Configuration]:
-    """The rows to run, each checked before any runs."""
-    from effitrain.compare import configurations
+    """The rows to run (at :data:`COURSE_LR` for the default comparison), each checked before
+    any runs."""
+    from effitrain.compare import Configuration, configurations
     from effitrain.errors import EffitrainError
 
     if repeats < 1:
         raise EffitrainError(f"--repeats must be 1 or more (got {repeats})")
     names = [name.strip() for name in (optim or "").split(",") if name.strip()]
     rows = configurations(names, variants or [])
+    if course:
+        lrs = {name: short_number(lr) for name, lr in COURSE_LR.items()}
+        rows = [Configuration(row.label, [*row.args, "--lr", lrs[row.label]]) for row in rows]
     for row in rows:
         check_configuration(row, common)
     return rows
@@ -149,13 +178,16 @@ def _model(overrides: dict[str, Any]) -> str:
     return overrides.get("model", DEFAULTS["model"])
 
 
-def shared_arguments(overrides: dict[str, Any]) -> list[str]:
+def shared_arguments(overrides: dict[str, Any], course: bool = False) -> list[str]:
     """The ``effitrain train`` arguments every run shares: compare's defaults, then the options
     given (``--epochs`` without ``--max-steps`` replaces the default step count), and a loss
-    point at every step for the curves."""
+    point at every step for the curves. ``course``: the default comparison, which warms up
+    over half its steps unless told otherwise."""
     values = {**DEFAULTS, **overrides}
     if "epochs" in overrides and "max_steps" not in overrides:
         del values["max_steps"]
+    if course and not {"warmup_ratio", "warmup_steps"} & set(overrides):
+        values["warmup_ratio"] = 0.5
     return [*train_arguments(values), "--log-every", "1"]
 
 
