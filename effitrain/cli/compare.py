@@ -163,11 +163,15 @@ def _run(
     from effitrain.errors import EffitrainError
 
     console = Console(highlight=False, stderr=True)
-    console.print(
+
+    def progress(line: str) -> None:
+        console.print(line, soft_wrap=True)  # whole lines, greppable in logs
+
+    progress(
         f"Comparing {len(rows)} configurations on {model}, {repeats} run(s) each, one fresh "
         f"process per run: {', '.join(row.label for row in rows)}"
     )
-    comparison = run_compare(rows, common, output_dir, repeats, progress=console.print)
+    comparison = run_compare(rows, common, output_dir, repeats, progress=progress)
     if not comparison.rows:
         failures = "; ".join(f"{label}: {error}" for label, error in comparison.failed.items())
         raise EffitrainError(f"no configuration ran: {failures}")
