@@ -152,12 +152,39 @@ def run_one(
     log = metrics_path.with_suffix(".log")
     log.write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
-        lines = [line for line in proc.stderr.splitlines() if line.strip()]
-        errors = [line for line in lines if line.startswith("error:")]
-        return None, (errors or lines or [f"exit code {proc.returncode}"])[-1]
+        return None, child_error(proc.stderr, proc.returncode)
     metrics = {**json.loads(metrics_path.read_text()), "process": {**usage, "output": str(log)}}
     metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")  # the file as compare.json has it
     return metrics, ""
+
+
+BOX = "╭╰│─"
+"""The border characters of a rich panel (typer's boxed usage errors)."""
+
+
+def child_error(stderr: str, returncode: int) -> str:
+    """The reason a child run failed, from its stderr: its ``error:`` line; else the text of a
+    boxed error (a panel's inner lines, joined); else a traceback's last line; else the last
+    line; else how it ended (a negative code: killed by that signal)."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line.removeprefix("error:").strip() for line in lines if line.startswith("error:")]
+    if errors:
+        return errors[-1]
+    boxed = [line.strip(BOX + " ") for line in lines if line[:1] == "│"]
+    if any(boxed):
+        return " ".join(part for part in boxed if part)
+    text = [line for line in lines if line[:1] not in BOX]
+    if text:
+        return text[-1]
+    if returncode < 0:
+        import signal
+
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
+    return f"exit code {returncode}"
 
 
 def summarize(configuration: Configuration, runs: list[dict[str, Any]]) -> dict[str, Any]:

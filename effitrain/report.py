@@ -477,6 +477,202 @@ def print_state_report(report: StateReport, top: int, console: Console | None = 
         )
 
 
+# --------------------------------------------------------------------------------------------
+# effitrain estimate
+# --------------------------------------------------------------------------------------------
+
+ESTIMATE_FIELDS = (
+    ("parameters", "parameter_bytes"),
+    ("  trained", "trainable_parameter_bytes"),
+    ("gradients", "gradient_bytes"),
+    ("optimizer state", "optimizer_state.bytes"),
+    ("activations", "activation_bytes"),
+    ("peak tensor memory", "peak_tensor_bytes"),
+)
+"""The parts an estimate gives: a label and the metrics JSON's field (dotted: nested)."""
+
+PER_DEVICE_FIELDS = (
+    ("parameters", "parameter_bytes"),
+    ("gradients", "gradient_bytes"),
+    ("optimizer state", "optimizer_state_bytes"),
+    ("activations", "activation_bytes"),
+    ("peak tensor memory", "peak_tensor_bytes"),
+)
+
+
+def metrics_field(data: dict[str, Any], key: str) -> Any:
+    """A metrics JSON field by its dotted name (None where it is missing)."""
+    for part in key.split("."):
+        data = data.get(part) if isinstance(data, dict) else None  # type: ignore[assignment]
+    return data
+
+
+def print_estimates(
+    results: list[dict[str, Any]],
+    against: dict[str, Any] | None = None,
+    skipped: list[str] | None = None,
+    console: Console | None = None,
+) -> None:
+    """``effitrain estimate``: the estimates side by side (one row each when there are many),
+    each process's share, the notes; with ``against`` (a measured run, its errors and
+    mismatches), the measured column and the error of the estimate of the same optimizer."""
+    from rich.console import Console
+
+    console = console or Console(highlight=False)
+    if len(results) > 4 and against is None:
+        console.print(estimates_by_row(results))
+    else:
+        console.print(estimates_table(results, against))
+    if "per_device" in results[0]:
+        console.print(per_device_table(results))
+        console.print(
+            "Not included: FSDP's all-gathered layer (one layer's full parameters at a time) and "
+            "DDP's gradient buckets."
+        )
+    console.print(
+        "Peak tensor memory: the most bytes of live tensors at once in one optimizer step (the "
+        "run's memory table); a process holds more (libraries, the CUDA context, allocator "
+        "caching). Every example is assumed --max-length tokens long."
+    )
+    notes = [*dict.fromkeys(n for r in results for n in r["notes"])]
+    notes += (against or {}).get("mismatches", []) + (skipped or [])
+    for note in notes:
+        console.print(f"note: {note}")
+
+
+def _estimate_title(first: dict[str, Any]) -> str:
+    micro = f", {first['grad_accum']} micro-batches" if first["grad_accum"] > 1 else ""
+    return (
+        f"Estimate: {first['model']}, batch {first['batch_size']} x {first['max_length']} "
+        f"tokens{micro}"
+    )
+
+
+def estimates_table(results: list[dict[str, Any]], against: dict[str, Any] | None = None) -> Any:
+    """One column per estimate; with ``against``, the measured run and the estimate's error."""
+    from rich.table import Table
+
+    table = Table(title=_estimate_title(results[0]["estimate"]), title_justify="left")
+    table.add_column("what")
+    for result in results:
+        levers = f" + {', '.join(result['levers'])}" if result["levers"] else ""
+        table.add_column(result["optimizer"] + levers, justify="right")
+    if against is not None:
+        table.add_column("measured", justify="right")
+        table.add_column(f"error ({against['optimizer']})", justify="right")
+    for label, key in ESTIMATE_FIELDS:
+        cells = [format_bytes(metrics_field(r, key) or 0) for r in results]
+        if against is not None:
+            truth = metrics_field(against["measured"], key)
+            error = against["errors"][key]
+            cells += [
+                format_bytes(truth) if truth is not None else "-",
+                f"{error:+.1%}" if error is not None else "-",
+            ]
+        table.add_row(label, *cells)
+    return table
+
+
+def estimates_by_row(results: list[dict[str, Any]]) -> Any:
+    """Many estimates (``--optim all``): one row each, the parts as columns."""
+    from rich.table import Table
+
+    short = {"parameters": "params", "gradients": "grads", "optimizer state": "state"}
+    short["peak tensor memory"] = "peak"
+    columns = [
+        (short.get(label, label), key) for label, key in ESTIMATE_FIELDS[:1] + ESTIMATE_FIELDS[2:]
+    ]
+    table = Table(title=_estimate_title(results[0]["estimate"]), title_justify="left")
+    table.add_column("optimizer")
+    for label, _ in columns:
+        table.add_column(label, justify="right")
+    for result in results:
+        table.add_row(
+            result["optimizer"], *(format_bytes(metrics_field(result, k) or 0) for _, k in columns)
+        )
+    return table
+
+
+def per_device_table(results: list[dict[str, Any]]) -> Any:
+    """Each process's share of every estimate (``--num-processes``, ``--sharding``)."""
+    from rich.table import Table
+
+    first = results[0]["per_device"]
+    table = Table(
+        title=f"Per process: {first['num_processes']} processes, {first['sharding']} "
+        f"({first['modeled']})",
+        title_justify="left",
+    )
+    table.add_column("what")
+    for result in results:
+        table.add_column(result["optimizer"], justify="right")
+    for label, key in PER_DEVICE_FIELDS:
+        table.add_row(label, *(format_bytes(r["per_device"][key] or 0) for r in results))
+    return table
+
+
+# --------------------------------------------------------------------------------------------
+# effitrain compare
+# --------------------------------------------------------------------------------------------
+
+
+def print_comparison(
+    rows: list[dict[str, Any]],
+    written: dict[str, Path],
+    failed: dict[str, str],
+    console: Console | None = None,
+) -> None:
+    """``effitrain compare``'s results: the table (:func:`comparison_table`), the files
+    written, and each configuration that failed, with its reason."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    console = console or Console(highlight=False)
+    console.print(comparison_table(rows))
+    console.print("Wrote " + ", ".join(str(path) for path in written.values()), soft_wrap=True)
+    if "png" not in written:
+        console.print("note: no compare.png: install matplotlib (pip install 'effitrain[plot]')")
+    for label, error in failed.items():
+        console.print(f"[red]failed[/]: {escape(label)}: {escape(error)}", soft_wrap=True)
+
+
+def comparison_table(rows: list[dict[str, Any]]) -> Any:
+    """One column per configuration (the usual three fit 80 columns), memory and time also as
+    ratios to the first."""
+    from rich.table import Table
+
+    from effitrain.compare import COLUMNS
+
+    base = rows[0]
+    table = Table(
+        title=f"Compared (ratios to {base['label']}; memory parts: each one's peak in one step)",
+        title_justify="left",
+    )
+    table.add_column("what")
+    for row in rows:
+        table.add_column(row["label"].replace(" +", "\n+"), justify="right")
+    for label, key in COLUMNS:
+        if all(row[key] is None for row in rows):
+            continue  # eval accuracy for a causal LM, perplexity for a classifier
+        table.add_row(label, *(_compared_cell(row, base, key) for row in rows))
+    return table
+
+
+def _compared_cell(row: dict[str, Any], base: dict[str, Any], key: str) -> str:
+    value, reference = row[key], base[key]
+    if value is None:
+        return "-"
+    if key.endswith("bytes"):
+        shown = format_bytes(value)
+    elif key == "seconds_per_step":
+        shown = f"{value:.2f}"
+    else:
+        shown = f"{value:.3f}"
+    if row is not base and reference and (key.endswith("bytes") or key == "seconds_per_step"):
+        shown += f" ({value / reference:.2f}×)"
+    return shown
+
+
 def _speed(record: StepLog | TrainResult, unit: str) -> str:
     """Throughput: tokens/s (causal-lm, padding left out) or samples/s."""
     if unit == "tokens":

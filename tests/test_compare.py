@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from effitrain.compare import PARTS, configurations, parse_variant, plot
+from effitrain.compare import PARTS, child_error, configurations, parse_variant, plot
 from effitrain.errors import EffitrainError
 from tests.conftest import assert_clean_error
 
@@ -52,29 +52,128 @@ def test_plot_draws_the_json_numbers(tmp_path):
     assert drawn["curves"]["adamw"] == ([1, 2, 3], [1.0, 0.5, 1 / 3])
 
 
-def test_cli_errors_are_one_line(cli):
-    assert_clean_error(cli("compare", "--optim", "nope"), "unknown optimizer 'nope'")
-    assert_clean_error(cli("compare", "--steps", "2", "--epochs", "1"), "--steps or --epochs")
-    assert_clean_error(cli("compare", "--variant", "+lora-rank=4"), "--variant")
+def test_shared_arguments_default_and_given():
+    from effitrain.cli.compare import shared_arguments
+
+    assert shared_arguments({}) == [
+        "--model", "distilbert-base", "--batch-size", "8", "--max-steps", "10", "--log-every", "1",
+    ]  # fmt: skip
+    given = shared_arguments({"max_steps": 5, "mixed_precision": "bf16", "packing": False})
+    assert given[4:] == ["--max-steps", "5", "--mixed-precision", "bf16", "--no-packing",
+                         "--log-every", "1"]  # fmt: skip
+    assert "--max-steps" not in shared_arguments({"epochs": 1})  # epochs instead of 10 steps
+
+
+def test_the_default_comparison_trains_stably():
+    """With no options, the course's three run at learning rates that keep the random-init
+    distilbert-base shape from diverging, warming up over half the steps; --help says which.
+    Other optimizers, another model or --lr: the optimizers' own defaults."""
+    from effitrain.cli.compare import COURSE_LR, _configurations, _is_course, shared_arguments
+    from effitrain.cli.optimizers import short_number
+
+    assert _is_course(None, None, {}) and _is_course(None, None, {"max_steps": 20})
+    for optim, variants, given in [
+        ("adamw", None, {}),
+        (None, ["adamw"], {}),
+        (None, None, {"model": "tiny"}),
+        (None, None, {"lr": 1e-4}),
+    ]:
+        assert not _is_course(optim, variants, given)  # fmt: skip
+    common = shared_arguments({}, course=True)
+    assert common[-4:] == ["--warmup-ratio", "0.5", "--log-every", "1"]
+    assert "--warmup-ratio" not in shared_arguments({"warmup_steps": 2}, course=True)
+    rows = _configurations(None, None, common, 1, course=True)
+    assert {row.label: row.args for row in rows} == {
+        name: ["--optim", name, "--lr", short_number(lr)] for name, lr in COURSE_LR.items()
+    }
+    text = " ".join(_compare_help().split())
+    assert all(f"{name} {short_number(lr)}" in text for name, lr in COURSE_LR.items()), text
+
+
+def _compare_help() -> str:
+    from typer.testing import CliRunner
+
+    from effitrain.cli import app
+
+    return CliRunner().invoke(app, ["compare", "--help"], env={"COLUMNS": "200"}).stdout
+
+
+def test_max_steps_is_the_option_train_knows(train_cli, monkeypatch, tmp_path):
+    """`compare --max-steps 5` (as train spells it) reaches every run; nothing is run here."""
+    import effitrain.cli.compare as cli_compare
+
+    seen = {}
+
+    def fake_run(rows, common, output_dir, repeats, model):
+        seen.update(rows=[row.label for row in rows], common=common, model=model)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(cli_compare, "_run", fake_run)
+    args = ("compare", "--max-steps", "5", "--optim", "adamw,sgd", "--model", "tiny")
+    assert train_cli(*args, "--output-dir", str(tmp_path)).returncode == 0
+    assert seen["rows"] == ["adamw", "sgd"] and seen["model"] == "tiny"
+    assert seen["common"][:6] == ["--model", "tiny", "--batch-size", "8", "--max-steps", "5"]
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["--optim", "nope"], "unknown optimizer 'nope'"),
+        (["--variant", "+lora-rank=4"], "--variant"),
+        (["--repeats", "0"], "--repeats must be 1 or more"),
+        (
+            ["--variant", "adamw +no-such-flag"],
+            "adamw +no-such-flag: no such option: --no-such-flag",
+        ),
+        (
+            ["--variant", "adamw +lora-alpha=4"],
+            "adamw +lora-alpha=4: --lora-alpha needs --lora-rank",
+        ),
+        (["--variant", "adamw +lr=-1"], "adamw +lr=-1: --lr must be greater than 0"),
+        (["--optim", "adamw", "--batch-size", "0"], "adamw: --batch-size must be greater than 0"),
+    ],
+)
+def test_errors_are_one_line_before_any_run(train_cli, tmp_path, args, error):
+    """Each configuration's options are parsed and checked as its train run will, before any
+    run starts: a typo fails at once, with its reason."""
+    proc = train_cli("compare", "--model", "tiny", *args, "--output-dir", str(tmp_path / "out"))
+    assert_clean_error(proc, error)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_childs_error_is_its_reason():
+    typer_box = (
+        "Usage: effitrain train [OPTIONS]\n"
+        "Try 'effitrain train -h' for help.\n"
+        "╭─ Error ─────────────────────────────╮\n"
+        "│ No such option: --no-such-flag       │\n"
+        "╰──────────────────────────────────────╯\n"
+    )
+    assert child_error(typer_box, 2) == "No such option: --no-such-flag"
+    one_line = "Skipping a check\nerror: dataset file not found: x.csv\n"
+    assert child_error(one_line, 1) == "dataset file not found: x.csv"
+    traceback = "Traceback (most recent call last):\n  File 'x'\nRuntimeError: CUDA out of memory\n"
+    assert child_error(traceback, 1) == "RuntimeError: CUDA out of memory"
+    assert child_error("", -9) == "killed by SIGKILL (out of memory?)"
+    assert child_error("", 3) == "exit code 3"
 
 
 @pytest.mark.slow
 def test_compare_runs_writes_and_reports_failures(cli, tmp_path):
     out = tmp_path / "cmp"
     proc = cli(
-        "compare", "--model", "tiny", "--steps", "2", "--max-length", "32",
-        "--optim", "adamw,sgd", "--variant", "adamw +no-such-option",
+        "compare", "--model", "tiny", "--max-steps", "2", "--max-length", "32",
+        "--optim", "adamw,sgd", "--variant", "adamw +validation-file=missing.csv",
         "--output-dir", str(out),
     )  # fmt: skip
-    assert proc.returncode == 1, proc.stderr  # one configuration failed
-    assert (
-        "[1/3] adamw: running" in proc.stderr
-        and "[3/3] adamw +no-such-option: failed" in proc.stderr
-    )
-    assert "failed: adamw +no-such-option" in proc.stdout
+    assert proc.returncode == 1, proc.stderr  # one configuration failed, in its run
+    label = "adamw +validation-file=missing.csv"
+    assert "[1/3] adamw: running" in proc.stderr
+    assert f"[3/3] {label}: failed (dataset file not found: missing.csv)" in proc.stderr
+    assert f"failed: {label}: dataset file not found: missing.csv" in proc.stdout
     data = json.loads((out / "compare.json").read_text())
     assert [row["label"] for row in data["rows"]] == ["adamw", "sgd"]
-    assert list(data["failed"]) == ["adamw +no-such-option"]
+    assert list(data["failed"]) == [label]
     for row in data["rows"]:
         (run,) = data["runs"][row["label"]]
         assert row["optimizer_state_bytes"] == run["optimizer_state"]["bytes"]

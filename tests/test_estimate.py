@@ -171,8 +171,8 @@ def test_estimate_of_a_pretrained_folder_reads_no_weights(
     assert without_weights["peak_tensor_bytes"] == estimated["peak_tensor_bytes"]
 
 
-def test_cli_json_uses_the_metrics_field_names(cli, long_data):
-    proc = cli("estimate", *long_data, "--max-length", "32", "--optim", "adamw,sgd", "--json")
+def test_cli_json_uses_the_metrics_field_names(train_cli, long_data):
+    proc = train_cli("estimate", *long_data, "--max-length", "32", "--optim", "adamw,sgd", "--json")
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
     assert [r["optimizer"] for r in rows] == ["adamw", "sgd"]
@@ -186,36 +186,116 @@ def test_cli_json_uses_the_metrics_field_names(cli, long_data):
 
 
 @pytest.mark.slow
-def test_cli_all_optimizers_and_compare_to(cli, train_cli, tmp_path, long_data):
+def test_cli_all_optimizers_and_compare_to(train_cli, tmp_path, long_data):
     from effitrain.optim import OPTIMIZERS
 
     metrics = tmp_path / "m.json"
     args = [*long_data, "--max-length", "32", "--batch-size", "4"]
     assert train_cli("train", "--quiet", "--max-steps", "2", *args, "--optim", "sgd",
                      "--metrics-json", str(metrics)).returncode == 0  # fmt: skip
-    proc = cli("estimate", *args, "--optim", "all")
+    proc = train_cli("estimate", *args, "--optim", "all")
     assert proc.returncode == 0, proc.stderr
     installed = [name for name, spec in OPTIMIZERS.items() if spec.is_available()]
     rows = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("│")]
     for name in installed:  # a row each, or a note why not (torchao: compiled step)
         assert name in rows or f"cannot estimate --optim {name}" in proc.stdout, name
     assert len(rows) >= len(installed) - 3
-    proc = cli("estimate", *args, "--optim", "adamw,sgd", "--compare-to", str(metrics))
+    proc = train_cli("estimate", *args, "--optim", "adamw,sgd", "--compare-to", str(metrics))
     header = next(line for line in proc.stdout.splitlines() if "what" in line)
     assert "adamw" in header and "error (sgd)" in header
     parameters = next(line for line in proc.stdout.splitlines() if "parameters" in line)
     assert "+0.0%" in parameters
-    proc = cli("estimate", *args, "--compare-to", str(metrics), "--json")
+    proc = train_cli("estimate", *args, "--compare-to", str(metrics), "--json")
     errors = json.loads(proc.stdout)["errors"]
     assert errors["parameter_bytes"] == 0 and errors["optimizer_state.bytes"] > 0  # adamw vs sgd
 
 
-def test_cli_errors_are_one_line(cli, tmp_path):
-    assert_clean_error(cli("estimate", "--optim", "nope"), "unknown optimizer 'nope'")
-    assert_clean_error(cli("estimate", "--mixed-precision", "fp16"), "fp16")
+def test_cli_errors_are_one_line(train_cli, tmp_path):
+    assert_clean_error(train_cli("estimate", "--optim", "nope"), "unknown optimizer 'nope'")
+    assert_clean_error(train_cli("estimate", "--mixed-precision", "fp16"), "fp16")
     bad = tmp_path / "bad.json"
     bad.write_text("{")
-    assert_clean_error(cli("estimate", "--compare-to", str(bad)), "--compare-to")
+    assert_clean_error(train_cli("estimate", "--compare-to", str(bad)), "--compare-to")
+    assert_clean_error(train_cli("estimate", "--num-processes", "0"), "--num-processes")
+
+
+def test_takes_a_train_command_line(train_cli):
+    """Any `effitrain train` command line estimates when `train` becomes `estimate`: the options
+    that change nothing a step holds are accepted (not listed), and checked as train checks them."""
+    args = ("--max-length", "16", "--batch-size", "2", "--epochs", "3", "--log-every", "5")
+    proc = train_cli("estimate", *args, "--scheduler", "cosine", "--quiet", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["estimate"]["batch_size"] == 2
+    assert_clean_error(train_cli("estimate", "--save-every", "5"), "add --output-dir")
+    assert "--log-every" not in train_cli("estimate", "--help").stdout
+
+
+def test_tracker_warnings_are_silenced_only_in_the_step():
+    import warnings
+
+    from effitrain.memory.step import TRACKER_WARNINGS, _quiet_tracker_warnings
+
+    formatwarning = warnings.formatwarning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        restore = _quiet_tracker_warnings()
+        warnings.formatwarning = lambda *a, **k: "replaced"  # as ModTracker does
+        for message in TRACKER_WARNINGS:
+            warnings.warn(message + " and more", UserWarning, stacklevel=1)
+        warnings.warn("effitrain's own", UserWarning, stacklevel=1)
+        restore()
+        warnings.warn(TRACKER_WARNINGS[0], UserWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["effitrain's own", TRACKER_WARNINGS[0]]
+    assert warnings.formatwarning is formatwarning
+
+
+def test_gradient_checkpointing_estimate_prints_no_tracker_warning(train_cli, recwarn):
+    """A causal LM under gradient checkpointing made ModTracker warn that its module hierarchy
+    'maybe be messed up' (twice): the estimate's output is its own."""
+    proc = train_cli("estimate", "--task", "causal-lm", "--gradient-checkpointing",
+                     "--max-length", "16", "--batch-size", "2")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    assert not [w for w in recwarn if "hierarchy" in str(w.message)]
+
+
+def _result(optimizer: str, state: int, **extra) -> dict:
+    setting = {"model": "tiny", "batch_size": 4, "max_length": 32, "grad_accum": 1}
+    setting["mixed_precision"] = "no"
+    return {
+        "optimizer": optimizer, "levers": [], "notes": [], "estimate": setting,
+        "parameter_bytes": 1000, "trainable_parameter_bytes": 1000, "gradient_bytes": 1000,
+        "optimizer_state": {"bytes": state}, "activation_bytes": 500, "peak_tensor_bytes": 4000,
+        **extra,
+    }  # fmt: skip
+
+
+def test_report_renders_columns_rows_and_errors():
+    from rich.console import Console
+
+    from effitrain.cli.estimate import _against
+    from effitrain.report import print_estimates
+
+    def shown(*args) -> str:
+        console = Console(width=200, record=True)
+        print_estimates(*args, console=console)
+        return console.export_text()
+
+    two = shown([_result("adamw", 2000), _result("sgd", 1000)])
+    header = next(line for line in two.splitlines() if "what" in line)
+    assert [cell.strip() for cell in header.split("┃")[2:4]] == ["adamw", "sgd"]
+    assert "Estimate: tiny, batch 4 x 32 tokens" in two
+    many = shown([_result(f"opt{i}", 1000 * i) for i in range(5)], None, ["adamw-fp8: skipped"])
+    rows = [line.split()[1] for line in many.splitlines() if line.startswith("│")]
+    assert rows == [f"opt{i}" for i in range(5)]  # one row each
+    assert "note: adamw-fp8: skipped" in many
+    measured = _result("sgd", 1250, config={"batch_size": 8})
+    against = _against([_result("adamw", 2000), _result("sgd", 1000)], measured, "m.json")
+    assert against["errors"]["optimizer_state.bytes"] == -0.2
+    table = shown([_result("adamw", 2000), _result("sgd", 1000)], against)
+    state = next(line for line in table.splitlines() if "optimizer state" in line)
+    assert [cell.strip() for cell in state.split("│")[3:6]] == ["1000 B", "1.2 KiB", "-20.0%"]
+    assert "note: the measured run used batch_size 8, the estimate 4" in table
 
 
 def test_per_device_splits_what_each_strategy_shards():
@@ -255,13 +335,15 @@ def test_per_device_splits_what_each_strategy_shards():
         per_device(result, 2, "zero9")
 
 
-def test_cli_per_device(cli):
-    proc = cli("estimate", "--max-length", "16", "--batch-size", "2", "--num-processes", "2",
+def test_cli_per_device(train_cli):
+    proc = train_cli("estimate", "--max-length", "16", "--batch-size", "2", "--num-processes", "2",
                "--sharding", "fsdp", "--json")  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     row = json.loads(proc.stdout)
     assert row["per_device"]["parameter_bytes"] == -(-row["parameter_bytes"] // 2)
-    assert_clean_error(cli("estimate", "--num-processes", "2", "--sharding", "zero9"), "zero9")
+    assert_clean_error(
+        train_cli("estimate", "--num-processes", "2", "--sharding", "zero9"), "zero9"
+    )
 
 
 @pytest.mark.slow

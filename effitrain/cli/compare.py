@@ -3,180 +3,219 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from effitrain.cli.errors import user_errors
-from effitrain.cli.train import LOOP, MODEL, _opt
-from effitrain.config import default_for as D
-from effitrain.config import option
+from effitrain.cli.optimizers import short_number
+from effitrain.cli.options import (
+    PANELS,
+    PRESET_NAMES,
+    config_fields,
+    config_options,
+    given,
+    train_arguments,
+)
+from effitrain.cli.quiet import quiet_libraries
+
+if TYPE_CHECKING:
+    from effitrain.compare import Comparison, Configuration
 
 RUNS = "Runs"
 
+DEFAULTS: dict[str, Any] = {"model": "distilbert-base", "batch_size": 8, "max_steps": 10}
+"""compare's own defaults: the course's model shape, and runs short enough to compare several."""
 
+COURSE_LR = {"adamw": 3e-5, "adafactor": 3e-4, "adamw-8bit": 3e-5}
+"""The default comparison's learning rates, with half its steps warming up: the course's three
+optimizers train the random-init distilbert-base shape stably at these. Their defaults for
+training from scratch suit the small presets; at this size the first full step diverges."""
+
+NOT_SHARED = ("optim", "log_every", "sample_prompt", "lora_merge", *PANELS["Output"])
+"""Train options that compare sets itself (each run's optimizer, its metrics and loss log) or
+that change nothing it shows (checkpoints, the final save, trackers, printed samples)."""
+
+
+Optims = Annotated[
+    str | None,
+    typer.Option(
+        "--optim",
+        help="Optimizers to compare, comma-separated (default, with no --variant: adamw, "
+        "adafactor, adamw-8bit: the course's comparison).",
+        metavar="NAME[,NAME]",
+        rich_help_panel=RUNS,
+    ),
+]
+Variants = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--variant",
+        help="A configuration: an optimizer, then +options of effitrain train, e.g. "
+        "'adafactor +gradient-checkpointing' or 'adamw +lora-rank=8'. Repeatable.",
+        metavar="'NAME +OPTION[=VALUE] ...'",
+        rich_help_panel=RUNS,
+    ),
+]
+OutputDir = Annotated[
+    Path,
+    typer.Option(
+        "--output-dir",
+        help="Where compare.json, compare.csv, compare.png and each run's metrics go.",
+        metavar="DIR",
+        rich_help_panel=RUNS,
+    ),
+]
+Repeats = Annotated[
+    int,
+    typer.Option(
+        "--repeats",
+        help="Runs per configuration, in turn (A B C A B C); time per step is their median.",
+        metavar="N",
+        rich_help_panel=RUNS,
+    ),
+]
+
+
+@config_options(
+    exclude=NOT_SHARED,
+    defaults=DEFAULTS,
+    default_text={"epochs": "--max-steps 10 instead"},
+    extra_help={"model": PRESET_NAMES},
+)
 def compare(
-    optim: Annotated[
-        str | None,
-        typer.Option(
-            "--optim",
-            help="Optimizers to compare, comma-separated (default, with no --variant: adamw, "
-            "adafactor, adamw-8bit: the course's comparison).",
-            metavar="NAME[,NAME]",
-            rich_help_panel=RUNS,
-        ),
-    ] = None,
-    variant: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--variant",
-            help="A configuration: an optimizer, then +options of effitrain train, e.g. "
-            "'adafactor +gradient-checkpointing' or 'adamw +lora-rank=8'. Repeatable.",
-            metavar="'NAME +OPTION[=VALUE] ...'",
-            rich_help_panel=RUNS,
-        ),
-    ] = None,
-    output_dir: Annotated[
-        Path,
-        typer.Option(
-            "--output-dir",
-            help="Where compare.json, compare.csv, compare.png and each run's metrics go.",
-            rich_help_panel=RUNS,
-        ),
-    ] = Path("effitrain-compare"),
-    repeats: Annotated[
-        int,
-        typer.Option(
-            "--repeats",
-            min=1,
-            help="Runs per configuration, in turn (A B C A B C).",
-            rich_help_panel=RUNS,
-        ),
-    ] = 1,  # fmt: skip
-    steps: Annotated[
-        int | None,
-        typer.Option(
-            "--steps",
-            min=1,
-            help="Optimizer steps per run (default 10; or give --epochs).",
-            rich_help_panel=RUNS,
-        ),
-    ] = None,  # fmt: skip
-    epochs: Annotated[
-        int | None, typer.Option("--epochs", min=1, help="Epochs per run.", rich_help_panel=RUNS)
-    ] = None,
-    task: Annotated[str | None, _opt("task", MODEL)] = None,
-    model: Annotated[
-        str, _opt("model", MODEL, " Here the default is the distilbert-base preset.")
-    ] = "distilbert-base",
-    dataset: Annotated[str, _opt("dataset", MODEL)] = D("dataset"),
-    dataset_config: Annotated[str | None, _opt("dataset_config", MODEL)] = None,
-    train_file: Annotated[str | None, _opt("train_file", MODEL)] = None,
-    validation_file: Annotated[str | None, _opt("validation_file", MODEL)] = None,
-    text_columns: Annotated[str | None, _opt("text_columns", MODEL)] = None,
-    label_column: Annotated[str | None, _opt("label_column", MODEL)] = None,
-    max_length: Annotated[int, _opt("max_length", MODEL)] = D("max_length"),
-    batch_size: Annotated[int, _opt("batch_size", LOOP, " Here the default is 8.")] = 8,
-    seed: Annotated[int, _opt("seed", LOOP)] = D("seed"),
+    optim: Optims = None,
+    variant: Variants = None,
+    output_dir: OutputDir = Path("effitrain-compare"),
+    repeats: Repeats = 1,
+    *,
+    overrides: dict[str, Any],
 ) -> None:
-    """Run several optimizers or levers on the same model and data, each in a fresh process,
-    and show each memory part, peak memory, time per step and loss side by side.
+    """Compare optimizers or memory levers on one model: memory, time and loss side by side.
+
+    Each configuration trains in a fresh `effitrain train` process with the options given here;
+    the table shows each memory part, the peaks, the time per step and the losses, and
+    compare.png draws the memory bars and the loss curves.
 
     With no options: the course's comparison (AdamW, Adafactor, 8-bit AdamW) on the
-    distilbert-base shape, offline, in a few minutes on a laptop CPU.
+    distilbert-base shape (65.8M parameters, random init), batch 8, 10 steps, at learning rates
+    that train it stably from scratch (adamw 3e-5, adafactor 3e-4, adamw-8bit 3e-5; half the
+    steps warm up); a few minutes on a laptop CPU, offline. Other optimizers, another model or
+    --lr: each optimizer's own defaults (see effitrain optimizers).
     """
     with user_errors():
-        from effitrain.compare import compare as run_compare
-        from effitrain.compare import configurations, plotting_available, write_files
-        from effitrain.errors import EffitrainError
+        quiet_libraries()  # checking the configurations imports what they use
+        from effitrain.compare import write_files
+        from effitrain.report import print_comparison
 
-        if steps is not None and epochs is not None:
-            raise EffitrainError("give --steps or --epochs, not both")
-        rows = configurations(
-            [n.strip() for n in (optim or "").split(",") if n.strip()], variant or []
-        )
-        common = _train_args(
-            model=model,
-            dataset=dataset,
-            max_length=max_length,
-            task=task,
-            dataset_config=dataset_config,
-            train_file=train_file,
-            validation_file=validation_file,
-            text_columns=text_columns,
-            label_column=label_column,
-            batch_size=batch_size,
-            seed=seed,
-            log_every=1,
-        )
-        common += ["--epochs", str(epochs)] if epochs else ["--max-steps", str(steps or 10)]
-        from rich.console import Console
-
-        console = Console(highlight=False, stderr=True)
-        console.print(
-            f"Comparing {len(rows)} configurations on {model}, {repeats} run(s) each, "
-            f"one fresh process per run: {', '.join(r.label for r in rows)}"
-        )
-        comparison = run_compare(rows, common, output_dir, repeats, progress=console.print)
-        if not comparison.rows:
-            raise EffitrainError(
-                "no configuration ran: "
-                + "; ".join(f"{k}: {v}" for k, v in comparison.failed.items())
-            )
+        course = _is_course(optim, variant, overrides)
+        common = shared_arguments(overrides, course)
+        rows = _configurations(optim, variant, common, repeats, course)
+        comparison = _run(rows, common, output_dir, repeats, _model(overrides))
         written = write_files(comparison, output_dir, common)
-        _print_table(comparison.rows)
-        out = Console(highlight=False)
-        out.print("Wrote " + ", ".join(str(p) for p in written.values()))
-        if not plotting_available():
-            out.print("note: no compare.png: install matplotlib (pip install 'effitrain[plot]')")
-        for label, error in comparison.failed.items():
-            out.print(f"[red]failed[/]: {label}: {error}")
+        print_comparison(comparison.rows, written, comparison.failed)
         if comparison.failed:
             raise typer.Exit(1)
 
 
-def _train_args(**options: Any) -> list[str]:
-    """``effitrain train`` options every run shares: ``--flag value`` for each one given."""
-    args: list[str] = []
-    for name, value in options.items():
-        if value is not None:
-            args += [option(name), str(value)]
-    return args
-
-
-def _print_table(rows: list[dict[str, Any]]) -> None:
-    """One column per configuration (fits 80 columns for the usual three), ratios to the first."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from effitrain.compare import COLUMNS
-    from effitrain.memory.ledger import format_bytes
-
-    base = rows[0]
-    table = Table(
-        title=f"Compared (ratios to {base['label']}; memory parts: each one's peak in one step)",
-        title_justify="left",
+def _is_course(optim: str | None, variants: list[str] | None, overrides: dict[str, Any]) -> bool:
+    """Whether this is the default comparison, which runs at :data:`COURSE_LR`: the course's
+    optimizers on the default model, no learning rate given."""
+    return (
+        not optim
+        and not variants
+        and _model(overrides) == DEFAULTS["model"]
+        and ("lr" not in overrides)
     )
-    table.add_column("what")
+
+
+def _configurations(
+    optim: str | None,
+    variants: list[str] | None,
+    common: list[str],
+    repeats: int,
+    course: bool = False,
+) -> list[Configuration]:
+    """The rows to run (at :data:`COURSE_LR` for the default comparison), each checked before
+    any runs."""
+    from effitrain.compare import Configuration, configurations
+    from effitrain.errors import EffitrainError
+
+    if repeats < 1:
+        raise EffitrainError(f"--repeats must be 1 or more (got {repeats})")
+    names = [name.strip() for name in (optim or "").split(",") if name.strip()]
+    rows = configurations(names, variants or [])
+    if course:
+        lrs = {name: short_number(lr) for name, lr in COURSE_LR.items()}
+        rows = [Configuration(row.label, [*row.args, "--lr", lrs[row.label]]) for row in rows]
     for row in rows:
-        table.add_column(row["label"].replace(" +", "\n+"), justify="right")
-    for label, key in COLUMNS:
-        if all(row[key] is None for row in rows):
-            continue  # eval accuracy for a causal LM, perplexity for a classifier
-        cells = []
-        for row in rows:
-            value, ref = row[key], base[key]
-            if value is None:
-                cells.append("-")
-                continue
-            if key.endswith("bytes"):
-                shown = format_bytes(value)
-            elif key == "seconds_per_step":
-                shown = f"{value:.2f}"
-            else:
-                shown = f"{value:.3f}"
-            if row is not base and ref and (key.endswith("bytes") or key == "seconds_per_step"):
-                shown += f" ({value / ref:.2f}×)"
-            cells.append(shown)
-        table.add_row(label, *cells)
-    Console(highlight=False).print(table)
+        check_configuration(row, common)
+    return rows
+
+
+def _run(
+    rows: list[Configuration], common: list[str], output_dir: Path, repeats: int, model: str
+) -> Comparison:
+    """Every run, with progress lines on stderr; at least one configuration must run."""
+    from rich.console import Console
+
+    from effitrain.compare import compare as run_compare
+    from effitrain.errors import EffitrainError
+
+    console = Console(highlight=False, stderr=True)
+
+    def progress(line: str) -> None:
+        console.print(line, soft_wrap=True)  # whole lines, greppable in logs
+
+    progress(
+        f"Comparing {len(rows)} configurations on {model}, {repeats} run(s) each, one fresh "
+        f"process per run: {', '.join(row.label for row in rows)}"
+    )
+    comparison = run_compare(rows, common, output_dir, repeats, progress=progress)
+    if not comparison.rows:
+        failures = "; ".join(f"{label}: {error}" for label, error in comparison.failed.items())
+        raise EffitrainError(f"no configuration ran: {failures}")
+    return comparison
+
+
+def _model(overrides: dict[str, Any]) -> str:
+    return overrides.get("model", DEFAULTS["model"])
+
+
+def shared_arguments(overrides: dict[str, Any], course: bool = False) -> list[str]:
+    """The ``effitrain train`` arguments every run shares: compare's defaults, then the options
+    given (``--epochs`` without ``--max-steps`` replaces the default step count), and a loss
+    point at every step for the curves. ``course``: the default comparison, which warms up
+    over half its steps unless told otherwise."""
+    values = {**DEFAULTS, **overrides}
+    if "epochs" in overrides and "max_steps" not in overrides:
+        del values["max_steps"]
+    if course and not {"warmup_ratio", "warmup_steps"} & set(overrides):
+        values["warmup_ratio"] = 0.5
+    return [*train_arguments(values), "--log-every", "1"]
+
+
+def check_configuration(row: Configuration, common: list[str]) -> None:
+    """Parse and check one run's options as its ``effitrain train`` will, before any run starts,
+    so that a typo fails at once with its reason rather than after the other runs.
+
+    Raises:
+        EffitrainError: naming the configuration and the reason.
+    """
+    from effitrain.build import checked_config
+    from effitrain.cli.errors import click_exception, usage_message
+    from effitrain.cli.train import train
+    from effitrain.errors import EffitrainError
+
+    app = typer.Typer()
+    app.command()(train)
+    command = typer.main.get_command(app)
+    try:
+        ctx = command.make_context("effitrain train", [*common, *row.args])
+    except click_exception() as exc:
+        raise EffitrainError(f"{row.label}: {usage_message(exc)}") from None
+    names = [name for name in config_fields() if name in ctx.params and given(ctx, name)]
+    try:
+        checked_config(ctx.params.get("config_file"), {name: ctx.params[name] for name in names})
+    except EffitrainError as exc:
+        raise EffitrainError(f"{row.label}: {exc}") from None

@@ -23,6 +23,36 @@ def debug_enabled() -> bool:
     return os.environ.get(DEBUG_ENV, "").lower() not in ("", "0", "false", "no")
 
 
+def click_exception() -> type[Exception]:
+    """click's ClickException (reached through typer's public BadParameter: typer may bundle
+    its own click, whose classes are not click's)."""
+    return next(k for k in typer.BadParameter.__mro__ if k.__name__ == "ClickException")
+
+
+def usage_message(exc: Exception) -> str:
+    """A click usage error's message in effitrain's style: ``no such option: --x``."""
+    message = exc.format_message()  # type: ignore[attr-defined]
+    if message[:1].isupper() and message[1:2].islower():
+        message = message[0].lower() + message[1:]
+    return message
+
+
+@contextmanager
+def usage_errors() -> Iterator[None]:
+    """Parse errors (an unknown option, a value that does not parse) as one ``error:`` line
+    that says where to look, instead of click's boxed message."""
+    try:
+        yield
+    except click_exception() as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # not an error: click shows the help
+            raise
+        ctx = getattr(exc, "ctx", None)
+        message = usage_message(exc)
+        if ctx is not None:
+            message = f"{message.removesuffix('.')} (see {ctx.command_path} --help)"
+        raise fail(message, exc.exit_code) from None  # type: ignore[attr-defined]
+
+
 def fail(message: str, code: int = 1) -> typer.Exit:
     """Print one error line on stderr; return the Exit to raise (``raise fail(...) from None``)."""
     typer.echo(f"error: {message}", err=True)

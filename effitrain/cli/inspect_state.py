@@ -16,6 +16,7 @@ def inspect_state(
         typer.Argument(
             help="An effitrain checkpoint folder, an accelerate save_state folder, a Trainer "
             "checkpoint folder, an output folder with checkpoint-* folders, or a torch.save file.",
+            metavar="PATH",
             show_default=False,
         ),
     ],
@@ -23,7 +24,8 @@ def inspect_state(
         bool, typer.Option("--json", help="Print one JSON object instead of tables.")
     ] = False,
     top: Annotated[
-        int, typer.Option("--top", min=1, help="How many of the largest per-parameter states.")
+        int,
+        typer.Option("--top", metavar="N", help="How many of the largest per-parameter states."),
     ] = 10,
 ) -> None:
     """Show the optimizer state in a checkpoint: keys, sizes, the largest states, AdamW's cost.
@@ -32,8 +34,11 @@ def inspect_state(
     weights_only=True, after checking which globals they would import.
     """
     with user_errors():
+        from effitrain.errors import EffitrainError
         from effitrain.memory.inspection import inspect_state as read_state
 
+        if top < 1:
+            raise EffitrainError(f"--top must be 1 or more (got {top})")
         report = read_state(path)
         if as_json:
             import json

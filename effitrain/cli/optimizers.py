@@ -15,7 +15,7 @@ def _defaults(defaults: Any) -> dict[str, Any]:
     }
 
 
-def _short(value: float) -> str:
+def short_number(value: float) -> str:
     """``1e-4`` rather than ``0.0001``."""
     return f"{value:.0e}".replace("e-0", "e-").replace("e+00", "")
 
@@ -67,7 +67,7 @@ def optimizers(
         lora = [("LoRA        ", row["defaults"]["LoRA"])] if "LoRA" in row["defaults"] else []
         for label, defaults in (("fine-tuning ", tune), ("from scratch", scratch), *lora):
             line(
-                f"  {label}  lr {_short(defaults['lr'])}, "
+                f"  {label}  lr {short_number(defaults['lr'])}, "
                 f"{defaults['warmup_ratio']:.0%} warmup, then {defaults['scheduler']}"
             )
         line(f"  state: {row['state']}")

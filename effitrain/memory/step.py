@@ -31,7 +31,9 @@ states) are not counted: they are a few KiB.
 
 from __future__ import annotations
 
+import re
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -111,6 +113,8 @@ class StepMemoryProbe:
         self.optimizer = getattr(optimizer, "optimizer", optimizer)
         self.device = device
         self._tracker: Any = None
+        self._warnings: Callable[[], None] | None = None
+        """Restores the warning filters once the tracked step is over."""
         self.compiled_step = (
             _compiles_step(self.optimizer) if compiled_step is None else compiled_step
         )
@@ -131,13 +135,18 @@ class StepMemoryProbe:
         if self._tracker is not None:  # stopped mid-step: leave no dispatch mode behind
             self._tracker.__exit__(None, None, None)
             self._tracker = None
+        self._restore_warnings()
+
+    def _restore_warnings(self) -> None:
+        if self._warnings is not None:
+            self._warnings()
+            self._warnings = None
 
     def start(self) -> None:
         self.done = True
         if not available() or self.compiled_step:
             return
-        # ModTracker warns on each backward hook of a module that was garbage-collected.
-        warnings.filterwarnings("ignore", message="Module is None. Skipping", category=UserWarning)
+        self._warnings = _quiet_tracker_warnings()
         tracker = _make_tracker()
         tracker.track_external(self.model, self.optimizer)
         if getattr(self.device, "type", str(self.device)) == "cuda":
@@ -161,6 +170,7 @@ class StepMemoryProbe:
         if tracker is None:
             return {}
         tracker.__exit__(None, None, None)
+        self._restore_warnings()
         snapshot = _device_snapshot(tracker.get_tracker_snapshot("peak"), self.device)
         at_peak = {kind: snapshot.get(kind, 0) for kind in KINDS}
         peaks = _device_snapshot(getattr(tracker, "kind_peaks", {}), self.device)
@@ -224,6 +234,38 @@ def _device_snapshot(snapshot: dict[Any, dict[Any, int]], device: Any) -> dict[s
 
 def _type_name(key: Any) -> str:
     return str(getattr(key, "value", key))
+
+
+TRACKER_WARNINGS = (
+    # The hooks of a module that was garbage-collected, and a gradient that is None (the
+    # optimizer step in backward frees each one): nothing the step's totals miss.
+    "Module is None. Skipping",
+    "Expected a tensor or a traceable wrapper-subclass of tensor, but got <class 'NoneType'>",
+    # ModTracker's module nesting under gradient checkpointing (a module re-entered in
+    # recomputation); only its per-module statistics could suffer, and they are not used.
+    "The module hierarchy tracking maybe be messed up",
+)
+"""Warnings MemTracker and ModTracker give about what they track; effitrain reads only the
+step's totals by kind, which they do not affect."""
+
+
+def _quiet_tracker_warnings() -> Callable[[], None]:
+    """Ignore :data:`TRACKER_WARNINGS` until the returned function is called.
+
+    ModTracker also replaces ``warnings.formatwarning`` for good when it warns; the returned
+    function puts the original back.
+    """
+    scope = warnings.catch_warnings()
+    scope.__enter__()
+    formatwarning = warnings.formatwarning
+    for message in TRACKER_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(message), category=UserWarning)
+
+    def restore() -> None:
+        scope.__exit__(None, None, None)
+        warnings.formatwarning = formatwarning
+
+    return restore
 
 
 def _make_tracker() -> Any:

@@ -6,8 +6,12 @@ formats and checks); :func:`loaders` makes the two dataloaders the same way for 
 
 from __future__ import annotations
 
+import itertools
+import json
+import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,13 +63,86 @@ def load_local_file(
     if file.stat().st_size == 0:
         raise EffitrainError(f"dataset file '{path}' is empty")
     try:
-        return datasets.load_dataset(
-            builder, data_files={split: str(file)}, split=split, **BUILDER_OPTIONS.get(suffix, {})
-        )
+        with _datasets_logs_off():
+            return datasets.load_dataset(
+                builder,
+                data_files={split: str(file)},
+                split=split,
+                **BUILDER_OPTIONS.get(suffix, {}),
+            )
     except Exception as exc:  # datasets raises many types for malformed files
         if "corresponds to no data" in str(exc):  # datasets' words for a file without rows
             raise EffitrainError(f"dataset file '{path}' is empty (no rows)") from exc
-        raise EffitrainError(f"cannot read '{path}' as {builder}: {first_line(exc)}") from exc
+        reason = (_json_error(file) if builder == "json" else None) or _root_message(exc)
+        raise EffitrainError(f"cannot read '{path}' as {builder}: {reason}") from exc
+
+
+@contextmanager
+def _datasets_logs_off() -> Iterator[None]:
+    """datasets logs a file's parse error before raising it; the raised error is reported (with
+    the file, the line and the reason), so its log line would only say it twice."""
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _root_message(exc: BaseException) -> str:
+    """The first line of the innermost error in ``exc``'s chain: datasets wraps the parser's
+    error (which names the row and the reason) in its own 'An error occurred while generating
+    the dataset'."""
+    chain = [exc]
+    while chain[-1].__cause__ is not None and chain[-1].__cause__ not in chain:
+        chain.append(chain[-1].__cause__)
+    return first_line(next((e for e in reversed(chain) if str(e).strip()), exc))
+
+
+def _folder_json_error(folder: Path) -> str | None:
+    """The first JSON or JSON Lines file of ``folder`` that does not parse, and where."""
+    for file in sorted(folder.rglob("*")):
+        if file.suffix.lower() in (".json", ".jsonl") and file.is_file():
+            found = _json_error(file)
+            if found:
+                return f"{file.relative_to(folder)}: {found}"
+    return None
+
+
+def _json_error(file: Path) -> str | None:
+    """Where and why a JSON or JSON Lines file does not parse, by Python's own parser: the
+    line and column (pyarrow's reader counts rows per block of the file, not lines), or None
+    when it parses (the error is then in its contents: datasets' message says what)."""
+    with file.open(encoding="utf-8", errors="replace") as handle:
+        lines = ((n, line) for n, line in enumerate(handle, start=1) if line.strip())
+        first = next(lines, (0, ""))
+        if file.suffix.lower() == ".jsonl" or _parses(first[1]):  # JSON Lines: a row per line
+            for number, line in itertools.chain([first], lines):
+                try:
+                    json.loads(line)
+                except ValueError as exc:
+                    return _where(exc, number)
+            return None
+    try:
+        json.loads(file.read_text(encoding="utf-8", errors="replace"))
+    except ValueError as exc:
+        return _where(exc)
+    return None
+
+
+def _parses(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
+def _where(exc: ValueError, line: int | None = None) -> str:
+    """``line 7, column 22: Expecting ',' delimiter``."""
+    if isinstance(exc, json.JSONDecodeError):
+        return f"line {line or exc.lineno}, column {exc.colno}: {exc.msg}"
+    return f"line {line}: {first_line(exc)}" if line else first_line(exc)
 
 
 def load_folder(name: str, config: TrainConfig, formats: dict[str, str]) -> dict[str, Any]:
@@ -82,9 +159,11 @@ def load_folder(name: str, config: TrainConfig, formats: dict[str, str]) -> dict
             suffixes = {f.suffix.lower() for f in path.rglob("*") if f.is_file()}
             txt = ".txt" in formats and ".txt" in suffixes
             options = BUILDER_OPTIONS[".txt"] if txt else {}
-            loaded = datasets.load_dataset(str(path), config.dataset_config, **options)
+            with _datasets_logs_off():
+                loaded = datasets.load_dataset(str(path), config.dataset_config, **options)
     except Exception as exc:
-        raise EffitrainError(f"cannot read dataset folder '{name}': {first_line(exc)}") from exc
+        reason = _folder_json_error(path) or _root_message(exc)
+        raise EffitrainError(f"cannot read dataset folder '{name}': {reason}") from exc
     if isinstance(loaded, datasets.Dataset):
         return {"train": loaded}
     return dict(loaded)

@@ -1,0 +1,328 @@
+"""The options that ``train``, ``estimate`` and ``compare`` share: one declaration each.
+
+An option's declaration is its :class:`effitrain.config.TrainConfig` field: the field's name is
+the flag (``batch_size`` -> ``--batch-size``), its doc is the help, its default the default.
+This module adds only how the option looks on the command line: its help panel, its metavar,
+and the ``--on/--off`` pairs. :func:`config_options` turns the fields into a command's typer
+parameters (typer reads the signature it builds) and hands the command the values given on
+the command line as overrides, so that YAML files and defaults keep their order.
+
+Imports nothing heavy: ``--help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import typing
+from collections.abc import Callable, Collection, Mapping
+from typing import Annotated, Any
+
+import typer
+
+from effitrain.config import TrainConfig, help_for, option
+from effitrain.models import CAUSAL_PRESETS, PRESETS
+
+MODEL, OPTIM, LOOP, LEVERS, OUT = "Model and data", "Optimizer", "Loop", "Memory levers", "Output"
+
+PANELS: dict[str, tuple[str, ...]] = {
+    MODEL: (
+        "task",
+        "model",
+        "dataset",
+        "dataset_config",
+        "train_file",
+        "validation_file",
+        "text_columns",
+        "label_column",
+        "max_length",
+        "packing",
+        "completion_only_loss",
+        "sample_prompt",
+    ),
+    OPTIM: (
+        "optim",
+        "lr",
+        "weight_decay",
+        "scheduler",
+        "warmup_ratio",
+        "warmup_steps",
+        "max_grad_norm",
+        "fp32_embedding_state",
+    ),
+    LOOP: (
+        "epochs",
+        "max_steps",
+        "batch_size",
+        "eval_batch_size",
+        "grad_accum",
+        "mixed_precision",
+        "seed",
+        "log_every",
+    ),
+    LEVERS: (
+        "gradient_checkpointing",
+        "optimizer_in_backward",
+        "weights_dtype",
+        "lora_rank",
+        "lora_alpha",
+        "lora_dropout",
+        "lora_target_modules",
+        "lora_merge",
+    ),
+    OUT: (
+        "output_dir",
+        "save_every",
+        "save_strategy",
+        "save_total_limit",
+        "resume",
+        "metrics_json",
+        "report_to",
+        "memory_breakdown",
+        "quiet",
+    ),
+}
+"""Every TrainConfig field, by the help panel it is listed in (a test checks none is missing)."""
+
+FLAG_PAIRS = {
+    "packing": "--packing/--no-packing",
+    "completion_only_loss": "--completion-only-loss/--full-loss",
+    "memory_breakdown": "--memory-breakdown/--no-memory-breakdown",
+}
+"""Settings that are on by default, or by default depend on the data: an on and an off flag."""
+
+METAVARS = {
+    "model": "NAME|DIR",
+    "dataset": "NAME|PATH",
+    "dataset_config": "NAME",
+    "train_file": "FILE",
+    "validation_file": "FILE",
+    "task": "NAME",
+    "sample_prompt": "TEXT",
+    "text_columns": "COL[,COL]",
+    "label_column": "COL",
+    "optim": "NAME",
+    "lr": "LR",
+    "weight_decay": "RATE",
+    "scheduler": "linear|cosine|constant",
+    "warmup_ratio": "FRACTION",
+    "max_grad_norm": "NORM",
+    "mixed_precision": "no|fp16|bf16",
+    "weights_dtype": "fp32|bf16",
+    "lora_alpha": "ALPHA",
+    "lora_dropout": "P",
+    "lora_target_modules": "NAME[,NAME]",
+    "output_dir": "DIR",
+    "save_strategy": "steps|epoch|no",
+    "resume": "latest|DIR",
+    "metrics_json": "FILE",
+    "report_to": "NAME[,NAME]",
+}
+"""What a value looks like; any other option takes a count (``N``)."""
+
+PRESET_NAMES = (
+    " Presets: " + ", ".join([*PRESETS, *CAUSAL_PRESETS]) + " (see effitrain train --help)."
+)
+PRESETS_HELP = (
+    " Presets: "
+    + "; ".join(f"[bold]{name}[/]: {desc}" for name, (desc, _) in PRESETS.items())
+    + "; "
+    + "; ".join(f"[bold]{name}[/]: {desc}" for name, (desc, _, _) in CAUSAL_PRESETS.items())
+    + "."
+)
+
+EXTRA_HELP = {
+    "text_columns": " Comma-separated: sentence1,sentence2.",
+    "lora_target_modules": " Comma-separated: query,value.",
+    "report_to": " Comma-separated: tensorboard,wandb.",
+}
+
+PER_OPTIMIZER = ("lr", "scheduler", "warmup_ratio")
+"""Options whose default depends on the optimizer and on fine-tuning versus training from scratch."""
+
+DEFAULT_TEXT = {
+    **dict.fromkeys(PER_OPTIMIZER, "per optimizer, see effitrain optimizers"),
+    "max_grad_norm": "1.0; 0 with --optimizer-in-backward",
+    "packing": "per data format",
+    "completion_only_loss": "per data format",
+    "memory_breakdown": "on",
+}
+"""What --help shows as the default where the default depends on other options."""
+
+CONFIG_FILE = typer.Option(
+    "--config",
+    help="YAML file of options (keys as in `effitrain train --help`, e.g. batch_size: 16); "
+    "options given on the command line override it.",
+    metavar="FILE",
+    show_default=False,
+)
+
+_GIVEN = ("COMMANDLINE", "ENVIRONMENT")
+
+
+def config_fields() -> list[str]:
+    """The names of TrainConfig's fields, in declaration order."""
+    return [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+def given(ctx: typer.Context, name: str) -> bool:
+    """Whether the option ``name`` was given on the command line (not left at its default).
+
+    By the source's name: typer may bundle its own click, whose ParameterSource is not click's.
+    """
+    return getattr(ctx.get_parameter_source(name), "name", "") in _GIVEN
+
+
+def _panel(name: str) -> str:
+    return next(panel for panel, names in PANELS.items() if name in names)
+
+
+def _cli_type(annotation: Any) -> Any:
+    """The type typer parses: a list field is one comma-separated string (the config splits it)."""
+    args = typing.get_args(annotation)
+    optional = type(None) in args
+    inner = next((a for a in args if a is not type(None)), annotation) if optional else annotation
+    if typing.get_origin(inner) is list:
+        inner = str
+    return inner | None if optional else inner
+
+
+def config_parameter(
+    name: str,
+    default: Any,
+    annotation: Any,
+    *,
+    extra: str = "",
+    shown: str | None = None,
+    hidden: bool = False,
+) -> inspect.Parameter:
+    """The typer parameter of config field ``name``: flag and help from the config, panel and
+    metavar from here. ``default``: the value --help shows (the config's, or the command's);
+    ``shown``: the text --help shows instead of it."""
+    cli_type = _cli_type(annotation)
+    is_flag = name in FLAG_PAIRS or cli_type is bool
+    show_default: bool | str = shown or DEFAULT_TEXT.get(name) or (default is not None)
+    if default is False:
+        show_default = False  # a flag that is off unless given: nothing to show
+    info = typer.Option(
+        FLAG_PAIRS.get(name, option(name)),
+        help=help_for(name) + EXTRA_HELP.get(name, "") + extra,
+        rich_help_panel=_panel(name),
+        show_default=show_default,
+        metavar="" if is_flag else METAVARS.get(name, "N"),
+        hidden=hidden,
+    )
+    return inspect.Parameter(
+        name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[cli_type, info]
+    )
+
+
+def config_options(
+    *,
+    exclude: Collection[str] = (),
+    hidden: Collection[str] = (),
+    defaults: Mapping[str, Any] | None = None,
+    default_text: Mapping[str, str] | None = None,
+    extra_help: Mapping[str, str] | None = None,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Give a command the options of TrainConfig's fields, declared once (above).
+
+    The command keeps its own parameters and takes ``overrides``: the fields given on the
+    command line, by name (what :func:`effitrain.build.checked_config` takes); a command that
+    also needs the click context declares ``ctx``.
+
+    Args:
+        exclude: fields the command does not take.
+        hidden: fields it takes but does not list in --help.
+        defaults: defaults that are the command's own, shown by --help (the command applies
+            them itself: ``overrides`` holds only what was given).
+        default_text: what --help says the default is, where the value alone misleads.
+        extra_help: text appended to a field's help in this command.
+    """
+    defaults, default_text, extra_help = defaults or {}, default_text or {}, extra_help or {}
+    hints = typing.get_type_hints(TrainConfig)
+    fields = [name for name in config_fields() if name not in exclude]
+
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        own = inspect.signature(command, eval_str=True).parameters
+        clash = set(own) & set(fields)
+        assert not clash, f"{command.__name__} declares {clash} itself: exclude them"
+        wants_ctx = "ctx" in own
+        options = [
+            *(p.replace(kind=p.KEYWORD_ONLY) for p in own.values() if p.name not in _RESERVED),
+            *(
+                config_parameter(
+                    name,
+                    defaults.get(name, TrainConfig.__dataclass_fields__[name].default),
+                    hints[name],
+                    extra=extra_help.get(name, ""),
+                    shown=default_text.get(name),
+                    hidden=name in hidden,
+                )
+                for name in fields
+            ),
+        ]
+        options.sort(key=_panel_rank)  # stable: a command's own options lead their panel
+        ctx_param = inspect.Parameter(
+            "ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context
+        )
+        params = [ctx_param, *options]
+
+        @functools.wraps(command)
+        def run(ctx: typer.Context, **values: Any) -> Any:
+            overrides = {name: values.pop(name) for name in fields if given(ctx, name)}
+            for name in fields:
+                values.pop(name, None)
+            if wants_ctx:
+                values["ctx"] = ctx
+            return command(**values, overrides=overrides)
+
+        run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        run.__annotations__ = {p.name: p.annotation for p in params}
+        return run
+
+    return decorate
+
+
+_RESERVED = ("ctx", "overrides")
+"""Parameters of a decorated command that are not options."""
+
+
+def _panel_rank(param: inspect.Parameter) -> int:
+    """Where --help lists an option's panel: unpanelled options (with --help), the command's
+    own panels, then the config's panels in PANELS order."""
+    infos = typing.get_args(param.annotation)[1:]
+    panel = getattr(infos[0], "rich_help_panel", None) if infos else None
+    if panel is None:
+        return 0
+    return 2 + list(PANELS).index(panel) if panel in PANELS else 1
+
+
+def train_arguments(values: Mapping[str, Any]) -> list[str]:
+    """``effitrain train`` arguments that give these config values: the inverse of parsing
+    (``{"batch_size": 8, "packing": False}`` -> ``--batch-size 8 --no-packing``)."""
+    args: list[str] = []
+    for name, value in values.items():
+        if value is None:
+            continue
+        on, _, off = FLAG_PAIRS.get(name, option(name)).partition("/")
+        if isinstance(value, bool):
+            if value or off:
+                args.append(on if value else off)
+            continue
+        if isinstance(value, (list, tuple)):
+            value = ",".join(str(v) for v in value)
+        args += [on, str(value)]
+    return args
+
+
+__all__ = [
+    "CONFIG_FILE",
+    "PANELS",
+    "config_fields",
+    "config_options",
+    "config_parameter",
+    "given",
+    "train_arguments",
+]
