@@ -376,11 +376,19 @@ def plot(data: dict[str, Any], path: Path) -> dict[str, Any]:
     top = max([*bottom, *peaks])
     bars.set_ylim(0, top * 1.4 if top > 0 else 1)
     bars.legend(loc="upper right", fontsize=9)
-    for row in rows:
+    styles = ("-", "--", ":", "-.")  # curves that coincide (adamw, adamw-8bit) stay visible
+    for index, row in enumerate(rows):
         history = row.get("loss_history") or []
         steps = [point["step"] for point in history]
         losses = [point["loss"] for point in history]
-        curves.plot(steps, losses, marker="o", markersize=3, label=row["label"])
+        curves.plot(
+            steps,
+            losses,
+            linestyle=styles[index % len(styles)],
+            marker="o",
+            markersize=3,
+            label=row["label"],
+        )
         drawn["curves"][row["label"]] = (steps, losses)
     from matplotlib.ticker import MaxNLocator
 

@@ -95,7 +95,8 @@ def check_packing(data: LMData, model_type: str, config: TrainConfig) -> None:
             )
         data.notes.append(
             f"--packing with {model_type}: not verified to keep packed documents apart "
-            "(benchmarks/causal_lm/ checks it)"
+            "(python -m benchmarks.causal_lm.run --what architectures checks it in a clone of "
+            "effitrain)"
         )
         return
     data.packing = False
