@@ -7,7 +7,7 @@ import json
 import pytest
 
 from effitrain.errors import EffitrainError
-from tests.checkpoint_helpers import train_args, write_data
+from tests.checkpoint_helpers import train_args
 
 pytest.importorskip("adam_mini")
 
@@ -193,8 +193,7 @@ def test_optimizer_in_backward_is_refused():
         checked_config(overrides={"optim": "adam-mini", "optimizer_in_backward": True})
 
 
-def test_demo_learns_and_inspect_state_names_it(train_cli, tmp_path):
-    data = write_data(tmp_path / "data")
+def test_run_and_inspect_state_name_its_blocks(train_cli, data, tmp_path):
     out, metrics = tmp_path / "out", tmp_path / "m.json"
     args = train_args(data, out, "--optim", "adam-mini", "--max-steps", "12", "--save-every", "12")
     proc = train_cli(*args, "--metrics-json", str(metrics))

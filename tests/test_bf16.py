@@ -10,14 +10,9 @@ import pytest
 from effitrain.build import check_config
 from effitrain.config import TrainConfig
 from effitrain.errors import EffitrainError
-from tests.checkpoint_helpers import load_tensors, train_args, write_data
+from tests.checkpoint_helpers import load_tensors, train_args
 from tests.conftest import assert_clean_error
 from tests.test_resume import assert_same_end, straight_and_resumed
-
-
-@pytest.fixture
-def data(tmp_path):
-    return write_data(tmp_path / "data")
 
 
 @pytest.mark.parametrize(

@@ -46,19 +46,6 @@ def metrics_of(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-@pytest.fixture(scope="module")
-def lm_model_dir(tmp_path_factory) -> Path:
-    """The tiny-llama preset saved with save_pretrained: a pretrained-style causal LM folder."""
-    from effitrain.models import load_causal_lm, load_tokenizer
-
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tokenizer = load_tokenizer("tiny-llama")
-    model = load_causal_lm("tiny-llama", tokenizer)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
 def test_demo_defaults_run_a_few_steps_and_report_perplexity(train_cli, tmp_path):
     out = tmp_path / "m.json"
     proc = train_cli("train", "--task", "causal-lm", "--max-steps", "3", "--metrics-json", str(out))

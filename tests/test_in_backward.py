@@ -14,7 +14,7 @@ from effitrain.build import checked_config
 from effitrain.config import TrainConfig
 from effitrain.errors import EffitrainError
 from effitrain.progress import TrainingProgress
-from tests.checkpoint_helpers import assert_identical, load_tensors, train_args, write_data
+from tests.checkpoint_helpers import assert_identical, load_tensors, train_args
 from tests.conftest import assert_clean_error
 from tests.test_loop import first_batch, fresh_accelerate, guard_for, reset_accelerate, tiny_run
 from tests.test_resume import assert_same_end, straight_and_resumed
@@ -244,11 +244,6 @@ def test_help_shows_the_max_grad_norm_default(cli):
 # --------------------------------------------------------------------------------------------
 # Through the CLI on the tiny preset: banner, metrics, checkpoints, inspect-state, resume
 # --------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def data(tmp_path):
-    return write_data(tmp_path / "data")
 
 
 def test_cli_run_checkpoint_and_inspect_state(train_cli, data, tmp_path):

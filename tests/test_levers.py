@@ -8,13 +8,8 @@ import json
 import pytest
 
 from effitrain.errors import EffitrainError
-from tests.checkpoint_helpers import assert_identical, load_tensors, train_args, write_data
+from tests.checkpoint_helpers import assert_identical, load_tensors, train_args
 from tests.test_resume import assert_same_end, straight_and_resumed
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return write_data(tmp_path_factory.mktemp("levers") / "data")
 
 
 def run_metrics(train_cli, data, out, *options):

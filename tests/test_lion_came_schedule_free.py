@@ -13,7 +13,7 @@ from effitrain import optim
 from effitrain.build import check_config
 from effitrain.config import TrainConfig
 from effitrain.errors import EffitrainError
-from tests.checkpoint_helpers import load_tensors, train_args, write_data
+from tests.checkpoint_helpers import load_tensors, train_args
 from tests.test_resume import assert_same_end, straight_and_resumed
 
 OURS = ("lion", "lion-8bit", "came", "adamw-schedule-free")
@@ -154,11 +154,6 @@ def test_set_train_mode_unwraps_and_ignores_optimizers_without_modes():
 # --------------------------------------------------------------------------------------------
 # Through the CLI: resume, inspect-state, a run that learns
 # --------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def data(tmp_path):
-    return write_data(tmp_path / "data")
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.checkpoint_helpers import assert_identical, load_tensors, train_args, write_data
+from tests.checkpoint_helpers import assert_identical, load_tensors, train_args
 from tests.conftest import assert_clean_error, train_in_process
 
 pytest.importorskip("peft")
@@ -22,10 +22,9 @@ LORA = ("--lora-rank", "4")
 
 
 @pytest.fixture(scope="module")
-def lora_run(tmp_path_factory):
+def lora_run(tmp_path_factory, data):
     """One 6-step LoRA run with --lora-merge, saving at steps 3 and 6."""
     folder = tmp_path_factory.mktemp("lora")
-    data = write_data(folder / "data")
     out, metrics = folder / "out", folder / "metrics.json"
     options = (*LORA, "--max-steps", "6", "--save-every", "3", "--lora-merge")
     proc = train_in_process(*train_args(data, out, *options), "--metrics-json", str(metrics))

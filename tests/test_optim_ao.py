@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from effitrain.errors import EffitrainError
-from tests.checkpoint_helpers import assert_identical, load_tensors, train_args, write_data
+from tests.checkpoint_helpers import assert_identical, load_tensors, train_args
 from tests.conftest import OFFLINE, assert_clean_error
 
 torch = pytest.importorskip("torch")
@@ -299,8 +299,7 @@ def test_tiny_demo_learns(name, cli, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(NAMES))
-def test_resume_is_exact_and_inspect_state_names_it(name, train_cli, tmp_path):
-    data = write_data(tmp_path / "data")
+def test_resume_is_exact_and_inspect_state_names_it(name, train_cli, data, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     options = ("--optim", name, "--max-steps", "8", "--save-every", "4")
     proc = train_cli(*train_args(data, straight, *options))
@@ -335,14 +334,13 @@ def test_resume_is_exact_and_inspect_state_names_it(name, train_cli, tmp_path):
 
 
 @pytest.mark.slow
-def test_fp8_refusal_through_the_cli(train_cli, tmp_path, monkeypatch):
+def test_fp8_refusal_through_the_cli(train_cli, data, tmp_path, monkeypatch):
     import effitrain.optim.low_bit as optim_ao
 
     def refuse(device):
         raise EffitrainError("--optim adamw-fp8 needs a GPU of compute capability >= 8.9 (test)")
 
     monkeypatch.setattr(optim_ao, "check_fp8_device", refuse)
-    data = write_data(tmp_path / "data")
     proc = train_cli(*train_args(data, tmp_path / "out", "--optim", "adamw-fp8"))
     assert_clean_error(proc, "compute capability >= 8.9")
     assert not (tmp_path / "out" / "checkpoint-1").exists()

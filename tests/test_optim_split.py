@@ -15,7 +15,7 @@ from effitrain.errors import EffitrainError
 from effitrain.memory import ledger as memory
 from effitrain.optim import build_optimizer, get_spec, param_groups
 from effitrain.optim.split import hidden_matrices
-from tests.checkpoint_helpers import assert_identical, load_tensors, train_args, write_data
+from tests.checkpoint_helpers import assert_identical, load_tensors, train_args
 
 SPLIT = ["muon", "galore", "apollo", "apollo-mini"]
 
@@ -257,8 +257,7 @@ def test_state_dict_round_trip_continues_bit_exact(optim):
         pytest.param("apollo", marks=pytest.mark.slow),
     ],
 )
-def test_resume_is_exact_and_inspect_state_names_it(train_cli, tmp_path, optim):
-    data = write_data(tmp_path / "data")
+def test_resume_is_exact_and_inspect_state_names_it(train_cli, data, tmp_path, optim):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     # update_proj_gap is 200: the projection is not refreshed within 8 steps, so the resumed
     # run must use the saved projection matrices.

@@ -24,14 +24,8 @@ from tests.checkpoint_helpers import (
     assert_identical,
     load_tensors,
     train_args,
-    write_data,
 )
 from tests.conftest import OFFLINE, assert_clean_error
-
-
-@pytest.fixture
-def data(tmp_path):
-    return write_data(tmp_path / "data")
 
 
 def straight_and_resumed(train_cli, data, tmp_path, resume_at, *options):
