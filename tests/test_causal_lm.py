@@ -238,43 +238,6 @@ def test_two_processes_under_accelerate_launch(tmp_path):
     assert (tmp_path / "run" / "final" / "model.safetensors").exists()
 
 
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory) -> Path:
-    from tests.pretrained_lm import smollm2_folder
-
-    return smollm2_folder(tmp_path_factory.mktemp("smollm2"))
-
-
-@pytest.mark.slow
-def test_a_real_pretrained_causal_lm_fine_tunes_with_the_default_lr(train_cli, tmp_path, smollm2):
-    """SmolLM2-135M-Instruct (pretrained) learns a new answer style from 40 chat examples with
-    AdamW's fine-tuning default lr, through its own chat template, completions only."""
-    towns = ["Amber", "Birch", "Cobalt", "Dune", "Elm", "Fern", "Granite", "Hazel"]
-    rows = [
-        {
-            "instruction": f"Where is the market of {town} held on day {day}?",
-            "output": f"MARKET REPORT: {town}, day {day}: the square by the river.",
-        }
-        for day in range(1, 6)
-        for town in towns
-    ]
-    data = write_jsonl(tmp_path / "train.jsonl", rows)
-    out = tmp_path / "m.json"
-    proc = train_cli(
-        "train", "--model", str(smollm2), "--dataset", str(data), "--epochs", "2",
-        "--batch-size", "8", "--max-length", "64", "--log-every", "1",
-        "--sample-prompt", "Where is the market of Birch held on day 9?",
-        "--metrics-json", str(out),
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "adamw default for fine-tuning" in proc.stdout
-    metrics = metrics_of(out)
-    first_loss = metrics["loss_history"][0]["loss"]  # the first batch, before any update
-    history = metrics["eval_history"]
-    assert history[-1]["loss"] < history[0]["loss"]
-    assert history[-1]["loss"] < 0.5 * first_loss, (first_loss, history)
-
-
 def test_a_text_file_with_a_folder_causal_lm_is_detected_as_causal_lm(
     train_cli, tmp_path, lm_model_dir
 ):

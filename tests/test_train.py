@@ -225,6 +225,8 @@ def test_local_model_folder_and_dataset_folder(train_cli, tmp_path, tiny_model_d
     )
     assert proc.returncode == 0, proc.stderr
     assert "DistilBertForSequenceClassification" in proc.stdout
+    # A folder holds pretrained weights: the optimizer's fine-tuning default, and why.
+    assert "lr 0.0002 (adamw default for fine-tuning)" in proc.stdout
     data = metrics(out)
     assert data["eval"]["examples"] == 9
     # The saved model had 2 labels; the dataset has 3: the head was resized.
