@@ -179,8 +179,8 @@ def test_lora_and_gradient_checkpointing_on_a_causal_lm(train_cli, tmp_path):
     assert "head" not in next(line for line in proc.stdout.splitlines() if "LoRA r=4" in line)
 
 
-def test_estimate_a_causal_lm(cli):
-    proc = cli("estimate", "--task", "causal-lm", "--optim", "adamw,adafactor", "--json")
+def test_estimate_a_causal_lm(train_cli):
+    proc = train_cli("estimate", "--task", "causal-lm", "--optim", "adamw,adafactor", "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(proc.stdout)
     rows = rows if isinstance(rows, list) else rows.get("rows", [rows])
@@ -197,8 +197,8 @@ def test_estimate_a_causal_lm(cli):
         (("--task", "causal-lm", "--text-columns", "a,b"), ("one",)),
     ],
 )
-def test_option_refusals(cli, options, fragments):
-    assert_clean_error(cli("train", *options), *fragments)
+def test_option_refusals(train_cli, options, fragments):
+    assert_clean_error(train_cli("train", *options), *fragments)
 
 
 @pytest.mark.parametrize(
@@ -213,9 +213,9 @@ def test_option_refusals(cli, options, fragments):
         ),
     ],
 )
-def test_bad_data_gets_one_line(cli, tmp_path, content, name, fragments):
+def test_bad_data_gets_one_line(train_cli, tmp_path, content, name, fragments):
     (tmp_path / name).write_text(content)
-    proc = cli("train", "--task", "causal-lm", "--dataset", str(tmp_path / name), *SHORT)
+    proc = train_cli("train", "--task", "causal-lm", "--dataset", str(tmp_path / name), *SHORT)
     assert_clean_error(proc, *fragments)
 
 

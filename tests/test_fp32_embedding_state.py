@@ -118,9 +118,9 @@ def test_trains_resumes_exactly_and_refuses_a_mismatched_resume(train_cli, data,
     )
 
 
-def test_estimate_applies_it_to_the_8bit_columns_only(cli):
+def test_estimate_applies_it_to_the_8bit_columns_only(train_cli):
     def state_bytes(*options):
-        proc = cli("estimate", "--json", *options)
+        proc = train_cli("estimate", "--json", *options)
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout)
         return {r["optimizer"]: r["optimizer_state"]["bytes"] for r in out}

@@ -235,8 +235,8 @@ def test_resume_compares_max_grad_norm_as_used():
     assert config_differences(old, TrainConfig(max_grad_norm=0.5)) == ["max-grad-norm 1.0 -> 0.5"]
 
 
-def test_help_shows_the_max_grad_norm_default(cli):
-    text = " ".join(cli("train", "--help").stdout.split())
+def test_help_shows_the_max_grad_norm_default(train_cli):
+    text = " ".join(train_cli("train", "--help").stdout.split())
     assert "1.0; 0 with --optimizer-in-backward" in text
     assert "--optimizer-in-backward" in text
 
