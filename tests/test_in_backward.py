@@ -293,14 +293,17 @@ def test_resume_mid_epoch_across_epoch_boundary_is_exact(train_cli, data, tmp_pa
     assert_same_end(straight, resumed, 8)
 
 
-@pytest.mark.slow
-def test_two_process_launch_is_refused_before_training():
-    from tests.test_distributed import launch
+@pytest.mark.parametrize("main_process", [True, False])
+def test_a_two_process_launch_is_refused_before_anything_is_built(
+    train_cli, monkeypatch, main_process
+):
+    """Every process of a two-process launch (DDP over gloo, as ``accelerate launch`` on CPUs
+    gives it) refuses with the one line before it builds or prints anything."""
+    import effitrain.build as build
 
-    proc = launch("train", "--optimizer-in-backward", "--max-steps", "2")
-    assert proc.returncode != 0, proc.stdout + proc.stderr
-    # Each process prints the one line and stops (the launcher then reports the failure).
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 2, proc.stderr
-    assert all("--optimizer-in-backward cannot run on DDP over 2 processes" in e for e in errors)
-    assert "effitrain · model" not in proc.stdout  # nothing was built or trained
+    state = SimpleNamespace(distributed_type="MULTI_CPU", num_processes=2, backend="gloo")
+    accelerator = SimpleNamespace(state=state, num_processes=2, is_main_process=main_process)
+    monkeypatch.setattr(build, "build_accelerator", lambda config: accelerator)
+    proc = train_cli("train", "--optimizer-in-backward", "--max-steps", "2")
+    assert_clean_error(proc, "--optimizer-in-backward cannot run on DDP over 2 processes")
+    assert proc.stdout == ""  # no banner: nothing was built or trained

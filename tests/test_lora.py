@@ -331,17 +331,15 @@ def test_lora_combines_with_the_other_levers_in_the_config():
 
 
 @pytest.mark.slow
-def test_lora_with_two_ddp_processes_matches_one_process(tmp_path, train_cli):
+def test_lora_with_two_ddp_processes_matches_one_process(tmp_path, train_cli, no_dropout_model_dir):
     """DDP (not refused): two CPU processes train the same adapters as one process."""
     import torch
     from safetensors.torch import load_file
 
-    from tests.checkpoint_helpers import save_tiny_model
     from tests.test_distributed import launch, max_abs_difference
 
-    model = save_tiny_model(tmp_path / "model", dropout=0.0)
     options = (
-        "--model", str(model), "--max-steps", "4", "--warmup-steps", "1", "--seed", "7",
+        "--model", str(no_dropout_model_dir), "--max-steps", "4", "--warmup-steps", "1", "--seed", "7",
         *LORA, "--lora-dropout", "0", "--lora-merge",
     )  # fmt: skip
     two = launch("train", *options, "--batch-size", "8", "--output-dir", str(tmp_path / "two"))
