@@ -90,6 +90,16 @@ def train_cli():
     return train_in_process
 
 
+@pytest.fixture
+def uncompiled(monkeypatch):
+    """``torch.compile(f)`` returns ``f``: torchao's optimizers run their update eagerly, the
+    same function without inductor's compile (seconds per parameter shape on a CPU). Tests of
+    the compiled update itself do not use this."""
+    import torch
+
+    monkeypatch.setattr(torch, "compile", lambda function=None, **_options: function)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The tiny preset saved with save_pretrained: a stand-in for a hub model, loaded by path."""

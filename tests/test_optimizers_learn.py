@@ -62,12 +62,7 @@ def test_overfits_a_handful_of_examples(name, examples):
 
 
 @pytest.mark.parametrize("name", TORCHAO)
-def test_torchao_overfits_with_its_update_run_eagerly(name, examples, monkeypatch):
-    """torchao compiles its update (inductor, seconds per parameter shape on a CPU): here the
-    same function runs uncompiled; the compiled one is the slow test below."""
-    import torch
-
-    monkeypatch.setattr(torch, "compile", lambda function=None, **_options: function)
+def test_torchao_overfits_with_its_update_run_eagerly(name, examples, uncompiled):
     overfit(name, examples)
 
 
