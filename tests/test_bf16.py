@@ -150,7 +150,7 @@ def test_nonfinite_guard_still_stops_bf16(train_cli, data, tmp_path):
     assert_clean_error(proc, "non-finite", "stopped before the update")
 
 
-@pytest.mark.parametrize("optim", ["adamw", "sgd"])
+@pytest.mark.parametrize("optim", ["adamw", pytest.param("sgd", marks=pytest.mark.slow)])
 def test_resume_is_exact(train_cli, data, tmp_path, optim):
     """Kahan summation draws no random numbers: resumed bf16 weights, moments and compensation
     buffers are bit-identical to an uninterrupted run's (dropout's RNG comes back as always)."""

@@ -76,7 +76,12 @@ def test_the_preset_alone_picks_the_task(train_cli):
 
 @pytest.mark.parametrize(
     "rows, fmt",
-    [(INSTRUCTIONS, "instruction"), (PROMPTS, "prompt-completion"), (CHATS, "messages")],
+    [
+        (INSTRUCTIONS, "instruction"),
+        # Every format's detection and masks are unit tests in test_lm_data.py.
+        pytest.param(PROMPTS, "prompt-completion", marks=pytest.mark.slow),
+        pytest.param(CHATS, "messages", marks=pytest.mark.slow),
+    ],
 )
 def test_instruction_jsonl_trains_on_completions_only(train_cli, tmp_path, rows, fmt):
     data = write_jsonl(tmp_path / "train.jsonl", rows)
@@ -96,7 +101,7 @@ def test_text_file_is_packed_and_learns(train_cli, tmp_path):
     out = tmp_path / "m.json"
     proc = train_cli(
         "train", "--task", "causal-lm", "--dataset", str(tmp_path / "corpus.txt"),
-        "--epochs", "4", "--metrics-json", str(out), *SHORT,
+        "--epochs", "2", "--metrics-json", str(out), *SHORT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "text data in column text, packed" in proc.stdout
@@ -168,10 +173,12 @@ def test_resume_is_bit_exact(train_cli, tmp_path):
 
 
 def test_lora_and_gradient_checkpointing_on_a_causal_lm(train_cli, tmp_path):
+    (tmp_path / "corpus.txt").write_text(TEXT)
     out = tmp_path / "m.json"
     proc = train_cli(
-        "train", "--task", "causal-lm", "--lora-rank", "4", "--gradient-checkpointing",
-        "--max-steps", "2", "--metrics-json", str(out), *SHORT,
+        "train", "--task", "causal-lm", "--dataset", str(tmp_path / "corpus.txt"),
+        "--lora-rank", "4", "--gradient-checkpointing", "--max-steps", "2",
+        "--metrics-json", str(out), *SHORT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     metrics = metrics_of(out)

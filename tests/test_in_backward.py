@@ -268,7 +268,9 @@ def test_cli_run_checkpoint_and_inspect_state(train_cli, data, tmp_path):
     assert [g["params"] for g in report["param_groups"]] == [16, 24]
 
 
-@pytest.mark.parametrize("options", [(), ("--gradient-checkpointing",)])
+@pytest.mark.parametrize(
+    "options", [(), pytest.param(("--gradient-checkpointing",), marks=pytest.mark.slow)]
+)
 def test_cli_lever_matches_the_normal_run(train_cli, data, tmp_path, options):
     """With dropout on, and with activations recomputed in backward (after later layers were
     already updated: each layer's recomputation uses only its own, not yet updated, weights)."""

@@ -46,6 +46,7 @@ def test_gradient_checkpointing_keeps_the_maths_and_saves_activations(train_cli,
     assert checkpointed["optimizer_state"]["bytes"] == plain["optimizer_state"]["bytes"]
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_resumes_exactly(train_cli, data, tmp_path):
     options = ("--gradient-checkpointing", "--max-steps", "8", "--save-every", "4")
     straight, resumed = straight_and_resumed(train_cli, data, tmp_path, 4, *options)

@@ -118,7 +118,13 @@ def assert_memory_breakdown(data):
     assert data["trainable_parameter_bytes"] == data["parameter_bytes"]
 
 
-@pytest.mark.parametrize("optim", sorted(EXPECTED_KEYS))
+@pytest.mark.parametrize(
+    "optim",
+    [
+        pytest.param(name, marks=pytest.mark.slow) if name in ("adafactor-hf", "sgd") else name
+        for name in sorted(EXPECTED_KEYS)
+    ],
+)
 def test_each_optimizer_runs_and_reports_its_state(train_cli, tmp_path, optim):
     out = tmp_path / "m.json"
     proc = train_cli("train", *QUICK, "--optim", optim, "--metrics-json", str(out))
