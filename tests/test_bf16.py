@@ -128,6 +128,7 @@ def test_trains_saves_bf16_and_loads_back(train_cli, data, tmp_path):
     assert torch.isfinite(logits.float()).all()
 
 
+@pytest.mark.slow
 def test_bf16_autocast_on_bf16_weights_is_allowed(train_cli, data, tmp_path):
     # Harmless: the matmuls already run in bf16; autocast adds fp32 outputs and fp32 ops.
     proc = train_cli(
@@ -160,6 +161,7 @@ def test_resume_is_exact(train_cli, data, tmp_path, optim):
     assert "kahan_comp" in load_tensors(resumed / "checkpoint-8")["optimizer.bin"]["state"][0]
 
 
+@pytest.mark.slow
 def test_resume_with_other_weights_dtype_is_refused(train_cli, data, tmp_path):
     out = tmp_path / "out"
     every = ("--save-every", "2")

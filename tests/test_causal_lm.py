@@ -109,6 +109,7 @@ def test_text_file_is_packed_and_learns(train_cli, tmp_path):
     assert history[-1]["loss"] < history[0]["loss"]
 
 
+@pytest.mark.slow
 def test_padding_instead_of_packing(train_cli, tmp_path):
     (tmp_path / "corpus.txt").write_text(TEXT)
     proc = train_cli(
@@ -138,6 +139,7 @@ def test_pretrained_style_folder_is_fine_tuned_and_the_task_detected(
     AutoModelForCausalLM.from_pretrained(final)  # a loadable causal LM
 
 
+@pytest.mark.slow
 def test_a_causal_lm_on_labelled_data_stays_a_classifier(train_cli, tmp_path, lm_model_dir):
     rows = [
         {"text": f"good thing {i}" if i % 2 else f"bad thing {i}", "label": i % 2}
@@ -186,6 +188,7 @@ def test_lora_and_gradient_checkpointing_on_a_causal_lm(train_cli, tmp_path):
     assert "head" not in next(line for line in proc.stdout.splitlines() if "LoRA r=4" in line)
 
 
+@pytest.mark.slow
 def test_estimate_a_causal_lm(train_cli):
     proc = train_cli("estimate", "--task", "causal-lm", "--optim", "adamw,adafactor", "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr

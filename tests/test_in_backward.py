@@ -288,7 +288,8 @@ def test_cli_lever_matches_the_normal_run(train_cli, data, tmp_path, options):
     assert assert_identical(ends["lever"], ends["normal"]) > 40
 
 
-@pytest.mark.parametrize("optim", ["adamw", pytest.param("adamw-8bit", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("optim", ["adamw", "adamw-8bit"])
 def test_resume_mid_epoch_across_epoch_boundary_is_exact(train_cli, data, tmp_path, optim):
     options = ("--optimizer-in-backward", "--optim", optim, "--max-steps", "8", "--save-every", "4")
     straight, resumed = straight_and_resumed(train_cli, data, tmp_path, 4, *options)

@@ -77,6 +77,7 @@ def test_resume_mid_epoch_across_epoch_boundary_is_exact(train_cli, data, tmp_pa
     assert_same_end(straight, resumed, 8)
 
 
+@pytest.mark.slow
 def test_resume_with_grad_accum_across_epochs_is_exact(train_cli, data, tmp_path):
     # 3 optimizer steps of 2 micro-batches per epoch: resume at step 2 (mid-epoch 1), then
     # finish epoch 1, train epoch 2 and part of 3.

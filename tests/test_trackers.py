@@ -146,7 +146,7 @@ def test_resumed_run_continues_the_curve(train_cli, data, tmp_path):
             assert after[tag] == before[tag], tag  # exact resume: the same numbers
 
 
-@pytest.mark.parametrize("report_to", [None, "none"])
+@pytest.mark.parametrize("report_to", [None, pytest.param("none", marks=pytest.mark.slow)])
 def test_no_tracker_writes_no_tracker_files(train_cli, data, tmp_path, monkeypatch, report_to):
     monkeypatch.chdir(tmp_path)
     extra = ("--report-to", report_to) if report_to else ()

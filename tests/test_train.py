@@ -33,6 +33,14 @@ EXPECTED_KEYS = {
 QUICK = ("--max-steps", "4", "--batch-size", "8", "--log-every", "2")
 
 
+@pytest.fixture
+def small(data) -> tuple[str, ...]:
+    """The tiny preset on the session's 24/8-row csvs instead of the 3,400-row demo, for runs
+    whose subject is not the data."""
+    train, validation, _ = data
+    return ("--train-file", str(train), "--validation-file", str(validation))
+
+
 def metrics(path: Path) -> dict:
     return json.loads(path.read_text())
 
@@ -125,9 +133,9 @@ def assert_memory_breakdown(data):
         for name in sorted(EXPECTED_KEYS)
     ],
 )
-def test_each_optimizer_runs_and_reports_its_state(train_cli, tmp_path, optim):
+def test_each_optimizer_runs_and_reports_its_state(train_cli, small, tmp_path, optim):
     out = tmp_path / "m.json"
-    proc = train_cli("train", *QUICK, "--optim", optim, "--metrics-json", str(out))
+    proc = train_cli("train", *small, *QUICK, "--optim", optim, "--metrics-json", str(out))
     assert proc.returncode == 0, proc.stderr
     data = metrics(out)
     assert data["optimizer"] == optim
@@ -136,17 +144,18 @@ def test_each_optimizer_runs_and_reports_its_state(train_cli, tmp_path, optim):
         assert data["optimizer_state"]["bytes"] < data["adamw_equivalent_bytes"]
 
 
-def test_quiet_prints_only_results(train_cli):
-    proc = train_cli("train", *QUICK, "--quiet")
+def test_quiet_prints_only_results(train_cli, small):
+    proc = train_cli("train", *small, *QUICK, "--quiet")
     assert proc.returncode == 0
     assert "step 2/4" not in proc.stdout and "effitrain ·" not in proc.stdout
     assert "done" in proc.stdout and "Optimizer state" in proc.stdout
 
 
-def test_grad_accum_scheduler_and_bf16(train_cli, tmp_path):
+def test_grad_accum_scheduler_and_bf16(train_cli, small, tmp_path):
     out = tmp_path / "m.json"
     proc = train_cli(
         "train",
+        *small,
         "--max-steps",
         "4",
         "--batch-size",
@@ -173,12 +182,12 @@ def test_grad_accum_scheduler_and_bf16(train_cli, tmp_path):
     assert "step 2/4 · epoch 1 · loss" in proc.stdout and "lr 7.50e-04" in proc.stdout
 
 
-def test_yaml_config_with_cli_override(train_cli, tmp_path):
+def test_yaml_config_with_cli_override(train_cli, small, tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("optim: sgd\nmax_steps: 2\nbatch_size: 4\nlog_every: 1\n")
     out = tmp_path / "m.json"
     proc = train_cli(
-        "train", "--config", str(config), "--optim", "adafactor", "--metrics-json", str(out)
+        "train", *small, "--config", str(config), "--optim", "adafactor", "--metrics-json", str(out)
     )
     assert proc.returncode == 0, proc.stderr
     data = metrics(out)
