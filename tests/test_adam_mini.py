@@ -195,13 +195,13 @@ def test_optimizer_in_backward_is_refused():
 
 def test_run_and_inspect_state_name_its_blocks(train_cli, data, tmp_path):
     out, metrics = tmp_path / "out", tmp_path / "m.json"
-    args = train_args(data, out, "--optim", "adam-mini", "--max-steps", "12", "--save-every", "12")
+    args = train_args(data, out, "--optim", "adam-mini", "--max-steps", "3", "--save-every", "3")
     proc = train_cli(*args, "--metrics-json", str(metrics))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(metrics.read_text())
     assert result["optimizer_state"]["by_key"].keys() >= {"m", "vmean", "v", "head_per_gpu"}
 
-    proc = train_cli("inspect-state", str(out / "checkpoint-12"), "--json", "--top", "100")
+    proc = train_cli("inspect-state", str(out / "checkpoint-3"), "--json", "--top", "100")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(proc.stdout)
     assert report["optimizer"]["class"] == "adam_mini.Adam_mini"

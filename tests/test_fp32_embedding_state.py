@@ -118,6 +118,7 @@ def test_trains_resumes_exactly_and_refuses_a_mismatched_resume(train_cli, data,
     )
 
 
+@pytest.mark.slow
 def test_estimate_applies_it_to_the_8bit_columns_only(train_cli):
     def state_bytes(*options):
         proc = train_cli("estimate", "--json", *options)
