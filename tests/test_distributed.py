@@ -29,10 +29,10 @@ from tests.conftest import OFFLINE
 REPO = Path(__file__).resolve().parents[1]
 CPU_CONFIG = REPO / "configs" / "accelerate" / "cpu-2proc.yaml"
 BIN = Path(sys.executable).parent
-# Global batch 16 either way: 2 processes x 8, or 1 process x 16. Adam-mini: the optimizer that
-# reads the model's structure (its per-head and per-row blocks) must still need no collective of
-# its own under DDP, whose weights are replicated.
+# Global batch 16 either way: 2 processes x 8, or 1 process x 16.
 STEPS = ("--max-steps", "6", "--log-every", "3", "--warmup-steps", "1", "--seed", "7")
+# Adam-mini reads the model's structure (per-head and per-row blocks); under DDP, whose weights
+# are replicated, it must still need no collective of its own.
 OPTIM = ("--optim", "adam-mini")
 BANNER = "effitrain · model"
 
