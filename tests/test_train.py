@@ -195,7 +195,10 @@ def test_yaml_config_with_cli_override(train_cli, small, tmp_path):
     assert data["config"]["batch_size"] == 4
 
 
-@pytest.mark.parametrize("suffix", [".csv", ".jsonl", ".json", ".parquet"])
+@pytest.mark.parametrize(
+    "suffix",
+    [".csv", ".jsonl", *(pytest.param(s, marks=pytest.mark.slow) for s in (".json", ".parquet"))],
+)
 def test_local_files_with_string_labels(train_cli, tmp_path, suffix):
     train = write_rows(tmp_path / f"train{suffix}", review_rows(60))
     dev = write_rows(tmp_path / f"dev{suffix}", review_rows(12))
