@@ -1,4 +1,5 @@
-"""Shared test setup: everything offline, helpers to run the CLI for real."""
+"""Shared test setup: everything offline, one intra-op thread, the read-only inputs that many
+tests share (built once per session), and helpers to run the CLI in this process or a new one."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import pytest
 # A slip that tries the network fails fast instead of hanging.
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 os.environ.update(OFFLINE)
+# The tests' models are tiny: a second intra-op thread buys nothing, and on a busy machine its
+# threads wait for a core at every operation. Set before torch is imported; subprocesses inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def run_cli(
@@ -86,6 +90,16 @@ def train_cli():
     return train_in_process
 
 
+@pytest.fixture
+def uncompiled(monkeypatch):
+    """``torch.compile(f)`` returns ``f``: torchao's optimizers run their update eagerly, the
+    same function without inductor's compile (seconds per parameter shape on a CPU). Tests of
+    the compiled update itself do not use this."""
+    import torch
+
+    monkeypatch.setattr(torch, "compile", lambda function=None, **_options: function)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The tiny preset saved with save_pretrained: a stand-in for a hub model, loaded by path."""
@@ -100,16 +114,46 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def saved_run(tmp_path_factory):
-    """One finished 4-step adamw run on the checkpoint tests' data, saving at step 3 and at the
-    end; shared read-only (copy ``out`` to change it). Fields: data, out, options, proc."""
+def data(tmp_path_factory):
+    """The checkpoint tests' inputs, read-only: a 24-row training csv, an 8-row validation csv
+    and the tiny preset with dropout 0.1 saved as a folder (see ``write_data``)."""
+    from tests.checkpoint_helpers import write_data
+
+    return write_data(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="session")
+def no_dropout_model_dir(tmp_path_factory) -> Path:
+    """The tiny preset with every dropout off and the demo's label names, so that one and two
+    processes can agree exactly."""
+    from tests.checkpoint_helpers import save_tiny_model
+
+    folder = tmp_path_factory.mktemp("tiny-no-dropout")
+    return save_tiny_model(folder, dropout=0.0, labels=("not_equivalent", "equivalent"))
+
+
+@pytest.fixture(scope="session")
+def lm_model_dir(tmp_path_factory) -> Path:
+    """The tiny-llama preset saved with save_pretrained: a pretrained-style causal LM folder."""
+    from effitrain.models import load_causal_lm, load_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = load_tokenizer("tiny-llama")
+    model = load_causal_lm("tiny-llama", tokenizer)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def saved_run(tmp_path_factory, data):
+    """One finished 4-step adamw run on ``data``, saving at step 3 and at the end; shared
+    read-only (copy ``out`` to change it). Fields: data, out, options, proc."""
     from types import SimpleNamespace
 
-    from tests.checkpoint_helpers import train_args, write_data
+    from tests.checkpoint_helpers import train_args
 
-    folder = tmp_path_factory.mktemp("saved")
-    data = write_data(folder / "data")
-    out = folder / "out"
+    out = tmp_path_factory.mktemp("saved") / "out"
     options = ("--max-steps", "4", "--save-every", "3")
     proc = train_in_process(*train_args(data, out, *options))
     assert proc.returncode == 0, proc.stderr

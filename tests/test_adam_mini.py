@@ -7,7 +7,7 @@ import json
 import pytest
 
 from effitrain.errors import EffitrainError
-from tests.checkpoint_helpers import train_args, write_data
+from tests.checkpoint_helpers import train_args
 
 pytest.importorskip("adam_mini")
 
@@ -193,16 +193,15 @@ def test_optimizer_in_backward_is_refused():
         checked_config(overrides={"optim": "adam-mini", "optimizer_in_backward": True})
 
 
-def test_demo_learns_and_inspect_state_names_it(train_cli, tmp_path):
-    data = write_data(tmp_path / "data")
+def test_run_and_inspect_state_name_its_blocks(train_cli, data, tmp_path):
     out, metrics = tmp_path / "out", tmp_path / "m.json"
-    args = train_args(data, out, "--optim", "adam-mini", "--max-steps", "12", "--save-every", "12")
+    args = train_args(data, out, "--optim", "adam-mini", "--max-steps", "3", "--save-every", "3")
     proc = train_cli(*args, "--metrics-json", str(metrics))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(metrics.read_text())
     assert result["optimizer_state"]["by_key"].keys() >= {"m", "vmean", "v", "head_per_gpu"}
 
-    proc = train_cli("inspect-state", str(out / "checkpoint-12"), "--json", "--top", "100")
+    proc = train_cli("inspect-state", str(out / "checkpoint-3"), "--json", "--top", "100")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(proc.stdout)
     assert report["optimizer"]["class"] == "adam_mini.Adam_mini"
@@ -215,22 +214,3 @@ def test_demo_learns_and_inspect_state_names_it(train_cli, tmp_path):
     bias = rows["distilbert.transformer.layer.0.attention.q_lin.bias"]
     assert bias["second_moment"] == "full" and bias["shape"] == [128]
     assert report["params_without_shape"] == 0
-
-
-def test_it_learns_one_batch():
-    """Adam-mini fits a fixed batch of the tiny model (loss falls by more than half)."""
-    import torch
-
-    from effitrain.optim import build_optimizer
-
-    model, vocab = tiny_distilbert()
-    optimizer = build_optimizer(model, "adam-mini", 1e-3, 0.01)
-    ids, labels = torch.randint(5, vocab, (8, 16)), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
-    losses = []
-    for _ in range(30):
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss))
-    assert losses[-1] < 0.5 * losses[0], losses

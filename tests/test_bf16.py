@@ -10,14 +10,9 @@ import pytest
 from effitrain.build import check_config
 from effitrain.config import TrainConfig
 from effitrain.errors import EffitrainError
-from tests.checkpoint_helpers import load_tensors, train_args, write_data
+from tests.checkpoint_helpers import load_tensors, train_args
 from tests.conftest import assert_clean_error
 from tests.test_resume import assert_same_end, straight_and_resumed
-
-
-@pytest.fixture
-def data(tmp_path):
-    return write_data(tmp_path / "data")
 
 
 @pytest.mark.parametrize(
@@ -133,6 +128,7 @@ def test_trains_saves_bf16_and_loads_back(train_cli, data, tmp_path):
     assert torch.isfinite(logits.float()).all()
 
 
+@pytest.mark.slow
 def test_bf16_autocast_on_bf16_weights_is_allowed(train_cli, data, tmp_path):
     # Harmless: the matmuls already run in bf16; autocast adds fp32 outputs and fp32 ops.
     proc = train_cli(
@@ -155,7 +151,7 @@ def test_nonfinite_guard_still_stops_bf16(train_cli, data, tmp_path):
     assert_clean_error(proc, "non-finite", "stopped before the update")
 
 
-@pytest.mark.parametrize("optim", ["adamw", "sgd"])
+@pytest.mark.parametrize("optim", ["adamw", pytest.param("sgd", marks=pytest.mark.slow)])
 def test_resume_is_exact(train_cli, data, tmp_path, optim):
     """Kahan summation draws no random numbers: resumed bf16 weights, moments and compensation
     buffers are bit-identical to an uninterrupted run's (dropout's RNG comes back as always)."""
@@ -165,6 +161,7 @@ def test_resume_is_exact(train_cli, data, tmp_path, optim):
     assert "kahan_comp" in load_tensors(resumed / "checkpoint-8")["optimizer.bin"]["state"][0]
 
 
+@pytest.mark.slow
 def test_resume_with_other_weights_dtype_is_refused(train_cli, data, tmp_path):
     out = tmp_path / "out"
     every = ("--save-every", "2")

@@ -46,19 +46,6 @@ def metrics_of(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-@pytest.fixture(scope="module")
-def lm_model_dir(tmp_path_factory) -> Path:
-    """The tiny-llama preset saved with save_pretrained: a pretrained-style causal LM folder."""
-    from effitrain.models import load_causal_lm, load_tokenizer
-
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tokenizer = load_tokenizer("tiny-llama")
-    model = load_causal_lm("tiny-llama", tokenizer)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
 def test_demo_defaults_run_a_few_steps_and_report_perplexity(train_cli, tmp_path):
     out = tmp_path / "m.json"
     proc = train_cli("train", "--task", "causal-lm", "--max-steps", "3", "--metrics-json", str(out))
@@ -89,7 +76,12 @@ def test_the_preset_alone_picks_the_task(train_cli):
 
 @pytest.mark.parametrize(
     "rows, fmt",
-    [(INSTRUCTIONS, "instruction"), (PROMPTS, "prompt-completion"), (CHATS, "messages")],
+    [
+        (INSTRUCTIONS, "instruction"),
+        # Every format's detection and masks are unit tests in test_lm_data.py.
+        pytest.param(PROMPTS, "prompt-completion", marks=pytest.mark.slow),
+        pytest.param(CHATS, "messages", marks=pytest.mark.slow),
+    ],
 )
 def test_instruction_jsonl_trains_on_completions_only(train_cli, tmp_path, rows, fmt):
     data = write_jsonl(tmp_path / "train.jsonl", rows)
@@ -109,7 +101,7 @@ def test_text_file_is_packed_and_learns(train_cli, tmp_path):
     out = tmp_path / "m.json"
     proc = train_cli(
         "train", "--task", "causal-lm", "--dataset", str(tmp_path / "corpus.txt"),
-        "--epochs", "4", "--metrics-json", str(out), *SHORT,
+        "--epochs", "2", "--metrics-json", str(out), *SHORT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "text data in column text, packed" in proc.stdout
@@ -117,6 +109,7 @@ def test_text_file_is_packed_and_learns(train_cli, tmp_path):
     assert history[-1]["loss"] < history[0]["loss"]
 
 
+@pytest.mark.slow
 def test_padding_instead_of_packing(train_cli, tmp_path):
     (tmp_path / "corpus.txt").write_text(TEXT)
     proc = train_cli(
@@ -146,6 +139,7 @@ def test_pretrained_style_folder_is_fine_tuned_and_the_task_detected(
     AutoModelForCausalLM.from_pretrained(final)  # a loadable causal LM
 
 
+@pytest.mark.slow
 def test_a_causal_lm_on_labelled_data_stays_a_classifier(train_cli, tmp_path, lm_model_dir):
     rows = [
         {"text": f"good thing {i}" if i % 2 else f"bad thing {i}", "label": i % 2}
@@ -181,10 +175,12 @@ def test_resume_is_bit_exact(train_cli, tmp_path):
 
 
 def test_lora_and_gradient_checkpointing_on_a_causal_lm(train_cli, tmp_path):
+    (tmp_path / "corpus.txt").write_text(TEXT)
     out = tmp_path / "m.json"
     proc = train_cli(
-        "train", "--task", "causal-lm", "--lora-rank", "4", "--gradient-checkpointing",
-        "--max-steps", "2", "--metrics-json", str(out), *SHORT,
+        "train", "--task", "causal-lm", "--dataset", str(tmp_path / "corpus.txt"),
+        "--lora-rank", "4", "--gradient-checkpointing", "--max-steps", "2",
+        "--metrics-json", str(out), *SHORT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     metrics = metrics_of(out)
@@ -192,8 +188,9 @@ def test_lora_and_gradient_checkpointing_on_a_causal_lm(train_cli, tmp_path):
     assert "head" not in next(line for line in proc.stdout.splitlines() if "LoRA r=4" in line)
 
 
-def test_estimate_a_causal_lm(cli):
-    proc = cli("estimate", "--task", "causal-lm", "--optim", "adamw,adafactor", "--json")
+@pytest.mark.slow
+def test_estimate_a_causal_lm(train_cli):
+    proc = train_cli("estimate", "--task", "causal-lm", "--optim", "adamw,adafactor", "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(proc.stdout)
     rows = rows if isinstance(rows, list) else rows.get("rows", [rows])
@@ -210,8 +207,8 @@ def test_estimate_a_causal_lm(cli):
         (("--task", "causal-lm", "--text-columns", "a,b"), ("one",)),
     ],
 )
-def test_option_refusals(cli, options, fragments):
-    assert_clean_error(cli("train", *options), *fragments)
+def test_option_refusals(train_cli, options, fragments):
+    assert_clean_error(train_cli("train", *options), *fragments)
 
 
 @pytest.mark.parametrize(
@@ -226,9 +223,9 @@ def test_option_refusals(cli, options, fragments):
         ),
     ],
 )
-def test_bad_data_gets_one_line(cli, tmp_path, content, name, fragments):
+def test_bad_data_gets_one_line(train_cli, tmp_path, content, name, fragments):
     (tmp_path / name).write_text(content)
-    proc = cli("train", "--task", "causal-lm", "--dataset", str(tmp_path / name), *SHORT)
+    proc = train_cli("train", "--task", "causal-lm", "--dataset", str(tmp_path / name), *SHORT)
     assert_clean_error(proc, *fragments)
 
 
@@ -249,43 +246,6 @@ def test_two_processes_under_accelerate_launch(tmp_path):
     assert len(metrics["ranks"]) == 2
     assert proc.stdout.count("perplexity") >= 1 and proc.stdout.count("sample ") == 1  # main only
     assert (tmp_path / "run" / "final" / "model.safetensors").exists()
-
-
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory) -> Path:
-    from tests.pretrained_lm import smollm2_folder
-
-    return smollm2_folder(tmp_path_factory.mktemp("smollm2"))
-
-
-@pytest.mark.slow
-def test_a_real_pretrained_causal_lm_fine_tunes_with_the_default_lr(train_cli, tmp_path, smollm2):
-    """SmolLM2-135M-Instruct (pretrained) learns a new answer style from 40 chat examples with
-    AdamW's fine-tuning default lr, through its own chat template, completions only."""
-    towns = ["Amber", "Birch", "Cobalt", "Dune", "Elm", "Fern", "Granite", "Hazel"]
-    rows = [
-        {
-            "instruction": f"Where is the market of {town} held on day {day}?",
-            "output": f"MARKET REPORT: {town}, day {day}: the square by the river.",
-        }
-        for day in range(1, 6)
-        for town in towns
-    ]
-    data = write_jsonl(tmp_path / "train.jsonl", rows)
-    out = tmp_path / "m.json"
-    proc = train_cli(
-        "train", "--model", str(smollm2), "--dataset", str(data), "--epochs", "2",
-        "--batch-size", "8", "--max-length", "64", "--log-every", "1",
-        "--sample-prompt", "Where is the market of Birch held on day 9?",
-        "--metrics-json", str(out),
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "adamw default for fine-tuning" in proc.stdout
-    metrics = metrics_of(out)
-    first_loss = metrics["loss_history"][0]["loss"]  # the first batch, before any update
-    history = metrics["eval_history"]
-    assert history[-1]["loss"] < history[0]["loss"]
-    assert history[-1]["loss"] < 0.5 * first_loss, (first_loss, history)
 
 
 def test_a_text_file_with_a_folder_causal_lm_is_detected_as_causal_lm(

@@ -9,13 +9,8 @@ import sys
 
 import pytest
 
-from tests.checkpoint_helpers import train_args, write_data
+from tests.checkpoint_helpers import train_args
 from tests.conftest import assert_clean_error
-
-
-@pytest.fixture
-def data(tmp_path):
-    return write_data(tmp_path / "data")
 
 
 def test_layout_metadata_and_final_model(saved_run):

@@ -74,7 +74,7 @@ def test_deterministic_and_seed_dependent(demo):
 def test_known_first_example_is_stable():
     # Pins the generator: the same strings on every machine and in every Python process (no
     # hash randomization, no global RNG). Update deliberately if the generator changes, and run
-    # the slow accuracy tests (tests/test_demo_accuracy.py) again.
+    # the demo's accuracy benchmark (benchmarks/learning/) again.
     expected = {
         "sentence1": "The government unveiled the yearly contract following a lengthy debate.",
         "sentence2": "The government announced the yearly contract following a lengthy debate.",

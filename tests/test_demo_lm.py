@@ -136,10 +136,11 @@ def _trained_json_in_subprocess() -> str:
 
 
 def test_tokenizer_training_is_identical_across_processes(tokenizer):
-    first, second = (json.loads(_trained_json_in_subprocess()) for _ in range(2))
+    # Trained again in a new process (its own hash seed): the same merges and ids as here.
+    other = json.loads(_trained_json_in_subprocess())
     here = json.loads(tokenizer.backend_tokenizer.to_str())
-    assert first["model"]["merges"] == second["model"]["merges"] == here["model"]["merges"]
-    assert first["model"]["vocab"] == second["model"]["vocab"] == tokenizer.get_vocab()
+    assert other["model"]["merges"] == here["model"]["merges"]
+    assert other["model"]["vocab"] == tokenizer.get_vocab()
 
 
 def test_import_is_light():

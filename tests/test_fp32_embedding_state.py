@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from tests.checkpoint_helpers import train_args, write_data
+from tests.checkpoint_helpers import train_args
 from tests.conftest import assert_clean_error
 
 pytest.importorskip("bitsandbytes")
@@ -98,10 +98,9 @@ def test_refused_for_an_optimizer_without_8bit_state(train_cli):
     )
 
 
-def test_trains_resumes_exactly_and_refuses_a_mismatched_resume(train_cli, tmp_path):
+def test_trains_resumes_exactly_and_refuses_a_mismatched_resume(train_cli, data, tmp_path):
     from tests.test_resume import assert_same_end, straight_and_resumed
 
-    data = write_data(tmp_path / "data")
     options = ("--optim", "adamw-8bit", "--fp32-embedding-state", "--max-steps", "8")
     straight, resumed = straight_and_resumed(
         train_cli, data, tmp_path, 4, *options, "--save-every", "4", "--metrics-json",
@@ -119,9 +118,10 @@ def test_trains_resumes_exactly_and_refuses_a_mismatched_resume(train_cli, tmp_p
     )
 
 
-def test_estimate_applies_it_to_the_8bit_columns_only(cli):
+@pytest.mark.slow
+def test_estimate_applies_it_to_the_8bit_columns_only(train_cli):
     def state_bytes(*options):
-        proc = cli("estimate", "--json", *options)
+        proc = train_cli("estimate", "--json", *options)
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout)
         return {r["optimizer"]: r["optimizer_state"]["bytes"] for r in out}

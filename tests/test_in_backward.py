@@ -14,7 +14,7 @@ from effitrain.build import checked_config
 from effitrain.config import TrainConfig
 from effitrain.errors import EffitrainError
 from effitrain.progress import TrainingProgress
-from tests.checkpoint_helpers import assert_identical, load_tensors, train_args, write_data
+from tests.checkpoint_helpers import assert_identical, load_tensors, train_args
 from tests.conftest import assert_clean_error
 from tests.test_loop import first_batch, fresh_accelerate, guard_for, reset_accelerate, tiny_run
 from tests.test_resume import assert_same_end, straight_and_resumed
@@ -235,8 +235,8 @@ def test_resume_compares_max_grad_norm_as_used():
     assert config_differences(old, TrainConfig(max_grad_norm=0.5)) == ["max-grad-norm 1.0 -> 0.5"]
 
 
-def test_help_shows_the_max_grad_norm_default(cli):
-    text = " ".join(cli("train", "--help").stdout.split())
+def test_help_shows_the_max_grad_norm_default(train_cli):
+    text = " ".join(train_cli("train", "--help").stdout.split())
     assert "1.0; 0 with --optimizer-in-backward" in text
     assert "--optimizer-in-backward" in text
 
@@ -244,11 +244,6 @@ def test_help_shows_the_max_grad_norm_default(cli):
 # --------------------------------------------------------------------------------------------
 # Through the CLI on the tiny preset: banner, metrics, checkpoints, inspect-state, resume
 # --------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def data(tmp_path):
-    return write_data(tmp_path / "data")
 
 
 def test_cli_run_checkpoint_and_inspect_state(train_cli, data, tmp_path):
@@ -273,7 +268,9 @@ def test_cli_run_checkpoint_and_inspect_state(train_cli, data, tmp_path):
     assert [g["params"] for g in report["param_groups"]] == [16, 24]
 
 
-@pytest.mark.parametrize("options", [(), ("--gradient-checkpointing",)])
+@pytest.mark.parametrize(
+    "options", [(), pytest.param(("--gradient-checkpointing",), marks=pytest.mark.slow)]
+)
 def test_cli_lever_matches_the_normal_run(train_cli, data, tmp_path, options):
     """With dropout on, and with activations recomputed in backward (after later layers were
     already updated: each layer's recomputation uses only its own, not yet updated, weights)."""
@@ -291,21 +288,25 @@ def test_cli_lever_matches_the_normal_run(train_cli, data, tmp_path, options):
     assert assert_identical(ends["lever"], ends["normal"]) > 40
 
 
-@pytest.mark.parametrize("optim", ["adamw", pytest.param("adamw-8bit", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("optim", ["adamw", "adamw-8bit"])
 def test_resume_mid_epoch_across_epoch_boundary_is_exact(train_cli, data, tmp_path, optim):
     options = ("--optimizer-in-backward", "--optim", optim, "--max-steps", "8", "--save-every", "4")
     straight, resumed = straight_and_resumed(train_cli, data, tmp_path, 4, *options)
     assert_same_end(straight, resumed, 8)
 
 
-@pytest.mark.slow
-def test_two_process_launch_is_refused_before_training():
-    from tests.test_distributed import launch
+@pytest.mark.parametrize("main_process", [True, False])
+def test_a_two_process_launch_is_refused_before_anything_is_built(
+    train_cli, monkeypatch, main_process
+):
+    """Every process of a two-process launch (DDP over gloo, as ``accelerate launch`` on CPUs
+    gives it) refuses with the one line before it builds or prints anything."""
+    import effitrain.build as build
 
-    proc = launch("train", "--optimizer-in-backward", "--max-steps", "2")
-    assert proc.returncode != 0, proc.stdout + proc.stderr
-    # Each process prints the one line and stops (the launcher then reports the failure).
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 2, proc.stderr
-    assert all("--optimizer-in-backward cannot run on DDP over 2 processes" in e for e in errors)
-    assert "effitrain · model" not in proc.stdout  # nothing was built or trained
+    state = SimpleNamespace(distributed_type="MULTI_CPU", num_processes=2, backend="gloo")
+    accelerator = SimpleNamespace(state=state, num_processes=2, is_main_process=main_process)
+    monkeypatch.setattr(build, "build_accelerator", lambda config: accelerator)
+    proc = train_cli("train", "--optimizer-in-backward", "--max-steps", "2")
+    assert_clean_error(proc, "--optimizer-in-backward cannot run on DDP over 2 processes")
+    assert proc.stdout == ""  # no banner: nothing was built or trained

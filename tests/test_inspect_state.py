@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.checkpoint_helpers import train_args, write_data
+from tests.checkpoint_helpers import train_args
 from tests.conftest import assert_clean_error
 
 
@@ -32,8 +32,7 @@ def inspect_json(train_cli, path, *extra) -> dict:
     return json.loads(proc.stdout)
 
 
-def test_effitrain_checkpoint_with_adafactor(train_cli, tmp_path):
-    data = write_data(tmp_path / "data")
+def test_effitrain_checkpoint_with_adafactor(train_cli, data, tmp_path):
     out, metrics = tmp_path / "out", tmp_path / "m.json"
     args = train_args(data, out, "--optim", "adafactor", "--max-steps", "3", "--save-every", "3")
     proc = train_cli(*args, "--metrics-json", str(metrics))

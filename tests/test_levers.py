@@ -8,13 +8,8 @@ import json
 import pytest
 
 from effitrain.errors import EffitrainError
-from tests.checkpoint_helpers import assert_identical, load_tensors, train_args, write_data
+from tests.checkpoint_helpers import assert_identical, load_tensors, train_args
 from tests.test_resume import assert_same_end, straight_and_resumed
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return write_data(tmp_path_factory.mktemp("levers") / "data")
 
 
 def run_metrics(train_cli, data, out, *options):
@@ -25,11 +20,23 @@ def run_metrics(train_cli, data, out, *options):
     return proc, json.loads((out / "m.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory, data):
+    """The lever-free run the levers are measured against (3 steps): its output folder and
+    metrics, shared read-only."""
+    from tests.conftest import train_in_process
+
+    out = tmp_path_factory.mktemp("plain")
+    return out, run_metrics(train_in_process, data, out)[1]
+
+
 # --- gradient checkpointing -------------------------------------------------------------------
 
 
-def test_gradient_checkpointing_keeps_the_maths_and_saves_activations(train_cli, data, tmp_path):
-    _, plain = run_metrics(train_cli, data, tmp_path / "plain")
+def test_gradient_checkpointing_keeps_the_maths_and_saves_activations(
+    train_cli, data, plain, tmp_path
+):
+    plain_out, plain = plain
     proc, checkpointed = run_metrics(
         train_cli, data, tmp_path / "checkpointed", "--gradient-checkpointing"
     )
@@ -38,7 +45,7 @@ def test_gradient_checkpointing_keeps_the_maths_and_saves_activations(train_cli,
     assert checkpointed["levers"] == ["gradient-checkpointing"] and plain["levers"] == []
     # Recomputing forward in backward (dropout replayed with the same RNG) changes no number.
     assert_identical(
-        load_tensors(tmp_path / "plain" / "final"),
+        load_tensors(plain_out / "final"),
         load_tensors(tmp_path / "checkpointed" / "final"),
     )
     assert checkpointed["train_loss"] == plain["train_loss"]
@@ -51,6 +58,7 @@ def test_gradient_checkpointing_keeps_the_maths_and_saves_activations(train_cli,
     assert checkpointed["optimizer_state"]["bytes"] == plain["optimizer_state"]["bytes"]
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_resumes_exactly(train_cli, data, tmp_path):
     options = ("--gradient-checkpointing", "--max-steps", "8", "--save-every", "4")
     straight, resumed = straight_and_resumed(train_cli, data, tmp_path, 4, *options)
@@ -80,8 +88,8 @@ ALL_LEVERS = (
 )
 
 
-def test_all_levers_together_train_and_each_part_shrinks(train_cli, data, tmp_path):
-    _, plain = run_metrics(train_cli, data, tmp_path / "plain")
+def test_all_levers_together_train_and_each_part_shrinks(train_cli, data, plain, tmp_path):
+    plain = plain[1]
     proc, levered = run_metrics(train_cli, data, tmp_path / "all", *ALL_LEVERS)
     assert levered["levers"] == [
         "gradient-checkpointing",

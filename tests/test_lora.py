@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.checkpoint_helpers import assert_identical, load_tensors, train_args, write_data
+from tests.checkpoint_helpers import assert_identical, load_tensors, train_args
 from tests.conftest import assert_clean_error, train_in_process
 
 pytest.importorskip("peft")
@@ -22,10 +22,9 @@ LORA = ("--lora-rank", "4")
 
 
 @pytest.fixture(scope="module")
-def lora_run(tmp_path_factory):
+def lora_run(tmp_path_factory, data):
     """One 6-step LoRA run with --lora-merge, saving at steps 3 and 6."""
     folder = tmp_path_factory.mktemp("lora")
-    data = write_data(folder / "data")
     out, metrics = folder / "out", folder / "metrics.json"
     options = (*LORA, "--max-steps", "6", "--save-every", "3", "--lora-merge")
     proc = train_in_process(*train_args(data, out, *options), "--metrics-json", str(metrics))
@@ -150,6 +149,8 @@ def test_given_target_modules_get_adapters():
 
 def test_banner_and_metrics_show_only_adapters_and_head_train(lora_run):
     assert "  lever     LoRA r=4 alpha=8 (2 x rank) dropout 0.05 on q_lin" in lora_run.proc.stdout
+    # Pretrained weights (a folder) with nothing but --lora-rank: AdamW's LoRA default.
+    assert "lr 0.002 (adamw default for LoRA)" in lora_run.proc.stdout
     assert "(DistilBertForSequenceClassification," in lora_run.proc.stdout
     metrics = lora_run.metrics
     trainable = metrics["trainable_parameters"]
@@ -330,17 +331,15 @@ def test_lora_combines_with_the_other_levers_in_the_config():
 
 
 @pytest.mark.slow
-def test_lora_with_two_ddp_processes_matches_one_process(tmp_path, train_cli):
+def test_lora_with_two_ddp_processes_matches_one_process(tmp_path, train_cli, no_dropout_model_dir):
     """DDP (not refused): two CPU processes train the same adapters as one process."""
     import torch
     from safetensors.torch import load_file
 
-    from tests.checkpoint_helpers import save_tiny_model
     from tests.test_distributed import launch, max_abs_difference
 
-    model = save_tiny_model(tmp_path / "model", dropout=0.0)
     options = (
-        "--model", str(model), "--max-steps", "4", "--warmup-steps", "1", "--seed", "7",
+        "--model", str(no_dropout_model_dir), "--max-steps", "4", "--warmup-steps", "1", "--seed", "7",
         *LORA, "--lora-dropout", "0", "--lora-merge",
     )  # fmt: skip
     two = launch("train", *options, "--batch-size", "8", "--output-dir", str(tmp_path / "two"))
@@ -357,21 +356,6 @@ def test_lora_with_two_ddp_processes_matches_one_process(tmp_path, train_cli):
         assert max_abs_difference(a, b) < 1e-5, folder
     adapters = load_file(tmp_path / "one" / "final" / "adapter_model.safetensors")
     assert any("lora_B" in k and torch.count_nonzero(v) for k, v in adapters.items())
-
-
-@pytest.mark.slow
-def test_lora_defaults_fine_tune_a_pretrained_checkpoint(cli, tmp_path):
-    """all-MiniLM-L6-v2 with nothing but --lora-rank: adamw's LoRA default lr, and it learns."""
-    from tests.test_finetune import finetune_args
-
-    proc = cli(*finetune_args(tmp_path, *LORA), timeout=600)
-    out = tmp_path / "metrics.json"
-    assert proc.returncode == 0, proc.stderr
-    assert "lr 0.002 (adamw default for LoRA)" in proc.stdout
-    assert "head bert.pooler, classifier trains in full" in proc.stdout
-    metrics = json.loads(out.read_text())
-    assert metrics["trainable_parameters"] < metrics["parameter_bytes"] / 4 / 50  # under 2 %
-    assert metrics["eval"]["accuracy"] >= 0.7, metrics["eval_history"]  # chance is 0.5
 
 
 def test_lora_lr_default_for_adamw_on_pretrained_weights():

@@ -15,7 +15,7 @@ from effitrain.errors import EffitrainError
 from effitrain.memory import ledger as memory
 from effitrain.optim import build_optimizer, get_spec, param_groups
 from effitrain.optim.split import hidden_matrices
-from tests.checkpoint_helpers import assert_identical, load_tensors, train_args, write_data
+from tests.checkpoint_helpers import assert_identical, load_tensors, train_args
 
 SPLIT = ["muon", "galore", "apollo", "apollo-mini"]
 
@@ -257,8 +257,7 @@ def test_state_dict_round_trip_continues_bit_exact(optim):
         pytest.param("apollo", marks=pytest.mark.slow),
     ],
 )
-def test_resume_is_exact_and_inspect_state_names_it(train_cli, tmp_path, optim):
-    data = write_data(tmp_path / "data")
+def test_resume_is_exact_and_inspect_state_names_it(train_cli, data, tmp_path, optim):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     # update_proj_gap is 200: the projection is not refreshed within 8 steps, so the resumed
     # run must use the saved projection matrices.
@@ -293,19 +292,6 @@ def test_resume_is_exact_and_inspect_state_names_it(train_cli, tmp_path, optim):
     if optim != "muon":
         shapes = {tuple(p["shape"]) for p in raw_report["largest"] if p["shape"]}
         assert (128, 128) in shapes and (256, 128) in shapes and (128, 256) in shapes
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("optim", "at_least"), [("muon", 0.85), ("galore", 0.6), ("apollo", 0.85)])
-def test_demo_learns(cli, tmp_path, optim, at_least):
-    """The demo from scratch, with the optimizer's defaults (AdamW: about 0.93). GaLore's rank-32
-    projected updates learn a random-init model slowly: 0.67 after 5 epochs (measured; 4e-3
-    stays at chance), so its bar is 'clearly above chance'."""
-    out = tmp_path / "metrics.json"
-    proc = cli("train", "--optim", optim, "--metrics-json", str(out), timeout=900)
-    assert proc.returncode == 0, proc.stderr
-    metrics = json.loads(out.read_text())
-    assert metrics["eval"]["accuracy"] >= at_least, metrics["eval_history"]
 
 
 # --- refusals --------------------------------------------------------------------------------

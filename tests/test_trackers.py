@@ -15,7 +15,6 @@ import pytest
 
 from effitrain.build import checked_config
 from effitrain.config import TRACKERS
-from tests.checkpoint_helpers import write_data
 from tests.conftest import assert_clean_error
 
 TRAIN_TAGS = (
@@ -36,12 +35,6 @@ MEMORY = {
     "memory/peak_tensor_bytes": lambda m: m["peak_tensor_bytes"],
 }
 LOG_LINE = re.compile(r"^step (\d+)/\d+ · epoch \d+ · loss ([\d.]+) · lr ([\d.e+-]+)", re.M)
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    """24 training rows: 3 optimizer steps per epoch at batch size 8."""
-    return write_data(tmp_path_factory.mktemp("trackers") / "data")
 
 
 def args(data, *extra: str) -> list[str]:
@@ -153,7 +146,7 @@ def test_resumed_run_continues_the_curve(train_cli, data, tmp_path):
             assert after[tag] == before[tag], tag  # exact resume: the same numbers
 
 
-@pytest.mark.parametrize("report_to", [None, "none"])
+@pytest.mark.parametrize("report_to", [None, pytest.param("none", marks=pytest.mark.slow)])
 def test_no_tracker_writes_no_tracker_files(train_cli, data, tmp_path, monkeypatch, report_to):
     monkeypatch.chdir(tmp_path)
     extra = ("--report-to", report_to) if report_to else ()
