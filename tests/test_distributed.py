@@ -241,8 +241,8 @@ def test_fsdp_facts_behind_the_rules(tmp_path):
     assert len(facts) == 2, proc.stdout  # one file per rank
     for rank_facts in facts:
         # FSDP2: the DTensor-incompatible optimizers crash, AdamW trains.
-        # (torchao's are checked by scripts/torchao_fsdp_facts.py: one class per process, each
-        # compiling its step for a minute on a CPU.)
+        # (torchao's two are left out: each compiles its step for a minute on a CPU;
+        # docs/distributed.md says how they fare.)
         for optim in set(distributed.DTENSOR_INCOMPATIBLE) - {"adamw-4bit", "adamw-fp8"}:
             assert rank_facts["fsdp2"][optim] == "crash", rank_facts
         assert rank_facts["fsdp2"]["adamw"] == "trains"
