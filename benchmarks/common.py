@@ -160,10 +160,20 @@ def git_commit() -> str | None:
 
 
 def provenance(topic: Topic, argv: Sequence[str], device: str) -> dict[str, Any]:
-    """What ran (the command, effitrain's commit), where (device, versions) and when."""
+    """What ran (the command, with the thread count where it was set; effitrain's commit), where
+    (device, versions) and when."""
+    threads = os.environ.get("OMP_NUM_THREADS")
     return {
         "source": "measured",
-        "command": shlex.join(["python", "-m", topic.module, *argv]),
+        "command": shlex.join(
+            [
+                *([f"OMP_NUM_THREADS={threads}"] if threads else []),
+                "python",
+                "-m",
+                topic.module,
+                *argv,
+            ]
+        ),
         "effitrain_commit": git_commit(),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": describe_device(device),
