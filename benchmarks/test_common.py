@@ -64,7 +64,7 @@ def test_the_block_is_replaced_and_the_text_around_it_kept():
     assert common.replace_block("# t\n", "B") == "# t\n\nB\n"
 
 
-def test_provenance_says_what_where_and_when():
+def test_provenance_says_what_where_and_when(monkeypatch):
     run = {
         "provenance": {
             "source": "README.md at commit abc",
@@ -82,8 +82,12 @@ def test_provenance_says_what_where_and_when():
         "- **When:** 2026-12-03",
         "- **Source:** README.md at commit abc",
     ]
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     measured = common.provenance(common.Topic("levers"), ["--repeats", "2"], "cpu")
     assert measured["command"] == "python -m benchmarks.levers.run --repeats 2"
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # a pinned run says so
+    pinned = common.provenance(common.Topic("levers"), ["--repeats", "2"], "cpu")
+    assert pinned["command"] == "OMP_NUM_THREADS=1 python -m benchmarks.levers.run --repeats 2"
     assert measured["device"]["kind"] == "cpu" and measured["device"]["cores"] >= 1
     assert "torch" in measured["versions"] and measured["source"] == "measured"
 

@@ -365,3 +365,23 @@ def test_torchao_state_from_its_own_allocation(train_cli, tmp_path, long_data, o
     for key in EXACT:
         assert estimated[key] == measured[key], key
     assert any("torchao's own state allocation" in note for note in estimated["notes"])
+
+
+@pytest.mark.parametrize("optim", ["adamw-8bit-ao", "adamw-4bit"])
+def test_torchao_estimate_leaves_its_quantization_maps_real(optim):
+    """torchao caches its quantization maps for the process on first use: built under the
+    estimate's fake tensors they would be placeholders, and a later real run in the same
+    process (the Python API, a notebook) would quantize with them."""
+    pytest.importorskip("torchao")
+    from torchao.optim import quant_utils, subclass_4bit, subclass_8bit
+
+    from effitrain.build import checked_config
+    from effitrain.memory.estimate import estimate
+
+    for module in (subclass_8bit, subclass_4bit):
+        module.get_qmap_signed.cache_clear()
+        module.get_qmap_unsigned.cache_clear()
+    estimate(checked_config(None, {"optim": optim, "max_length": 16, "batch_size": 2}))
+    assert subclass_8bit.get_qmap_signed() == tuple(quant_utils.create_dynamic_map(signed=True))
+    assert subclass_4bit.get_qmap_signed() == tuple(quant_utils.create_dynamic_map(True, 3, 4))
+    assert len(set(subclass_8bit.get_qmap_unsigned())) == 256

@@ -141,6 +141,10 @@ def estimate(config: TrainConfig) -> dict[str, Any]:
     with torch.device("meta"):
         model = task.model_from_config(config, data, tokenizer)
         model = levers.apply_to_model(model, config)
+    if spec.module == "torchao":
+        from effitrain.optim.low_bit import build_quantization_maps
+
+        build_quantization_maps()  # cached for the process: never from fake values
     with _fake_mode():
         _materialize(model, device)
         model.train()

@@ -58,6 +58,21 @@ def _quiet_import() -> Any:
     return torchao.optim
 
 
+def build_quantization_maps() -> None:
+    """Build torchao's quantization maps for real, before any fake-tensor work.
+
+    torchao builds each map on first use (``.tolist()`` of a linspace) and caches it for the
+    process; under ``effitrain estimate``'s fake tensors every value would be a placeholder,
+    and every later real run in that process would quantize with that map.
+    """
+    _quiet_import()
+    from torchao.optim import subclass_4bit, subclass_8bit
+
+    for module in (subclass_8bit, subclass_4bit):
+        module.get_qmap_signed()
+        module.get_qmap_unsigned()
+
+
 def state_classes() -> list[type]:
     """torchao's optimizer-state classes, or [] when torchao is not installed."""
     import importlib.util
