@@ -1,9 +1,8 @@
 """Every optimizer of the registry learns: on the tiny preset it overfits a handful of examples
 (8 random token sequences, two labels) in 15 steps at its from-scratch default lr, with the
-loop's default clipping (global norm 1.0: without it, a low-bit state's first steps can throw
-the loss off on one thread count and not another), so that the
-training loss falls by at least half, and every trained tensor moves (for Muon, GaLore and
-APOLLO: the hidden matrices too, not only the rest that AdamW trains).
+loop's default clipping (global norm 1.0), so that the training loss falls by at least half,
+and every trained tensor moves (for Muon, GaLore and APOLLO: the hidden matrices too, not only
+the rest that AdamW trains).
 
 Whether a whole run reaches an accuracy on real data is a benchmark, with its thresholds:
 ``benchmarks/learning/``.
