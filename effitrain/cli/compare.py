@@ -14,7 +14,7 @@ from effitrain.cli.options import (
     PRESET_NAMES,
     config_fields,
     config_options,
-    given,
+    given_values,
     train_arguments,
 )
 from effitrain.cli.quiet import quiet_libraries
@@ -214,8 +214,8 @@ def check_configuration(row: Configuration, common: list[str]) -> None:
         ctx = command.make_context("effitrain train", [*common, *row.args])
     except click_exception() as exc:
         raise EffitrainError(f"{row.label}: {usage_message(exc)}") from None
-    names = [name for name in config_fields() if name in ctx.params and given(ctx, name)]
+    overrides = given_values(ctx, ctx.params, config_fields())
     try:
-        checked_config(ctx.params.get("config_file"), {name: ctx.params[name] for name in names})
+        checked_config(ctx.params.get("config_file"), overrides)
     except EffitrainError as exc:
         raise EffitrainError(f"{row.label}: {exc}") from None

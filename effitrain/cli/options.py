@@ -174,6 +174,14 @@ def given(ctx: typer.Context, name: str) -> bool:
     return getattr(ctx.get_parameter_source(name), "name", "") in _GIVEN
 
 
+def given_values(
+    ctx: typer.Context, values: Mapping[str, Any], names: Collection[str]
+) -> dict[str, Any]:
+    """The values of the options in ``names`` that were given on the command line, by name:
+    the overrides that :func:`effitrain.build.checked_config` takes."""
+    return {name: values[name] for name in names if name in values and given(ctx, name)}
+
+
 def _panel(name: str) -> str:
     return next(panel for panel, names in PANELS.items() if name in names)
 
@@ -271,7 +279,7 @@ def config_options(
 
         @functools.wraps(command)
         def run(ctx: typer.Context, **values: Any) -> Any:
-            overrides = {name: values.pop(name) for name in fields if given(ctx, name)}
+            overrides = given_values(ctx, values, fields)
             for name in fields:
                 values.pop(name, None)
             if wants_ctx:
@@ -324,5 +332,6 @@ __all__ = [
     "config_options",
     "config_parameter",
     "given",
+    "given_values",
     "train_arguments",
 ]
