@@ -7,7 +7,7 @@ Nothing here trains or prints: notes for the user go through the reporter that t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +22,7 @@ from effitrain.memory import ledger
 from effitrain.models import load_tokenizer
 from effitrain.optim import Hyperparameters, OptimizerSpec, bf16
 from effitrain.results import RunInfo
+from effitrain.tasks.base import ModelLoss
 from effitrain.tasks.sources import steps_per_epoch
 from effitrain.wrapped import base_model
 
@@ -93,6 +94,8 @@ class Run:
     hyper: Hyperparameters
     spec: OptimizerSpec
     tokenizer: Any = None
+    loss: Any = field(default_factory=ModelLoss)
+    """How a micro-batch's loss is computed (the task's ``loss_function``)."""
     info: RunInfo | None = None
     sharding: distributed.Sharding | None = None
 
@@ -143,6 +146,15 @@ def check_outputs(config: TrainConfig) -> None:
             )
 
 
+def accumulation_plugin(grad_accum: int) -> Any:
+    """Accelerate's accumulation settings for the loop: ``grad_accum`` micro-batches per step,
+    grouped by the loop itself (:func:`effitrain.loop.step_batches` reads a step's batches
+    ahead to weigh its tokens), so the dataloader's end must not decide when to sync."""
+    from accelerate.utils import GradientAccumulationPlugin
+
+    return GradientAccumulationPlugin(num_steps=grad_accum, sync_with_dataloader=False)
+
+
 def build_accelerator(config: TrainConfig) -> Accelerator:
     import time
 
@@ -166,7 +178,7 @@ def build_accelerator(config: TrainConfig) -> Accelerator:
             # Several launched processes and no GPU: CPU processes over gloo (see distributed.py).
             cpu=distributed.cpu_for_launch(),
             mixed_precision=config.mixed_precision,
-            gradient_accumulation_steps=config.grad_accum,
+            gradient_accumulation_plugin=accumulation_plugin(config.grad_accum),
             # A seedable sampler makes data order depend only on (seed, epoch), on every rank.
             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
             **tracking,
@@ -231,6 +243,9 @@ def build_task(config: TrainConfig, accelerator: Accelerator, reporter: Reporter
     model = task.load_model(config, data, tokenizer)
     task.check_model(config, data, model)
     model = levers.apply_to_model(model, config)
+    sharding = distributed.detect_sharding(accelerator.state)
+    sharded = sharding.description if sharding.sharded else None
+    loss = task.loss_function(config, model, accelerator.device, sharded)
     with accelerator.main_process_first():
         pad_to_multiple_of = 8 if config.mixed_precision != "no" else None
         train_loader, eval_loader = task.dataloaders(config, data, tokenizer, pad_to_multiple_of)
@@ -252,6 +267,7 @@ def build_task(config: TrainConfig, accelerator: Accelerator, reporter: Reporter
         hyper=hyper,
         spec=bf16.optimizer_spec(config),  # the registry's, or its bf16 variant
         tokenizer=tokenizer,
+        loss=loss,
     )
 
 
@@ -303,7 +319,10 @@ def describe(run: Run) -> RunInfo:
         device=str(accelerator.device),
         num_processes=n,
         mixed_precision=accelerator.mixed_precision,
-        levers=levers.describe(config, accelerator.unwrap_model(run.model)),
+        levers=[
+            *levers.describe(config, accelerator.unwrap_model(run.model)),
+            *run.loss.describe(),
+        ],
         optimizer_split=getattr(
             getattr(run.optimizer, "optimizer", run.optimizer), "split_description", ""
         ),

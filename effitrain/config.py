@@ -26,6 +26,8 @@ MIXED_PRECISION = ("no", "fp16", "bf16")
 DEFAULT_CAUSAL_MODEL = "tiny-llama"
 """The model of ``--task causal-lm`` when none is given (the causal-LM demo's preset)."""
 WEIGHTS_DTYPES = ("fp32", "bf16")
+CHUNKED_LOSS = ("auto", "torch", "liger", "cce", "off")
+"""``--chunked-loss`` (effitrain.tasks.lm_loss): auto picks a fused CUDA kernel, else torch."""
 SAVE_STRATEGIES = ("steps", "epoch", "no")
 TRACKERS = (
     "tensorboard",
@@ -163,6 +165,12 @@ class TrainConfig:
         "fp32 or bf16: keep the weights (and gradients, and the optimizer state where it can) "
         "in this dtype. Not autocast: see --mixed-precision.",
     )
+    chunked_loss: str | None = _opt(
+        None,
+        "causal-lm: compute the loss from the last hidden states chunk by chunk, never holding "
+        "the full logits: auto (default: liger-kernel or cut-cross-entropy on CUDA where "
+        "installed, else torch), torch, liger, cce, or off.",
+    )
     lora_rank: int | None = _opt(
         None, "Train LoRA adapters of this rank (peft) instead of the whole model."
     )
@@ -260,6 +268,11 @@ class TrainConfig:
             raise EffitrainError(
                 f"unknown --weights-dtype '{self.weights_dtype}'; "
                 f"choose one of: {', '.join(WEIGHTS_DTYPES)}"
+            )
+        if self.chunked_loss is not None and self.chunked_loss not in CHUNKED_LOSS:
+            raise EffitrainError(
+                f"unknown --chunked-loss '{self.chunked_loss}'; "
+                f"choose one of: {', '.join(CHUNKED_LOSS)}"
             )
         if self.optimizer_in_backward:
             self._validate_optimizer_in_backward()

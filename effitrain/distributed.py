@@ -119,6 +119,11 @@ class Sharding:
     """The optimizer sees DTensor parameters (FSDP2)."""
     zero_stage: int | None = None
 
+    @property
+    def sharded(self) -> bool:
+        """Parameters (or their gradients and state) are split across processes."""
+        return self.kind in ("fsdp1", "fsdp2", "deepspeed")
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -362,7 +367,7 @@ def optimizer_notes(state: Any, optim: str) -> list[str]:
             f"hands the optimizer flat 1-D shards, and {NEEDS_2D_SHARDS[optim]}; use FSDP2 "
             f"(fsdp_version: 2) or {USE_DDP}"
         )
-    if optim in MATRIX_OPTIMIZERS and sharding.kind in ("fsdp1", "fsdp2", "deepspeed"):
+    if optim in MATRIX_OPTIMIZERS and sharding.sharded:
         # FSDP1/DeepSpeed hand the optimizer flat 1-D shards; FSDP2 row shards (DTensor) would
         # make every step gather each matrix, and effitrain has not checked it on 2 processes.
         raise EffitrainError(

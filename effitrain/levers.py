@@ -83,7 +83,7 @@ def check_launch(config: TrainConfig, state: Any) -> None:
     from effitrain.distributed import detect_sharding
 
     sharding = detect_sharding(state)
-    sharded = sharding.kind in ("fsdp1", "fsdp2", "deepspeed")
+    sharded = sharding.sharded
     if config.lora_rank is not None:
         from effitrain.lora import require_peft
 

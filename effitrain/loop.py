@@ -4,7 +4,7 @@ runs it over epochs, :func:`evaluate` measures after each epoch.
 One optimizer step, as on the course slide::
 
     with accelerator.accumulate(model):
-        loss = model(**batch).loss
+        loss = model(**batch).loss  # or a sum over tokens, weighed by the step's tokens
         accelerator.backward(loss)
         clip, guard
         optimizer.step()
@@ -19,8 +19,9 @@ Every process computes; only the main process prints (through the reporter).
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import effitrain.checkpoint as checkpoint
@@ -46,8 +47,23 @@ class StepOutcome(NamedTuple):
     """Every process agreed to stop after this step (a signal arrived)."""
 
 
+class Weights(NamedTuple):
+    """How a token-weighted micro-batch's loss sum enters its optimizer step
+    (:func:`effitrain.tasks.lm_loss.step_scale`)."""
+
+    backward: Any
+    """Factor for the loss that backward sees: (processes x accumulation steps) / tokens."""
+    logged: Any
+    """Factor for the loss that is logged: (processes x this step's micro-batches) / tokens, so
+    that the logged mean over micro-batches is the step's token mean."""
+
+
 def train_step(
-    run: Run, batch: dict[str, Any], progress: TrainingProgress, guard: StepGuard
+    run: Run,
+    batch: dict[str, Any],
+    progress: TrainingProgress,
+    guard: StepGuard,
+    weights: Weights | None = None,
 ) -> StepOutcome:
     """One micro-batch forward and backward; on the last of each group, one optimizer step.
 
@@ -62,10 +78,12 @@ def train_step(
     optimizer, lr_scheduler = run.optimizer, run.lr_scheduler
     stop = False
     with accelerator.accumulate(model):
-        loss = run.task.loss(model, batch)  # the task's: model(**batch).loss by default
+        loss = logged = run.loss(model, batch)  # the task's: model(**batch).loss by default
+        if weights is not None:  # a sum over tokens: weighed by the step's tokens
+            loss, logged = loss * weights.backward, loss.detach() * weights.logged
         accelerator.backward(loss)
         # Summed on the device: no sync.
-        progress.add_micro_batch(loss, len(batch["labels"]), batch_tokens(batch))
+        progress.add_micro_batch(logged, len(batch["labels"]), batch_tokens(batch))
         if accelerator.sync_gradients:
             progress.measure_gradients(model)  # once, at the first step
             grad_norm = None
@@ -191,12 +209,12 @@ def fit(
     group_start = True  # the next micro-batch starts an optimizer step
     with probe:  # an error mid-step leaves no tracker behind
         while progress.global_step < plan.total_steps:
-            for batch in epoch_batches(run, progress):
+            for batch, weights in step_batches(run, epoch_batches(run, progress)):
                 if group_start and _measure_now(run, progress, probe):
                     probe.start()
                 elif probe.running:
                     probe.next_micro_batch()
-                outcome = train_step(run, batch, progress, guard)
+                outcome = train_step(run, batch, progress, guard, weights)
                 group_start = outcome.stepped
                 if not outcome.stepped:
                     continue
@@ -257,6 +275,30 @@ def epoch_batches(run: Run, progress: TrainingProgress) -> Iterable[dict[str, An
         skip = progress.step_in_epoch * run.config.grad_accum
         return run.accelerator.skip_first_batches(run.train_loader, skip)
     return run.train_loader
+
+
+def step_batches(
+    run: Run, batches: Iterable[dict[str, Any]]
+) -> Iterator[tuple[dict[str, Any], Weights | None]]:
+    """The micro-batches, one optimizer step's worth at a time, each with its token weights
+    (None where the loss is the model's per-micro-batch mean).
+
+    A step's batches are read before its first forward, so that its labelled tokens are known
+    on every process (one all-reduce). Accelerate's accumulation counter is set so that the
+    step's last micro-batch syncs and steps, also for an epoch's shorter last step.
+    """
+    from effitrain.tasks.lm_loss import step_scale
+
+    accelerator, per_step = run.accelerator, run.config.grad_accum
+    iterator = iter(batches)
+    while group := list(itertools.islice(iterator, per_step)):
+        accelerator.step = per_step - len(group)
+        weights = None
+        if run.loss.token_weighted:
+            backward = step_scale(group, accelerator)
+            weights = Weights(backward, backward * len(group) / per_step)
+        for batch in group:
+            yield batch, weights
 
 
 def log_line(run: Run, progress: TrainingProgress, timer: Stopwatch) -> StepLog:

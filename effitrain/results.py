@@ -111,7 +111,10 @@ class TrainResult:
     step_memory: dict[str, Any] = field(default_factory=dict)
     """The measured step's tensor memory by kind (``effitrain.memory.step.StepMemory``)."""
     levers: list[str] = field(default_factory=list)
-    """The memory levers that were on (``effitrain.levers.active``)."""
+    """The memory levers that were on (``effitrain.levers.active``, and ``chunked-loss``)."""
+    loss: dict[str, Any] = field(default_factory=dict)
+    """How the loss was computed: ``implementation`` (model, torch, liger, cce or off: full
+    logits), ``weighting`` (tokens or micro-batch mean), and ``why`` a chunked loss was not."""
     loss_history: list[dict[str, float]] = field(default_factory=list)
     """The training loss at every log line: ``{"step", "loss"}`` (``--log-every``)."""
     baseline: dict[str, int] = field(default_factory=dict)

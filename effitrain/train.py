@@ -196,7 +196,8 @@ def summarize(
         activation_bytes=step.get("kind_peaks", {}).get("activations"),
         peak_tensor_bytes=step.get("peak_tensor_bytes"),
         step_memory=step,
-        levers=levers.active(run.config),
+        levers=levers.active(run.config) + run.loss.levers,
+        loss=run.loss.to_dict(),
         baseline=ledger.fp32_adamw_baseline(
             levers.original_parameters(accelerator.unwrap_model(model))
         ),

@@ -74,7 +74,7 @@ def tiny_run(config: TrainConfig | None = None, **model_options):
     from accelerate.utils import DataLoaderConfiguration, set_seed
     from torch.utils.data import DataLoader
 
-    from effitrain.build import Plan, Run
+    from effitrain.build import Plan, Run, accumulation_plugin
     from effitrain.optim import (
         build_optimizer,
         build_scheduler,
@@ -85,7 +85,7 @@ def tiny_run(config: TrainConfig | None = None, **model_options):
 
     config = config or TrainConfig(batch_size=4, max_steps=6, log_every=1)
     accelerator = Accelerator(
-        gradient_accumulation_steps=config.grad_accum,
+        gradient_accumulation_plugin=accumulation_plugin(config.grad_accum),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
     )
     set_seed(config.seed)

@@ -65,6 +65,7 @@ PANELS: dict[str, tuple[str, ...]] = {
         "gradient_checkpointing",
         "optimizer_in_backward",
         "weights_dtype",
+        "chunked_loss",
         "lora_rank",
         "lora_alpha",
         "lora_dropout",
@@ -110,6 +111,7 @@ METAVARS = {
     "max_grad_norm": "NORM",
     "mixed_precision": "no|fp16|bf16",
     "weights_dtype": "fp32|bf16",
+    "chunked_loss": "auto|torch|liger|cce|off",
     "lora_alpha": "ALPHA",
     "lora_dropout": "P",
     "lora_target_modules": "NAME[,NAME]",
@@ -146,6 +148,7 @@ DEFAULT_TEXT = {
     "max_grad_norm": "1.0; 0 with --optimizer-in-backward",
     "packing": "per data format",
     "completion_only_loss": "per data format",
+    "chunked_loss": "auto",
     "memory_breakdown": "on",
 }
 """What --help shows as the default where the default depends on other options."""

@@ -141,6 +141,7 @@ def estimate(config: TrainConfig) -> dict[str, Any]:
     with torch.device("meta"):
         model = task.model_from_config(config, data, tokenizer)
         model = levers.apply_to_model(model, config)
+    loss = task.loss_function(config, model, device, None)
     if spec.module == "torchao":
         from effitrain.optim.low_bit import build_quantization_maps
 
@@ -160,8 +161,10 @@ def estimate(config: TrainConfig) -> dict[str, Any]:
                 "(torch.compile cannot run on fake tensors): the update's working tensors are "
                 "not in the peak"
             )
-        step_memory = _train_steps(config, spec, model, optimizer, batch, device)
+        step_memory = _train_steps(config, spec, model, optimizer, batch, device, loss)
         result = _measured(config, spec, lr, model, optimizer, step_memory)
+        result["loss"] = loss.to_dict()
+        result["levers"] += loss.levers
         if config.optimizer_in_backward:
             optimizer.remove_hooks()
     result["estimate"] = {
@@ -184,12 +187,14 @@ def _train_steps(
     optimizer: Any,
     batch: dict[str, Any],
     device: Any,
+    loss_function: Any,
 ) -> dict[str, Any]:
     """The run's training step, ``STEPS`` times on fake tensors; the last one is measured as
     ``effitrain train`` measures its tracked step. Returns the probe's step memory."""
     import torch
 
     from effitrain.memory.step import StepMemoryProbe
+    from effitrain.tasks.lm_loss import labelled_tokens
 
     autocast_bf16 = config.mixed_precision == "bf16"
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if autocast_bf16 else nullcontext()
@@ -206,7 +211,9 @@ def _train_steps(
                 if micro:
                     probe.next_micro_batch()
                 with autocast:
-                    loss = model(**batch).loss
+                    loss = loss_function(model, batch)
+                if loss_function.token_weighted:  # a sum: over the step's tokens, as in a run
+                    loss = loss / (labelled_tokens(batch) * config.grad_accum)
                 loss.backward()
             if config.effective_max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), config.effective_max_grad_norm)

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 SEQUENCE_CLASSIFICATION, CAUSAL_LM = "sequence-classification", "causal-lm"
 TASK_NAMES = (SEQUENCE_CLASSIFICATION, CAUSAL_LM)
-CAUSAL_LM_OPTIONS = ("packing", "completion_only_loss", "sample_prompt")
+CAUSAL_LM_OPTIONS = ("packing", "completion_only_loss", "sample_prompt", "chunked_loss")
 """Config fields that only causal-LM training takes."""
 
 
@@ -27,6 +27,29 @@ class Prepared(Protocol):
     eval_loader: Any
     data: Any
     tokenizer: Any
+    loss: Any
+
+
+class ModelLoss:
+    """The model's own loss (labels are in the batch): a mean over the micro-batch, so every
+    micro-batch of an optimizer step weighs the same."""
+
+    token_weighted = False
+    """Whether the loss is a sum that the loop weighs by the step's labelled tokens."""
+    name = "model"
+    """In the metrics JSON (``loss.implementation``)."""
+    levers: list[str] = []
+    """Its names among the metrics JSON's ``levers``."""
+
+    def __call__(self, model: Any, batch: dict[str, Any]) -> Any:
+        return model(**batch).loss
+
+    def describe(self) -> list[str]:
+        """The banner's lines about the loss (none: nothing to say)."""
+        return []
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"implementation": self.name, "weighting": "micro-batch mean"}
 
 
 class Task:
@@ -62,9 +85,11 @@ class Task:
         """Tokenized, shuffled training and ordered evaluation loaders."""
         raise NotImplementedError
 
-    def loss(self, model: Any, batch: dict[str, Any]) -> Any:
-        """The training loss of one micro-batch: the model's own (labels are in the batch)."""
-        return model(**batch).loss
+    def loss_function(self, config: TrainConfig, model: Any, device: Any, sharded: str | None) -> Any:
+        """How this task computes a micro-batch's loss (``model``: unwrapped, levers applied;
+        ``sharded``: FSDP's or DeepSpeed's description, None when parameters are whole).
+        Defaults to the model's own loss, a mean over the micro-batch."""
+        return ModelLoss()
 
     def evaluate(self, run: Prepared) -> dict[str, Any]:
         """Metrics over the whole validation set, each example counted once on all processes."""

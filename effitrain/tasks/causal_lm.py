@@ -33,27 +33,18 @@ SAMPLE_TOKENS = 40
 
 def evaluate_lm(run: Prepared) -> dict[str, Any]:
     """Validation loss and perplexity over every labelled token; with a sample prompt (given,
-    or the built-in demo's), its greedy continuation under ``"sample"``."""
+    or the built-in demo's), its greedy continuation under ``"sample"``.
+
+    The batch's full fp32 logits are never held: the run's loss computes each sequence's loss
+    sum chunk by chunk (:meth:`effitrain.tasks.lm_loss.LMLoss.sequence_sums`)."""
     import torch
-    import torch.nn.functional as F
 
     model, accelerator = run.model, run.accelerator
     loss_sums, token_counts = [], []
     for batch in run.eval_loader:
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
-        with torch.no_grad():
-            logits = model(**inputs).logits
-        # Position t predicts token t + 1, as the model's own loss shifts the labels.
-        labels = batch["labels"][:, 1:]
-        token_loss = F.cross_entropy(
-            logits[:, :-1].float().transpose(1, 2),
-            labels,
-            ignore_index=IGNORE_INDEX,
-            reduction="none",
-        )
-        sums, counts = accelerator.gather_for_metrics(
-            (token_loss.sum(dim=-1), (labels != IGNORE_INDEX).sum(dim=-1))
-        )
+        sums = run.loss.sequence_sums(model, batch)
+        counts = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(dim=-1)
+        sums, counts = accelerator.gather_for_metrics((sums, counts))
         loss_sums.append(sums.double().cpu())
         token_counts.append(counts.cpu())
     tokens = int(torch.cat(token_counts).sum())
@@ -134,6 +125,11 @@ class CausalLMTask(Task):
         self, config: TrainConfig, data: LMData, tokenizer: Any, pad_to_multiple_of: int | None
     ) -> tuple[DataLoader, DataLoader]:
         return build_lm_dataloaders(data, tokenizer, config, pad_to_multiple_of)
+
+    def loss_function(self, config: TrainConfig, model: Any, device: Any, sharded: str | None) -> Any:
+        from effitrain.tasks.lm_loss import LMLoss, choose
+
+        return LMLoss(choose(config, model, device, sharded), model)
 
     def evaluate(self, run: Prepared) -> dict[str, Any]:
         return evaluate_lm(run)
