@@ -85,7 +85,9 @@ class Task:
         """Tokenized, shuffled training and ordered evaluation loaders."""
         raise NotImplementedError
 
-    def loss_function(self, config: TrainConfig, model: Any, device: Any, sharded: str | None) -> Any:
+    def loss_function(
+        self, config: TrainConfig, model: Any, device: Any, sharded: str | None
+    ) -> Any:
         """How this task computes a micro-batch's loss (``model``: unwrapped, levers applied;
         ``sharded``: FSDP's or DeepSpeed's description, None when parameters are whole).
         Defaults to the model's own loss, a mean over the micro-batch."""

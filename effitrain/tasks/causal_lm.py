@@ -126,7 +126,9 @@ class CausalLMTask(Task):
     ) -> tuple[DataLoader, DataLoader]:
         return build_lm_dataloaders(data, tokenizer, config, pad_to_multiple_of)
 
-    def loss_function(self, config: TrainConfig, model: Any, device: Any, sharded: str | None) -> Any:
+    def loss_function(
+        self, config: TrainConfig, model: Any, device: Any, sharded: str | None
+    ) -> Any:
         from effitrain.tasks.lm_loss import LMLoss, choose
 
         return LMLoss(choose(config, model, device, sharded), model)

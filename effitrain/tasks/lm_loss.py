@@ -3,9 +3,9 @@ ever holding the full logits (``--chunked-loss``).
 
 **Without the full logits.** A causal LM's output layer turns each position's hidden state into
 one score per vocabulary entry; for a 150k-entry vocabulary the fp32 logits of 2,048 tokens are
-1.2 GB, and their log-softmax and gradient as much again. Here the output layer is bypassed for
-the duration of the forward (it passes its input through), and the loss takes the last hidden
-states and the output layer's weight chunk by chunk:
+1.2 GB, and their log-softmax and gradient as much again. Here the output layer computes the loss
+instead of the logits, for the duration of the forward: it takes the last hidden states and its
+own weight chunk by chunk:
 
 - ``liger``: liger-kernel's fused linear cross-entropy (Triton, CUDA);
 - ``cce``: Apple's cut-cross-entropy (Triton, CUDA);
@@ -14,8 +14,8 @@ states and the output layer's weight chunk by chunk:
   chunk at a time. A chunk holds about as many logits as the hidden states have values
   (:func:`chunk_tokens`), so the loss's memory no longer grows with the vocabulary.
 
-The bypass runs inside the model's own forward, so a DDP wrapper, autocast and gradient
-checkpointing see the usual call. It is refused where the output layer is not a plain Linear
+This runs inside the model's own forward, so a DDP wrapper, autocast and the model's hooks see
+the usual call. It is refused where the output layer is not a plain Linear
 layer (LoRA on it), under FSDP or DeepSpeed (the sharded output weight is only whole inside the
 forward), and where the model rescales its logits after the output layer in a way the loss does
 not reproduce (:data:`LOGIT_SCALES`); ``auto`` then keeps the model's own logits and says why.
@@ -31,9 +31,10 @@ tokens (short texts, padding, completion-only masks) the same weight as a full o
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from effitrain.errors import EffitrainError
@@ -93,7 +94,9 @@ def choose(config: TrainConfig, model: Any, device: Any, sharded: str | None) ->
     if problem:
         if wanted == "auto":
             return Choice("off", problem)
-        raise EffitrainError(f"--chunked-loss {wanted} cannot run: {problem}; use --chunked-loss off")
+        raise EffitrainError(
+            f"--chunked-loss {wanted} cannot run: {problem}; use --chunked-loss off"
+        )
     if wanted == "auto":
         for name in KERNELS:
             if device.type == "cuda" and _kernel(name) is not None:
@@ -200,7 +203,9 @@ def chunked_loss_sum(
         )
     if choice.name == "cce":
         if bias is not None:
-            raise EffitrainError("--chunked-loss cce takes no output-layer bias; use liger or torch")
+            raise EffitrainError(
+                "--chunked-loss cce takes no output-layer bias; use liger or torch"
+            )
         return _kernel("cce")(
             flat, weight, targets, ignore_index=IGNORE_INDEX, softcap=softcap, reduction="sum"
         )
@@ -251,20 +256,25 @@ def _from_logits(logits: torch.Tensor, labels: torch.Tensor, softcap: float | No
 
 
 @contextmanager
-def hidden_states_out(model: Any) -> Iterator[Any]:
-    """For the duration, the model's output layer passes its input through: the forward
-    returns the last hidden states as ``logits``. Yields the output layer (its weight and bias
-    are what the loss uses)."""
+def loss_in_output_layer(model: Any, compute: Callable[[Any, Any], Any]) -> Iterator[Any]:
+    """For the duration, the model's output layer returns ``compute(hidden_states, layer)``
+    instead of the logits; yields a holder whose ``value`` is what it computed.
+
+    Inside the model's own forward, so autocast, a DDP wrapper and the model's hooks see the
+    usual call. The holder, not the forward's output, carries the result: a model that
+    post-processes its logits (softcapping) would change the returned one."""
     head = model.get_output_embeddings()
-    head.forward = _identity  # an instance attribute: Module.__call__ finds it first
+    holder = SimpleNamespace(value=None)
+
+    def forward(hidden: torch.Tensor) -> Any:
+        holder.value = compute(hidden, head)
+        return holder.value
+
+    head.forward = forward  # an instance attribute: Module.__call__ finds it first
     try:
-        yield head
+        yield holder
     finally:
         del head.forward
-
-
-def _identity(hidden: torch.Tensor) -> torch.Tensor:
-    return hidden
 
 
 def softcap_of(model: Any) -> float | None:
@@ -308,14 +318,20 @@ class LMLoss:
         """The micro-batch's sum of token losses (fp32)."""
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         labels = shifted_labels(batch["labels"])
-        if not self.choice.chunked:
+        if not self.choice.chunked:  # the model's logits are final: softcapped where it caps
             logits = model(**inputs).logits
             return _from_logits(
-                logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), self.softcap
+                logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), None
             ).sum()
-        with hidden_states_out(self.unwrapped) as head:
-            hidden = model(**inputs).logits
-        return chunked_loss_sum(self.choice, hidden, head.weight, head.bias, labels, self.softcap)
+
+        def loss_sum(hidden: torch.Tensor, head: Any) -> torch.Tensor:
+            return chunked_loss_sum(
+                self.choice, hidden, head.weight, head.bias, labels, self.softcap
+            )
+
+        with loss_in_output_layer(self.unwrapped, loss_sum) as result:
+            model(**inputs)
+        return result.value
 
     def sequence_sums(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
         """Each sequence's sum of token losses, never holding the batch's full fp32 logits."""
@@ -325,10 +341,14 @@ class LMLoss:
         labels = shifted_labels(batch["labels"])
         with torch.no_grad():
             if not self.choice.chunked:
-                return sequence_loss_sums(model(**inputs).logits, None, None, labels, self.softcap)
-            with hidden_states_out(self.unwrapped) as head:
-                hidden = model(**inputs).logits
-            return sequence_loss_sums(hidden, head.weight, head.bias, labels, self.softcap)
+                return sequence_loss_sums(model(**inputs).logits, None, None, labels)
+
+            def sums(hidden: torch.Tensor, head: Any) -> torch.Tensor:
+                return sequence_loss_sums(hidden, head.weight, head.bias, labels, self.softcap)
+
+            with loss_in_output_layer(self.unwrapped, sums) as result:
+                model(**inputs)
+            return result.value
 
 
 def step_scale(batches: Iterable[dict[str, Any]], accelerator: Any) -> torch.Tensor:
