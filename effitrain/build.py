@@ -230,7 +230,7 @@ def build_task(config: TrainConfig, accelerator: Accelerator, reporter: Reporter
     tokenizer = load_tokenizer(config.model)
     model = task.load_model(config, data, tokenizer)
     task.check_model(config, data, model)
-    model = levers.apply_to_model(model, config)
+    model = levers.apply_to_model(model, config, accelerator.device)
     with accelerator.main_process_first():
         pad_to_multiple_of = 8 if config.mixed_precision != "no" else None
         train_loader, eval_loader = task.dataloaders(config, data, tokenizer, pad_to_multiple_of)

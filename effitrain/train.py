@@ -197,6 +197,7 @@ def summarize(
         peak_tensor_bytes=step.get("peak_tensor_bytes"),
         step_memory=step,
         levers=levers.active(run.config),
+        quantized_weights=levers.quantized_weights(run.config, model),
         baseline=ledger.fp32_adamw_baseline(
             levers.original_parameters(accelerator.unwrap_model(model))
         ),
