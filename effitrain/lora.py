@@ -221,6 +221,11 @@ def final_note(config: TrainConfig) -> str | None:
     """What to say when ``final/`` holds adapters whose base weights are saved nowhere."""
     from effitrain.models import is_preset
 
+    if is_preset(config.model) and config.load_in_4bit:
+        return (
+            f"final/ holds the LoRA adapters only; they apply to the '{config.model}' preset's "
+            "random base weights, which are saved nowhere else (--load-in-4bit cannot merge)"
+        )
     if is_preset(config.model) and not config.lora_merge:
         return (
             f"final/ holds the LoRA adapters only; the '{config.model}' preset's random base "

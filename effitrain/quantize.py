@@ -236,3 +236,39 @@ def describe(model: Any, config: TrainConfig) -> str:
         f"{format_bytes(measured.packed_bytes)} + quant state "
         f"{format_bytes(measured.quant_state_bytes)}); kept as they were: {kept}, embeddings, norms"
     )
+
+
+def check_checkpoint_base(model: Any, checkpoint: Any) -> None:
+    """Before resuming: the checkpoint's 4-bit base (packed codes and quant states) must be the
+    one just rebuilt from ``--model``, and every other entry must be there. Accelerate's strict
+    load cannot take bitsandbytes' quant-state entries (``Linear4bit`` saves them but does not
+    load them), so the run loads non-strictly after this check.
+
+    Raises:
+        EffitrainError: a key is missing or extra, or a 4-bit weight differs (another base model).
+    """
+    from pathlib import Path
+
+    import torch
+    from safetensors import safe_open
+
+    expected = model.state_dict()
+    found: dict[str, Any] = {}
+    for file in sorted(Path(checkpoint).glob("model*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            found.update({key: handle.get_tensor(key) for key in handle.keys()})  # noqa: SIM118
+    saved = {expected[key].data_ptr() for key in found if key in expected}
+    # A tied weight (the output layer sharing the embeddings) is saved once, under one name.
+    missing = [k for k in expected if k not in found and expected[k].data_ptr() not in saved]
+    missing += sorted(set(found) - set(expected))
+    if missing:
+        raise EffitrainError(
+            f"cannot resume from {checkpoint}: its model does not match this one ({missing[0]} "
+            "is in one of them only); resume with the options it was saved with"
+        )
+    for key, value in expected.items():
+        if ".base_layer.weight" in key and not torch.equal(found[key], value.detach().cpu()):
+            raise EffitrainError(
+                f"cannot resume from {checkpoint}: its 4-bit base weight {key} differs from the "
+                "one quantized from --model now; resume with the base model it was trained on"
+            )
