@@ -242,7 +242,7 @@ def build_task(config: TrainConfig, accelerator: Accelerator, reporter: Reporter
     tokenizer = load_tokenizer(config.model)
     model = task.load_model(config, data, tokenizer)
     task.check_model(config, data, model)
-    model = levers.apply_to_model(model, config)
+    model = levers.apply_to_model(model, config, accelerator.device)
     sharding = distributed.detect_sharding(accelerator.state)
     sharded = sharding.description if sharding.sharded else None
     loss = task.loss_function(config, model, accelerator.device, sharded)

@@ -536,10 +536,11 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(accelerator: Accelerator, checkpoint: Path) -> None:
-    """``accelerator.load_state`` with failures turned into one line (call after validating)."""
+def load_checkpoint(accelerator: Accelerator, checkpoint: Path, strict: bool = True) -> None:
+    """``accelerator.load_state`` with failures turned into one line (call after validating;
+    ``strict=False`` only where the keys were checked, :func:`effitrain.quantize.check_checkpoint_base`)."""
     try:
-        accelerator.load_state(str(checkpoint))
+        accelerator.load_state(str(checkpoint), strict=strict)
     except Exception as exc:
         raise EffitrainError(f"cannot load checkpoint {checkpoint}: {first_line(exc)}") from exc
 

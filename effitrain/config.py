@@ -184,6 +184,11 @@ class TrainConfig:
     lora_merge: bool = _opt(
         False, "The final save also writes the base model with the adapters merged in."
     )
+    load_in_4bit: bool = _opt(
+        False,
+        "QLoRA: store the frozen base model's Linear weights in 4-bit NF4 (bitsandbytes) under "
+        "the LoRA adapters; needs --lora-rank.",
+    )
 
     # --- outputs ---
     output_dir: str | None = _opt(
@@ -277,6 +282,28 @@ class TrainConfig:
         if self.optimizer_in_backward:
             self._validate_optimizer_in_backward()
         self._validate_lora()
+        if self.load_in_4bit:
+            self._validate_load_in_4bit()
+
+    def _validate_load_in_4bit(self) -> None:
+        """QLoRA: 4-bit frozen base weights under LoRA adapters (effitrain.quantize)."""
+        if self.lora_rank is None:
+            raise EffitrainError(
+                "--load-in-4bit needs --lora-rank R: 4-bit weights are frozen, only LoRA "
+                "adapters can train over them; add --lora-rank 8"
+            )
+        if self.weights_dtype == "bf16":
+            raise EffitrainError(
+                "--load-in-4bit cannot combine with --weights-dtype bf16: casting the model "
+                "would turn the packed 4-bit codes into numbers; drop --weights-dtype (the "
+                "adapters train in fp32 either way) and use --mixed-precision bf16 for bf16 compute"
+            )
+        if self.lora_merge:
+            raise EffitrainError(
+                "--load-in-4bit cannot combine with --lora-merge: merging into 4-bit weights "
+                "re-quantizes them (lossy); keep final/'s adapters and merge them into the "
+                "original weights (peft's merge_and_unload on the fp32 model)"
+            )
 
     def _validate_lora(self) -> None:
         """LoRA options: only with --lora-rank, and values peft can use."""

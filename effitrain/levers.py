@@ -8,6 +8,7 @@ gradient-checkpointing       ``--gradient-checkpointing``     most activations (
 optimizer-in-backward        ``--optimizer-in-backward``      the full set of gradients
 bf16-weights                 ``--weights-dtype bf16``         half of parameters, gradients, state
 lora                         ``--lora-rank R``                gradients and state of the base model
+load-in-4bit                 ``--load-in-4bit``               7/8 of the frozen base's Linear weights
 ===========================  ===============================  ======================================
 
 ``TrainConfig.validate`` refuses lever values that cannot work on their own and
@@ -38,6 +39,8 @@ def active(config: TrainConfig) -> list[str]:
         names.append("bf16-weights")
     if config.lora_rank is not None:
         names.append("lora")
+    if config.load_in_4bit:
+        names.append("load-in-4bit")
     return names
 
 
@@ -105,6 +108,10 @@ def check_launch(config: TrainConfig, state: Any) -> None:
             "as soon as this process's gradient is ready, before the processes average their "
             "gradients; run one process, or drop --optimizer-in-backward"
         )
+    if config.load_in_4bit:
+        from effitrain.quantize import require_bitsandbytes
+
+        require_bitsandbytes()  # under sharding, --lora-rank is refused above
     if config.weights_dtype == "bf16" and sharded:
         # Refused, not left unverified: both bring their own low-precision parameters, and
         # optimi's Kahan buffers are not sharding-aware.
@@ -115,14 +122,20 @@ def check_launch(config: TrainConfig, state: Any) -> None:
         )
 
 
-def apply_to_model(model: Any, config: TrainConfig) -> Any:
+def apply_to_model(model: Any, config: TrainConfig, device: Any = None) -> Any:
     """Turn on the levers that change the model; returns the model to train (LoRA wraps it).
+    ``device``: where the run trains, where 4-bit weights are quantized (default: where the
+    model is; on the meta device, ``effitrain estimate``'s, they are not quantized yet).
 
     Raises:
         EffitrainError: the model cannot take a lever (e.g. no gradient checkpointing).
     """
     from effitrain.optim.bf16 import cast_model
 
+    if config.load_in_4bit:
+        from effitrain.quantize import quantize_model
+
+        model = quantize_model(model, config, device)
     model = cast_model(model, config)  # before any adapter is added: adapters stay fp32
     if config.gradient_checkpointing:
         enable_gradient_checkpointing(model)
@@ -155,7 +168,20 @@ def describe(config: TrainConfig, model: Any) -> list[str]:
         from effitrain.lora import describe as describe_lora
 
         lines.append(describe_lora(model, config))
+    if config.load_in_4bit:
+        from effitrain.quantize import describe as describe_4bit
+
+        lines.append(describe_4bit(model, config))
     return lines
+
+
+def quantized_weights(config: TrainConfig, model: Any) -> dict[str, int] | None:
+    """--load-in-4bit: what the 4-bit weights take (metrics ``quantized_weights``), else None."""
+    if not config.load_in_4bit:
+        return None
+    from effitrain.quantize import storage
+
+    return storage(model).to_dict()
 
 
 def original_parameters(model: Any) -> Any:

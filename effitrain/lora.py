@@ -199,14 +199,14 @@ def original_parameters(model: Any) -> list[Any]:
 
 def describe(model: Any, config: TrainConfig) -> str:
     """One banner line: rank, alpha, dropout, the adapted layers, the head, what trains."""
-    from effitrain.memory.ledger import trainable_parameter_count
+    from effitrain.memory.ledger import logical_numel, trainable_parameter_count
 
     peft_model = model
     base = peft_model.get_base_model()
     head = head_modules(base)
     why = _why(config.lora_target_modules)  # checked by apply, on the model before peft
     targeted = _leaf_names(list(peft_model.base_model.targeted_module_names))
-    total = sum(p.numel() for p in peft_model.parameters())
+    total = sum(logical_numel(p) for p in peft_model.parameters())  # 4-bit: unpacked
     alpha = "" if config.lora_alpha is not None else " (2 x rank)"
     return (
         f"LoRA r={config.lora_rank} alpha={config.effective_lora_alpha:g}{alpha} dropout "
@@ -221,6 +221,11 @@ def final_note(config: TrainConfig) -> str | None:
     """What to say when ``final/`` holds adapters whose base weights are saved nowhere."""
     from effitrain.models import is_preset
 
+    if is_preset(config.model) and config.load_in_4bit:
+        return (
+            f"final/ holds the LoRA adapters only; they apply to the '{config.model}' preset's "
+            "random base weights, which are saved nowhere else (--load-in-4bit cannot merge)"
+        )
     if is_preset(config.model) and not config.lora_merge:
         return (
             f"final/ holds the LoRA adapters only; the '{config.model}' preset's random base "

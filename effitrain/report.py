@@ -305,6 +305,15 @@ def memory_table(result: TrainResult) -> Any:
             format_bytes(at_peak[kind]) if kind in at_peak else "—",
             _versus(measured, base.get(base_key)) if base_key else "—",
         )
+    quantized = result.quantized_weights
+    if quantized:
+        table.add_row(
+            f"  4-bit NF4: packed {format_bytes(quantized['packed_bytes'])} + quant state "
+            f"{format_bytes(quantized['quant_state_bytes'])}",
+            format_bytes(quantized["bytes"]),
+            "",
+            "",
+        )
     other = at_peak.get("buffers", 0) + at_peak.get("other", 0)
     if other:
         table.add_row("buffers, other", "", format_bytes(other), "")
@@ -570,6 +579,15 @@ def estimates_table(results: list[dict[str, Any]], against: dict[str, Any] | Non
                 f"{error:+.1%}" if error is not None else "-",
             ]
         table.add_row(label, *cells)
+        if key == "trainable_parameter_bytes" and any(r.get("quantized_weights") for r in results):
+            table.add_row(
+                "  4-bit weights",
+                *[
+                    format_bytes((r.get("quantized_weights") or {}).get("bytes", 0))
+                    for r in results
+                ],
+                *(["", ""] if against is not None else []),
+            )
     return table
 
 

@@ -117,6 +117,9 @@ class TrainResult:
     logits), ``weighting`` (tokens or micro-batch mean), and ``why`` a chunked loss was not."""
     loss_history: list[dict[str, float]] = field(default_factory=list)
     """The training loss at every log line: ``{"step", "loss"}`` (``--log-every``)."""
+    quantized_weights: dict[str, int] | None = None
+    """--load-in-4bit: the 4-bit base weights (``effitrain.quantize.QuantizedStorage``: weights,
+    elements, packed_bytes, quant_state_bytes, bytes), part of ``parameter_bytes``."""
     baseline: dict[str, int] = field(default_factory=dict)
     """The same model trained whole in fp32 with fp32 AdamW and no levers (parameters,
     gradients, optimizer state), for the savings column."""

@@ -134,7 +134,11 @@ def resume(
             f"the checkpoint was written by {meta.get('world_size')} process(es), this run has "
             f"{accelerator.num_processes}: data order and batch size differ from the original run"
         )
-    checkpoint.load_checkpoint(accelerator, path)
+    if config.load_in_4bit:
+        from effitrain.quantize import check_checkpoint_base
+
+        check_checkpoint_base(accelerator.unwrap_model(run.model), path)
+    checkpoint.load_checkpoint(accelerator, path, strict=not config.load_in_4bit)
     progress.load_state_dict(meta)
     checkpointer.last_saved_step = progress.global_step
     reporter.resumed(str(path), progress.global_step, progress.epoch, progress.step_in_epoch)
@@ -198,6 +202,7 @@ def summarize(
         step_memory=step,
         levers=levers.active(run.config) + run.loss.levers,
         loss=run.loss.to_dict(),
+        quantized_weights=levers.quantized_weights(run.config, model),
         baseline=ledger.fp32_adamw_baseline(
             levers.original_parameters(accelerator.unwrap_model(model))
         ),

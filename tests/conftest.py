@@ -45,6 +45,18 @@ def assert_clean_error(proc: subprocess.CompletedProcess, *fragments: str) -> st
     return error_lines[0]
 
 
+def hide_package(monkeypatch: pytest.MonkeyPatch, package: str) -> None:
+    """Make ``importlib.util.find_spec`` say that ``package`` is not installed."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == package else find_spec(name, *a),
+    )
+
+
 @pytest.fixture
 def cli():
     return run_cli

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.checkpoint_helpers import assert_identical, load_tensors, train_args
-from tests.conftest import assert_clean_error, train_in_process
+from tests.conftest import assert_clean_error, hide_package, train_in_process
 
 pytest.importorskip("peft")
 
@@ -284,14 +284,7 @@ def test_bad_target_modules_list_the_linear_layers(train_cli, targets, fragment)
 
 
 def test_missing_peft_gives_the_install_line(train_cli, monkeypatch):
-    import importlib.util
-
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util,
-        "find_spec",
-        lambda name, *a: None if name == "peft" else find_spec(name, *a),
-    )
+    hide_package(monkeypatch, "peft")
     proc = train_cli("train", *LORA, "--dataset", "no-such-dataset-is-ever-loaded")
     assert_clean_error(proc, "--lora-rank needs peft", "pip install 'effitrain[lora]'")
 

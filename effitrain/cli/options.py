@@ -71,6 +71,7 @@ PANELS: dict[str, tuple[str, ...]] = {
         "lora_dropout",
         "lora_target_modules",
         "lora_merge",
+        "load_in_4bit",
     ),
     OUT: (
         "output_dir",

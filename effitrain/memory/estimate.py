@@ -92,9 +92,14 @@ def _materialize(model: Any, device: Any) -> None:
     def fake(t: Any, parameter: bool) -> Any:
         if id(t) not in made:
             new = torch.empty(t.shape, dtype=t.dtype, device=device)
-            made[id(t)] = (
-                torch.nn.Parameter(new, requires_grad=t.requires_grad) if parameter else new
-            )
+            if ledger.is_4bit(t):  # --load-in-4bit: bitsandbytes quantizes the fake weight
+                from effitrain.quantize import quantized_like
+
+                made[id(t)] = quantized_like(t, new)
+            elif parameter:
+                made[id(t)] = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+            else:
+                made[id(t)] = new
         return made[id(t)]
 
     for module in model.modules():
@@ -301,5 +306,6 @@ def _measured(
         "peak_tensor_bytes": step_memory.get("peak_tensor_bytes"),
         "step_memory": step_memory,
         "levers": levers.active(config),
+        "quantized_weights": levers.quantized_weights(config, model),
         "baseline": ledger.fp32_adamw_baseline(levers.original_parameters(model)),
     }

@@ -35,9 +35,12 @@ __all__ = [
     "format_bytes",
     "fp32_adamw_baseline",
     "gradient_bytes",
+    "is_4bit",
+    "logical_numel",
     "optimizer_state_ledger",
     "parameter_bytes",
     "peak_memory_bytes",
+    "quant_state_tensors",
     "tensor_storage",
     "trainable_parameter_bytes",
     "trainable_parameter_count",
@@ -169,6 +172,8 @@ def tensor_storage(t: torch.Tensor) -> list[tuple[StorageKey | None, int, int, s
     - DTensor: the storages of its local shard;
     - traceable wrapper subclass (torchao ``OptimState8bit`` …): the storages of its inner
       tensors, recursively;
+    - bitsandbytes 4-bit weight (``Params4bit``, ``--load-in-4bit``): the packed codes and
+      every tensor of its ``QuantState`` (:func:`quant_state_tensors`);
     - meta tensors and zero-byte storages: one entry with key ``None``, 0 bytes, 0 elements
       (there is nothing to deduplicate).
 
@@ -187,6 +192,12 @@ def tensor_storage(t: torch.Tensor) -> list[tuple[StorageKey | None, int, int, s
             out.extend(tensor_storage(x))
         return out
 
+    quant_state = quant_state_tensors(t)
+    if quant_state:
+        out = tensor_storage(t.as_subclass(torch.Tensor))
+        for x in quant_state:
+            out.extend(tensor_storage(x))
+        return out
     dtype = _dtype_name(t.dtype)
     if t.device.type == "meta":
         return [(None, 0, 0, dtype)]
@@ -206,6 +217,35 @@ def tensor_storage(t: torch.Tensor) -> list[tuple[StorageKey | None, int, int, s
     if nbytes == 0 or ptr == 0:
         return [(None, 0, 0, dtype)]
     return [((ptr, str(t.device)), nbytes, nbytes // max(t.element_size(), 1), dtype)]
+
+
+def is_4bit(tensor: Any) -> bool:
+    """A bitsandbytes 4-bit weight: a ``Params4bit`` (two 4-bit codes per uint8), or any tensor
+    that carries a ``quant_state`` as it does (``effitrain estimate``'s fake stand-in)."""
+    return type(tensor).__name__ == "Params4bit" or hasattr(tensor, "quant_state")
+
+
+def quant_state_tensors(t: Any) -> list[torch.Tensor]:
+    """The tensors of a 4-bit weight's ``QuantState``: absmax, code, offset, and with double
+    quantization the nested absmax and code (``state2``); [] for any other tensor or a 4-bit
+    weight not yet quantized."""
+    import torch
+
+    state = getattr(t, "quant_state", None) if is_4bit(t) else None
+    tensors: list[torch.Tensor] = []
+    while state is not None:
+        tensors += [v for v in vars(state).values() if isinstance(v, torch.Tensor)]
+        state = getattr(state, "state2", None) if getattr(state, "nested", False) else None
+    return tensors
+
+
+def logical_numel(param: Any) -> int:
+    """The weights a parameter stands for: a quantized 4-bit one, its original shape's (it
+    stores two per byte); any other, ``numel()``."""
+    import math
+
+    state = getattr(param, "quant_state", None) if is_4bit(param) else None
+    return math.prod(state.shape) if state is not None else param.numel()
 
 
 class _Dedup:
@@ -498,8 +538,9 @@ def trainable_parameter_bytes(model: Any) -> int:
 
 def fp32_adamw_baseline(model: Any) -> dict[str, int]:
     """What the same model would hold trained whole, in fp32, with fp32 AdamW and no levers:
-    every parameter 4 bytes, a gradient for each, and AdamW's state for each (local shards)."""
-    numels = [_local(p).numel() for p in _parameters(model)]
+    every parameter 4 bytes, a gradient for each, and AdamW's state for each (local shards; a
+    4-bit weight counts the weights it stands for)."""
+    numels = [logical_numel(_local(p)) for p in _parameters(model)]
     return {
         "parameter_bytes": 4 * sum(numels),
         "gradient_bytes": 4 * sum(numels),

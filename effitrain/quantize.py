@@ -1,0 +1,274 @@
+"""QLoRA's frozen base: ``--load-in-4bit`` stores the base model's Linear weights in 4-bit NF4
+(bitsandbytes), under LoRA's adapters (``--lora-rank``).
+
+What is quantized: every ``nn.Linear`` (and GPT-2's ``Conv1D``) outside the output layer and the
+classification head, through transformers' own ``replace_with_bnb_linear``; each weight becomes a
+``bitsandbytes.nn.Params4bit`` (two 4-bit codes per byte) with a ``QuantState``: one absmax per
+block of 64 weights, the 16-value NF4 code, and with double quantization (on, as in the QLoRA
+paper) the absmaxes themselves stored as 8-bit blockwise codes (blocks of 256) with their own
+fp32 absmax, 256-value code and offset. Embeddings, norms, the output layer and the head stay as
+they are (fp32). The compute dtype (what each weight is dequantized to for its matmul) is bf16
+under ``--mixed-precision bf16``, else fp32.
+
+The weights are quantized where the run trains (``Params4bit.to(device)``) from the model as
+loaded, the same way as transformers' ``Bnb4bitQuantize`` does while loading: the same fp32
+weights give the same 4-bit weights, so a resumed run rebuilds the identical frozen base.
+
+peft's ``prepare_model_for_kbit_training`` is not called: it casts fp16/bf16 parameters to fp32
+(these are fp32 already) and turns on reentrant gradient checkpointing behind the user's back;
+``--gradient-checkpointing`` is the explicit switch (non-reentrant, which needs no input grads).
+
+bitsandbytes is imported inside the functions: it is an optional extra (``effitrain[qlora]``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from effitrain.errors import EffitrainError
+
+if TYPE_CHECKING:
+    from effitrain.config import TrainConfig
+
+INSTALL = "pip install 'effitrain[qlora]'"
+BLOCKSIZE = 64
+"""Weights per absmax (bitsandbytes' default for 4-bit)."""
+NESTED_BLOCKSIZE = 256
+"""Absmaxes per nested absmax under double quantization (bitsandbytes' fixed value)."""
+DOUBLE_QUANT = True
+NF4_CODE_VALUES = 16
+NESTED_CODE_VALUES = 256
+
+
+def require_bitsandbytes() -> None:
+    """Raises: EffitrainError with the install line when bitsandbytes is missing."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise EffitrainError(
+            f"--load-in-4bit needs bitsandbytes, which is not installed: {INSTALL}"
+        )
+
+
+def quantization_config(config: TrainConfig) -> Any:
+    """transformers' ``BitsAndBytesConfig`` for the run: NF4, double quantization, the compute
+    dtype of ``--mixed-precision``."""
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    compute = torch.bfloat16 if config.mixed_precision == "bf16" else torch.float32
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=compute,
+        bnb_4bit_use_double_quant=DOUBLE_QUANT,
+    )
+
+
+def kept_modules(model: Any) -> list[str]:
+    """The modules that keep their weights: the output layer (and what is tied to it) and the
+    classification head, which trains in full (LoRA's ``modules_to_save``)."""
+    from effitrain.lora import head_modules
+
+    kept = list(head_modules(model))
+    output = model.get_output_embeddings()
+    kept += [name for name, module in model.named_modules() if module is output and output]
+    return kept
+
+
+def replace_linear_layers(model: Any, config: TrainConfig) -> Any:
+    """Swap the Linear layers (outside :func:`kept_modules`) for bitsandbytes' ``Linear4bit``,
+    each holding its original weight, not yet quantized (:func:`quantize_weights` does that on
+    the run's device). Works on the meta device too (``effitrain estimate``)."""
+    require_bitsandbytes()
+    import bitsandbytes as bnb
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+
+    originals = {
+        name: (module.weight, module.bias)
+        for name, module in model.named_modules()
+        if hasattr(module, "weight") and hasattr(module, "bias")
+    }
+    replace_with_bnb_linear(model, kept_modules(model), quantization_config(config))
+    for name, module in model.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            weight, bias = originals[name]
+            if module.source_cls.__name__ == "Conv1D":  # GPT-2 stores [in, out]
+                weight = weight.t()
+            attributes = {k: v for k, v in vars(module.weight).items() if k != "module"}
+            module.weight = bnb.nn.Params4bit(
+                weight.data.contiguous(), requires_grad=False, module=module, **attributes
+            )
+            if bias is not None:
+                module.bias = bias  # frozen by peft with the rest of the base
+            # On a CPU with AVX512-BF16, bitsandbytes repacks a weight in place for inference at
+            # the first forward without grad (evaluation): other numerics, lossy on the way back,
+            # and shapes it cannot repack (rows not a multiple of the block) fail.
+            module.support_avx512bf16_for_cpu = False
+    return model
+
+
+def quantize_weights(model: Any, device: Any) -> None:
+    """Quantize every ``Linear4bit`` weight that is not yet quantized, on ``device``
+    (``Params4bit.to`` runs bitsandbytes' ``quantize_4bit`` there; under ``effitrain
+    estimate``'s fake tensors, its shape-only implementation)."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit) and not module.weight.bnb_quantized:
+            module.weight = module.weight.to(device)
+
+
+def quantize_model(model: Any, config: TrainConfig, device: Any = None) -> Any:
+    """:func:`replace_linear_layers`, then :func:`quantize_weights` on ``device`` (default: where
+    the model is). Nothing is quantized on the meta device: ``effitrain estimate`` quantizes
+    once it has fake tensors."""
+    import torch
+
+    device = device if device is not None else next(model.parameters()).device
+    replace_linear_layers(model, config)
+    if torch.device(device).type != "meta":
+        quantize_weights(model, device)
+    return model
+
+
+def quantized_like(param: Any, weight: Any) -> Any:
+    """``weight`` quantized as ``param`` (an unquantized ``Params4bit``) would be, through
+    bitsandbytes' own ``quantize_4bit``, for ``effitrain estimate``'s fake tensors: a plain
+    parameter holding the packed codes, with the ``QuantState`` attached as ``Params4bit``
+    keeps it (a fake tensor cannot become a ``Params4bit``; ``Linear4bit`` reads only the
+    ``quant_state`` attribute)."""
+    import bitsandbytes as bnb
+    import torch
+
+    packed, state = bnb.functional.quantize_4bit(
+        weight,
+        blocksize=param.blocksize,
+        compress_statistics=param.compress_statistics,
+        quant_type=param.quant_type,
+        quant_storage=param.quant_storage,
+    )
+    quantized = torch.nn.Parameter(packed, requires_grad=False)
+    quantized.quant_state = state
+    return quantized
+
+
+@dataclass
+class QuantizedStorage:
+    """What the 4-bit base weights take, to the byte."""
+
+    weights: int = 0
+    """4-bit weight tensors."""
+    elements: int = 0
+    """Weights they stand for (original shapes)."""
+    packed_bytes: int = 0
+    """The packed 4-bit codes (uint8, two per byte)."""
+    quant_state_bytes: int = 0
+    """Absmaxes, codes, offsets and nested absmaxes/codes."""
+
+    @property
+    def bytes(self) -> int:
+        return self.packed_bytes + self.quant_state_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "bytes": self.bytes}
+
+
+def storage(model: Any) -> QuantizedStorage:
+    """Measure the 4-bit weights' real storages (each storage once, as the ledger counts)."""
+    import torch
+
+    from effitrain.memory.ledger import is_4bit, logical_numel, parameter_bytes
+
+    params = [p for p in model.parameters() if is_4bit(p)]
+    packed = parameter_bytes([p.as_subclass(torch.Tensor) for p in params])
+    total = parameter_bytes(params)
+    return QuantizedStorage(
+        weights=len(params),
+        elements=sum(logical_numel(p) for p in params),
+        packed_bytes=packed,
+        quant_state_bytes=total - packed,
+    )
+
+
+def expected_storage(shapes: list[tuple[int, int]]) -> QuantizedStorage:
+    """What bitsandbytes stores for 4-bit NF4 weights of these ``[out, in]`` shapes, from the
+    shapes alone (:func:`storage` measures it): per weight, numel/2 packed bytes (rounded up),
+    and a QuantState: with double quantization one uint8 absmax per block of 64, a float32
+    offset, a 16-value float32 NF4 code, one float32 nested absmax per block of 256 absmaxes
+    and a 256-value float32 nested code; without it, float32 absmaxes and the code."""
+    result = QuantizedStorage()
+    for out_features, in_features in shapes:
+        numel = out_features * in_features
+        blocks = math.ceil(numel / BLOCKSIZE)
+        state = 4 * NF4_CODE_VALUES
+        if DOUBLE_QUANT:
+            nested = math.ceil(blocks / NESTED_BLOCKSIZE)
+            state += blocks + 4 + 4 * nested + 4 * NESTED_CODE_VALUES
+        else:
+            state += 4 * blocks
+        result.weights += 1
+        result.elements += numel
+        result.packed_bytes += (numel + 1) // 2
+        result.quant_state_bytes += state
+    return result
+
+
+def describe(model: Any, config: TrainConfig) -> str:
+    """One banner line: what is 4-bit, what is kept, the compute dtype, the bytes."""
+    import bitsandbytes as bnb
+
+    from effitrain.memory.ledger import format_bytes
+    from effitrain.wrapped import base_model
+
+    base = base_model(model)
+    names = [n for n, m in base.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
+    # Under peft the layer is "<name>.base_layer": name it by the layer it stands for.
+    layers = [n.removesuffix(".base_layer").rsplit(".", 1)[-1] for n in names]
+    measured = storage(base)
+    compute = "bf16" if config.mixed_precision == "bf16" else "fp32"
+    kept = ", ".join(kept_modules(base)) or "no Linear layer"
+    return (
+        f"4-bit NF4 base (bitsandbytes, double quantization, blocks of {BLOCKSIZE}, compute "
+        f"{compute}): {len(names)} Linear layers ({', '.join(dict.fromkeys(layers))}), "
+        f"{measured.elements:,} weights in {format_bytes(measured.bytes)} (packed "
+        f"{format_bytes(measured.packed_bytes)} + quant state "
+        f"{format_bytes(measured.quant_state_bytes)}); kept as they were: {kept}, embeddings, norms"
+    )
+
+
+def check_checkpoint_base(model: Any, checkpoint: Any) -> None:
+    """Before resuming: the checkpoint's 4-bit base (packed codes and quant states) must be the
+    one just rebuilt from ``--model``, and every other entry must be there. Accelerate's strict
+    load cannot take bitsandbytes' quant-state entries (``Linear4bit`` saves them but does not
+    load them), so the run loads non-strictly after this check.
+
+    Raises:
+        EffitrainError: a key is missing or extra, or a 4-bit weight differs (another base model).
+    """
+    from pathlib import Path
+
+    import torch
+    from safetensors import safe_open
+
+    expected = model.state_dict()
+    found: dict[str, Any] = {}
+    for file in sorted(Path(checkpoint).glob("model*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            found.update({key: handle.get_tensor(key) for key in handle.keys()})  # noqa: SIM118
+    saved = {expected[key].data_ptr() for key in found if key in expected}
+    # A tied weight (the output layer sharing the embeddings) is saved once, under one name.
+    missing = [k for k in expected if k not in found and expected[k].data_ptr() not in saved]
+    missing += sorted(set(found) - set(expected))
+    if missing:
+        raise EffitrainError(
+            f"cannot resume from {checkpoint}: its model does not match this one ({missing[0]} "
+            "is in one of them only); resume with the options it was saved with"
+        )
+    for key, value in expected.items():
+        if ".base_layer.weight" in key and not torch.equal(found[key], value.detach().cpu()):
+            raise EffitrainError(
+                f"cannot resume from {checkpoint}: its 4-bit base weight {key} differs from the "
+                "one quantized from --model now; resume with the base model it was trained on"
+            )
