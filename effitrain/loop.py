@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import effitrain.checkpoint as checkpoint
@@ -62,8 +63,10 @@ def train_step(
     optimizer, lr_scheduler = run.optimizer, run.lr_scheduler
     stop = False
     with accelerator.accumulate(model):
-        loss = run.task.loss(model, batch)  # the task's: model(**batch).loss by default
-        accelerator.backward(loss)
+        # --activation-offload: what forward saves for backward waits in host memory.
+        with run.activation_offload or nullcontext():
+            loss = run.task.loss(model, batch)  # the task's: model(**batch).loss by default
+            accelerator.backward(loss)
         # Summed on the device: no sync.
         progress.add_micro_batch(loss, len(batch["labels"]), batch_tokens(batch))
         if accelerator.sync_gradients:

@@ -308,6 +308,7 @@ def memory_table(result: TrainResult) -> Any:
     other = at_peak.get("buffers", 0) + at_peak.get("other", 0)
     if other:
         table.add_row("buffers, other", "", format_bytes(other), "")
+    _offload_rows(table, result)
     table.add_section()
     if result.peak_tensor_bytes is not None:
         table.add_row(
@@ -325,6 +326,26 @@ def memory_table(result: TrainResult) -> Any:
     table.caption = _memory_caption(result)
     table.caption_justify = "left"
     return table
+
+
+def _offload_rows(table: Any, result: TrainResult) -> None:
+    """The offload levers' host memory, apart from the device's parts (not in its peak)."""
+    rows = []
+    if result.activation_offload_host_bytes is not None:
+        rows.append(
+            ("offloaded activations (host, most at once)", result.activation_offload_host_bytes)
+        )
+    where = result.optimizer_offload
+    if where:
+        rows += [
+            ("optimizer state on the GPU (tensors < 4096 elements)", where["device_state_bytes"]),
+            ("optimizer state on the host", where["host_state_bytes"]),
+            ("host copies of parameters and gradients", where["host_copy_bytes"]),
+        ]
+    if rows:
+        table.add_section()
+    for label, value in rows:
+        table.add_row(label, format_bytes(value), "—", "—")
 
 
 def _memory_caption(result: TrainResult) -> str:
