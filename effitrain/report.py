@@ -512,6 +512,13 @@ ESTIMATE_FIELDS = (
 )
 """The parts an estimate gives: a label and the metrics JSON's field (dotted: nested)."""
 
+HOST_FIELDS = (
+    ("host: offloaded activations", "activation_offload_host_bytes"),
+    ("host: optimizer state", "optimizer_offload.host_state_bytes"),
+    ("host: parameter and gradient copies", "optimizer_offload.host_copy_bytes"),
+)
+"""The offload levers' host memory (not in the device's peak), shown where an estimate has it."""
+
 PER_DEVICE_FIELDS = (
     ("parameters", "parameter_bytes"),
     ("gradients", "gradient_bytes"),
@@ -591,6 +598,14 @@ def estimates_table(results: list[dict[str, Any]], against: dict[str, Any] | Non
                 f"{error:+.1%}" if error is not None else "-",
             ]
         table.add_row(label, *cells)
+    for label, key in HOST_FIELDS:
+        values = [metrics_field(r, key) for r in results]
+        if any(value is not None for value in values):
+            cells = [format_bytes(v) if v is not None else "-" for v in values]
+            if against is not None:
+                truth = metrics_field(against["measured"], key)
+                cells += [format_bytes(truth) if truth is not None else "-", "-"]
+            table.add_row(label, *cells)
     return table
 
 

@@ -387,6 +387,10 @@ def test_optimizer_offload_refused_on_several_processes():
         levers.check_launch(config, state)
 
 
-def test_cli_refuses_offload_on_the_cpu_in_one_line(cli_in_process):
-    proc = cli_in_process("train", "--max-steps", "1", "--activation-offload")
-    assert_clean_error(proc, "--activation-offload", "this run's device is the CPU")
+@pytest.mark.parametrize(
+    ("flag", "what"),
+    [(["--activation-offload"], "activations"), (["--optimizer-offload", "state"], "optimizer")],
+)
+def test_cli_refuses_offload_on_the_cpu_in_one_line(train_cli, flag, what):
+    proc = train_cli("train", "--max-steps", "1", *flag)
+    assert_clean_error(proc, f"{flag[0]} moves", what, "this run's device is the CPU")

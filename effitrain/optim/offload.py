@@ -253,3 +253,88 @@ def offload_ledger(optimizer: Any) -> dict[str, int]:
         "host_copy_bytes": ledger.parameter_bytes(copies),
         "offloaded_parameters": len(offloaded.optim_dict),
     }
+
+
+class EstimatedOffload(torch.optim.Optimizer):
+    """``effitrain estimate``'s stand-in for :class:`OffloadedOptimizer` on fake tensors, where
+    torchao cannot run (it needs a CUDA device): what stays on the device runs for real (the
+    optimizer over the tensors under :data:`MINIMAL_SIZE`; with ``offload_gradients``, the
+    offloaded parameters' gradients freed as soon as backward makes them), and the host
+    optimizers are built and stepped on fake copies after the measured step
+    (:meth:`where`), so their state is counted on the host and never in the device's peak.
+
+    Args:
+        groups, factory, lr, offload_gradients: as :class:`OffloadedOptimizer`'s.
+    """
+
+    def __init__(
+        self,
+        groups: ParamGroups,
+        factory: Callable[[ParamGroups, float], torch.optim.Optimizer],
+        lr: float,
+        offload_gradients: bool,
+    ) -> None:
+        self._factory, self._lr = factory, lr
+        self.offloaded = [
+            (param, {k: v for k, v in group.items() if k != "params"})
+            for group in groups
+            for param in group["params"]
+            if param.numel() >= MINIMAL_SIZE
+        ]
+        big = {id(param) for param, _ in self.offloaded}
+        small = [
+            {**group, "params": [p for p in group["params"] if id(p) not in big]}
+            for group in groups
+        ]
+        small = [group for group in small if group["params"]]
+        self.device_optimizer = factory(small, lr) if small else None
+        if offload_gradients:
+            for param, _ in self.offloaded:
+                param.register_post_accumulate_grad_hook(_free_gradient)
+        super().__init__([{"params": [p for g in groups for p in g["params"]]}], {"lr": lr})
+
+    @property
+    def state(self) -> Mapping[Any, Any]:  # type: ignore[override]
+        """The device optimizer's state: all that the device holds."""
+        return self.device_optimizer.state if self.device_optimizer is not None else {}
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        if value:
+            raise AttributeError("EstimatedOffload.state is the device optimizer's")
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        if self.device_optimizer is not None:
+            self.device_optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                param.grad = None
+
+    def where(self) -> tuple[dict[str, int], Mapping[Any, Any]]:
+        """:func:`offload_ledger`'s fields, and every parameter's state (host and device), from
+        one step of each host optimizer on fake copies of its parameter and gradient."""
+        from effitrain.memory import ledger
+
+        states: dict[Any, Any] = dict(self.state)
+        copies = []
+        for param, options in self.offloaded:
+            host = torch.empty_like(param)
+            host.grad = torch.zeros_like(param)
+            host_optimizer = self._factory([{**options, "params": [host]}], self._lr)
+            host_optimizer.step()
+            states[host] = host_optimizer.state[host]
+            copies += [host, host.grad]
+        device_bytes = ledger.optimizer_state_ledger(self.state).bytes
+        total = ledger.optimizer_state_ledger(states)
+        return {
+            "device_state_bytes": device_bytes,
+            "host_state_bytes": total.bytes - device_bytes,
+            "host_copy_bytes": ledger.parameter_bytes(copies),
+            "offloaded_parameters": len(self.offloaded),
+        }, states
+
+
+def _free_gradient(param: torch.nn.Parameter) -> None:
+    param.grad = None
