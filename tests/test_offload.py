@@ -203,7 +203,9 @@ def test_checkpoint_round_trip_resumes_exactly(pretend_cuda, tmp_path):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("optim", ["adafactor", "adafactor-hf", "sgd", "adamw-8bit", "lion"])
+@pytest.mark.parametrize(
+    "optim", ["adafactor", "adafactor-hf", "sgd", "adamw-8bit", "lion", "lion-8bit", "came"]
+)
 def test_per_parameter_optimizers_run_offloaded(pretend_cuda, optim):
     import torch
 
