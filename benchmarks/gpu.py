@@ -51,6 +51,7 @@ WHEELS = [
     "schedulefree",
     "torch-optimi",
     "peft",
+    "trl",
 ]
 """What a lent machine lacked (its torch, transformers and accelerate are used as they are)."""
 FALLBACK = ("datasets==4.4.1", "dill==0.4.0", "multiprocess==0.70.18")
@@ -93,6 +94,7 @@ PLAN = [
     Step("finetune", alone=False, seconds=220),
     Step("optimizer_costs", alone=False, seconds=220),
     Step("levers", alone=False, seconds=220),
+    Step("offload", alone=False, seconds=300),
     Step("estimate", alone=False, seconds=220),
     Step("causal_lm", alone=False, seconds=220),
     Step("learning", alone=False, seconds=220),

@@ -98,6 +98,9 @@ class Run:
     """How a micro-batch's loss is computed (the task's ``loss_function``)."""
     info: RunInfo | None = None
     sharding: distributed.Sharding | None = None
+    activation_offload: Any = None
+    """--activation-offload: the context around forward and backward (``host_bytes`` counts
+    what it moved); None without the lever."""
 
 
 def checked_config(
@@ -228,6 +231,7 @@ def build_run(config: TrainConfig, reporter: Reporter) -> Run:
     )
     if config.optimizer_in_backward:
         run.optimizer.optimizer.check_hooked(accelerator.unwrap_model(run.model))
+    run.activation_offload = levers.activation_offload(config, accelerator.unwrap_model(run.model))
     run.info = describe(run)
     return run
 
@@ -282,6 +286,7 @@ def configured_optimizer(config: TrainConfig, model: Any, spec: OptimizerSpec, l
         spec=spec,
         in_backward=config.optimizer_in_backward,
         fp32_embedding_state=config.fp32_embedding_state,
+        offload=config.optimizer_offload,
     )
 
 

@@ -392,7 +392,9 @@ def config_differences(meta: dict[str, Any], config: TrainConfig) -> list[str]:
     for values in (saved, current):
         if "max_grad_norm" in values:
             values["max_grad_norm"] = effective_max_grad_norm(
-                values["max_grad_norm"], bool(values.get("optimizer_in_backward"))
+                values["max_grad_norm"],
+                bool(values.get("optimizer_in_backward"))
+                or values.get("optimizer_offload", "off") != "off",
             )
 
     return [

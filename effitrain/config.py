@@ -28,6 +28,8 @@ DEFAULT_CAUSAL_MODEL = "tiny-llama"
 WEIGHTS_DTYPES = ("fp32", "bf16")
 CHUNKED_LOSS = ("auto", "torch", "liger", "cce", "off")
 """``--chunked-loss`` (effitrain.tasks.lm_loss): auto picks a fused CUDA kernel, else torch."""
+OPTIMIZER_OFFLOAD = ("off", "state", "state+grads")
+"""``--optimizer-offload``: nothing, the optimizer state and step, or also the gradients."""
 SAVE_STRATEGIES = ("steps", "epoch", "no")
 TRACKERS = (
     "tensorboard",
@@ -171,6 +173,16 @@ class TrainConfig:
         "the full logits: auto (default: liger-kernel or cut-cross-entropy on CUDA where "
         "installed, else torch), torch, liger, cce, or off.",
     )
+    activation_offload: bool = _opt(
+        False,
+        "CUDA: keep the tensors saved for backward in pinned host memory, copied back for "
+        "backward on a side stream (with --gradient-checkpointing: only the checkpoints).",
+    )
+    optimizer_offload: str = _opt(
+        "off",
+        "CUDA: off, state (the optimizer state and its step on the host, torchao's "
+        "CPUOffloadOptimizer) or state+grads (also each gradient, once backward made it).",
+    )
     lora_rank: int | None = _opt(
         None, "Train LoRA adapters of this rank (peft) instead of the whole model."
     )
@@ -281,6 +293,7 @@ class TrainConfig:
             )
         if self.optimizer_in_backward:
             self._validate_optimizer_in_backward()
+        self._validate_optimizer_offload()
         self._validate_lora()
         if self.load_in_4bit:
             self._validate_load_in_4bit()
@@ -356,6 +369,40 @@ class TrainConfig:
                 "steps that overflow); use --mixed-precision bf16 or no"
             )
 
+    def _validate_optimizer_offload(self) -> None:
+        """The optimizer step runs on the host, from gradient copies made inside backward (the
+        optimizers it cannot wrap and the launches it cannot run on: :mod:`effitrain.levers`)."""
+        if self.optimizer_offload not in OPTIMIZER_OFFLOAD:
+            raise EffitrainError(
+                f"unknown --optimizer-offload '{self.optimizer_offload}'; "
+                f"choose one of: {', '.join(OPTIMIZER_OFFLOAD)}"
+            )
+        if self.optimizer_offload == "off":
+            return
+        if self.optimizer_in_backward:
+            raise EffitrainError(
+                "--optimizer-offload cannot combine with --optimizer-in-backward: both run the "
+                "update from a hook on each gradient; choose one"
+            )
+        if self.max_grad_norm is not None and self.max_grad_norm > 0:
+            raise EffitrainError(
+                f"--max-grad-norm {self.max_grad_norm:g} cannot combine with --optimizer-offload: "
+                "each gradient is copied to the host inside backward, before clipping could "
+                "scale it; use --max-grad-norm 0 (or leave it out)"
+            )
+        if self.mixed_precision == "fp16":
+            raise EffitrainError(
+                "--mixed-precision fp16 cannot combine with --optimizer-offload: the host "
+                "copies of the gradients are made before the loss scaler unscales them; use "
+                "--mixed-precision bf16 or no"
+            )
+        if self.optimizer_offload == "state+grads" and self.grad_accum > 1:
+            raise EffitrainError(
+                f"--grad-accum {self.grad_accum} cannot combine with --optimizer-offload "
+                "state+grads, which frees each gradient on the GPU after every backward pass; "
+                "use --optimizer-offload state, or --grad-accum 1 and a larger --batch-size"
+            )
+
     def _validate_report_to(self) -> None:
         names = self.report_to or []
         for name in names:
@@ -411,8 +458,10 @@ class TrainConfig:
     @property
     def effective_max_grad_norm(self) -> float:
         """The clipping threshold actually used: the explicit one, else 1.0 (0, no clipping,
-        with --optimizer-in-backward)."""
-        return effective_max_grad_norm(self.max_grad_norm, self.optimizer_in_backward)
+        with --optimizer-in-backward or --optimizer-offload)."""
+        return effective_max_grad_norm(
+            self.max_grad_norm, self.optimizer_in_backward or self.optimizer_offload != "off"
+        )
 
     @property
     def effective_lora_alpha(self) -> float:
@@ -429,11 +478,12 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-def effective_max_grad_norm(max_grad_norm: float | None, optimizer_in_backward: bool) -> float:
-    """``--max-grad-norm`` as used: the value given, else 1.0 (0 with --optimizer-in-backward)."""
+def effective_max_grad_norm(max_grad_norm: float | None, unclippable: bool) -> float:
+    """``--max-grad-norm`` as used: the value given, else 1.0 (0 where the update cannot wait
+    for clipping: ``unclippable``, with --optimizer-in-backward or --optimizer-offload)."""
     if max_grad_norm is not None:
         return max_grad_norm
-    return 0.0 if optimizer_in_backward else 1.0
+    return 0.0 if unclippable else 1.0
 
 
 def option(field_name: str) -> str:

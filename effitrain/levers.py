@@ -9,6 +9,9 @@ optimizer-in-backward        ``--optimizer-in-backward``      the full set of gr
 bf16-weights                 ``--weights-dtype bf16``         half of parameters, gradients, state
 lora                         ``--lora-rank R``                gradients and state of the base model
 load-in-4bit                 ``--load-in-4bit``               7/8 of the frozen base's Linear weights
+activation-offload           ``--activation-offload``         saved activations from the GPU (CUDA)
+optimizer-offload            ``--optimizer-offload state``    optimizer state from the GPU (CUDA;
+                                                              ``state+grads``: gradients too)
 ===========================  ===============================  ======================================
 
 ``TrainConfig.validate`` refuses lever values that cannot work on their own and
@@ -41,6 +44,10 @@ def active(config: TrainConfig) -> list[str]:
         names.append("lora")
     if config.load_in_4bit:
         names.append("load-in-4bit")
+    if config.activation_offload:
+        names.append("activation-offload")
+    if config.optimizer_offload != "off":
+        names.append("optimizer-offload")
     return names
 
 
@@ -50,21 +57,24 @@ def check_options(config: TrainConfig) -> None:
     Raises:
         EffitrainError: one line naming both, and what to use instead.
     """
-    from effitrain.optim import IN_BACKWARD_REFUSED, get_spec
     from effitrain.optim.bf16 import refusal
 
     if config.optimizer_in_backward:
-        why = IN_BACKWARD_REFUSED.get(config.optim)
-        if not get_spec(config.optim).per_parameter:
-            why = "it is built over the whole model, not one parameter at a time"
-        if why:
-            raise EffitrainError(
-                f"--optim {config.optim} cannot combine with --optimizer-in-backward: {why}; "
-                "use another --optim or leave the lever out"
-            )
+        _check_per_parameter(
+            config,
+            "--optimizer-in-backward",
+            "it is built over the whole model, not one parameter at a time",
+        )
     problem = refusal(config)
     if problem:
         raise EffitrainError(problem)
+    if config.optimizer_offload != "off":
+        # torchao's offload runs one optimizer per parameter too, with the same limits.
+        _check_per_parameter(
+            config,
+            "--optimizer-offload",
+            "it is built over the whole model, and the offload runs one per parameter",
+        )
     if config.lora_rank is not None and config.optim == "adafactor":
         # Its update is relative to each weight's RMS; LoRA's B matrices start at zero.
         raise EffitrainError(
@@ -72,6 +82,48 @@ def check_options(config: TrainConfig) -> None:
             "weight's size (RMS), and LoRA's B matrices start at zero, so they barely move; "
             "use --optim adafactor-hf (the Trainer's Adafactor: the same factored state, a "
             "plain lr) or adamw"
+        )
+
+
+def _check_per_parameter(config: TrainConfig, flag: str, whole_model: str) -> None:
+    """A lever that runs one optimizer per parameter: refuse the optimizers that cannot be one
+    (``whole_model`` says why for those built over the model)."""
+    from effitrain.optim import IN_BACKWARD_REFUSED, get_spec
+
+    why = IN_BACKWARD_REFUSED.get(config.optim)
+    if not get_spec(config.optim).per_parameter:
+        why = whole_model
+    if why:
+        raise EffitrainError(
+            f"--optim {config.optim} cannot combine with {flag}: {why}; use another --optim or "
+            "leave the lever out"
+        )
+
+
+def _check_offload_launch(config: TrainConfig, state: Any, sharding: Any) -> None:
+    """Both offloads move tensors from a CUDA device to host memory; the optimizer's runs on one
+    process only."""
+    device = getattr(state, "device", None)
+    on_cuda = getattr(device, "type", None) == "cuda"
+    for on, flag, what in (
+        (config.activation_offload, "--activation-offload", "activations"),
+        (config.optimizer_offload != "off", "--optimizer-offload", "the optimizer state"),
+    ):
+        if on and not on_cuda:
+            raise EffitrainError(
+                f"{flag} moves {what} from the GPU to host memory; this run's device is "
+                f"{'the CPU' if getattr(device, 'type', 'cpu') == 'cpu' else device}: drop "
+                f"{flag}"
+            )
+    if config.optimizer_offload != "off" and (
+        sharding.kind != "single" or sharding.num_processes > 1
+    ):
+        # torchao copies each gradient in a post-accumulate-grad hook, before DDP's all-reduce
+        # (it would step on this process's gradient alone); FSDP and DeepSpeed own the state.
+        raise EffitrainError(
+            f"--optimizer-offload cannot run on {sharding.description}: each gradient is copied "
+            "to the host before the processes average them; run one process (or use FSDP's or "
+            "DeepSpeed's own CPU offload)"
         )
 
 
@@ -86,6 +138,7 @@ def check_launch(config: TrainConfig, state: Any) -> None:
     from effitrain.distributed import detect_sharding
 
     sharding = detect_sharding(state)
+    _check_offload_launch(config, state, sharding)
     sharded = sharding.sharded
     if config.lora_rank is not None:
         from effitrain.lora import require_peft
@@ -172,6 +225,21 @@ def describe(config: TrainConfig, model: Any) -> list[str]:
         from effitrain.quantize import describe as describe_4bit
 
         lines.append(describe_4bit(model, config))
+    if config.activation_offload:
+        lines.append(
+            "activation offload: tensors saved for backward wait in pinned host memory (trl's "
+            "OffloadActivations, copies on a side CUDA stream"
+            + ("; only the checkpoints" if config.gradient_checkpointing else "")
+            + ")"
+        )
+    if config.optimizer_offload != "off":
+        grads = (
+            ", and each gradient once copied" if config.optimizer_offload == "state+grads" else ""
+        )
+        lines.append(
+            "optimizer offload: state and step on the host for tensors of 4096+ elements "
+            f"(torchao's CPUOffloadOptimizer{grads}); no clipping"
+        )
     return lines
 
 
@@ -182,6 +250,31 @@ def quantized_weights(config: TrainConfig, model: Any) -> dict[str, int] | None:
     from effitrain.quantize import storage
 
     return storage(model).to_dict()
+
+
+def offload_results(run: Any) -> dict[str, Any]:
+    """The offload levers' fields of the metrics JSON (``TrainResult``); {} without them."""
+    results: dict[str, Any] = {}
+    if run.activation_offload is not None:
+        results["activation_offload_host_bytes"] = run.activation_offload.host_bytes.peak
+    if run.config.optimizer_offload != "off":
+        from effitrain.optim.offload import offload_ledger
+
+        results["optimizer_offload"] = offload_ledger(run.optimizer)
+    return results
+
+
+def activation_offload(config: TrainConfig, model: Any) -> Any:
+    """--activation-offload's context for ``model`` (unwrapped), its ``host_bytes`` counting
+    what it moves; None without the lever."""
+    if not config.activation_offload:
+        return None
+    from effitrain.activation_offload import HostBytes, offload_context
+
+    counter = HostBytes()
+    context = offload_context(model, counter)
+    context.host_bytes = counter
+    return context
 
 
 def original_parameters(model: Any) -> Any:

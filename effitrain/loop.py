@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Iterator
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import effitrain.checkpoint as checkpoint
@@ -78,10 +79,12 @@ def train_step(
     optimizer, lr_scheduler = run.optimizer, run.lr_scheduler
     stop = False
     with accelerator.accumulate(model):
-        loss = logged = run.loss(model, batch)  # the task's: model(**batch).loss by default
-        if weights is not None:  # a sum over tokens: weighed by the step's tokens
-            loss, logged = loss * weights.backward, loss.detach() * weights.logged
-        accelerator.backward(loss)
+        # --activation-offload: what forward saves for backward waits in host memory.
+        with run.activation_offload or nullcontext():
+            loss = logged = run.loss(model, batch)  # the task's: model(**batch).loss by default
+            if weights is not None:  # a sum over tokens: weighed by the step's tokens
+                loss, logged = loss * weights.backward, loss.detach() * weights.logged
+            accelerator.backward(loss)
         # Summed on the device: no sync.
         progress.add_micro_batch(logged, len(batch["labels"]), batch_tokens(batch))
         if accelerator.sync_gradients:

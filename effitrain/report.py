@@ -317,6 +317,7 @@ def memory_table(result: TrainResult) -> Any:
     other = at_peak.get("buffers", 0) + at_peak.get("other", 0)
     if other:
         table.add_row("buffers, other", "", format_bytes(other), "")
+    _offload_rows(table, result)
     table.add_section()
     if result.peak_tensor_bytes is not None:
         table.add_row(
@@ -334,6 +335,26 @@ def memory_table(result: TrainResult) -> Any:
     table.caption = _memory_caption(result)
     table.caption_justify = "left"
     return table
+
+
+def _offload_rows(table: Any, result: TrainResult) -> None:
+    """The offload levers' host memory, apart from the device's parts (not in its peak)."""
+    rows = []
+    if result.activation_offload_host_bytes is not None:
+        rows.append(
+            ("offloaded activations (host, most at once)", result.activation_offload_host_bytes)
+        )
+    where = result.optimizer_offload
+    if where:
+        rows += [
+            ("optimizer state on the GPU (tensors < 4096 elements)", where["device_state_bytes"]),
+            ("optimizer state on the host", where["host_state_bytes"]),
+            ("host copies of parameters and gradients", where["host_copy_bytes"]),
+        ]
+    if rows:
+        table.add_section()
+    for label, value in rows:
+        table.add_row(label, format_bytes(value), "—", "—")
 
 
 def _memory_caption(result: TrainResult) -> str:
@@ -500,6 +521,13 @@ ESTIMATE_FIELDS = (
 )
 """The parts an estimate gives: a label and the metrics JSON's field (dotted: nested)."""
 
+HOST_FIELDS = (
+    ("host: offloaded activations", "activation_offload_host_bytes"),
+    ("host: optimizer state", "optimizer_offload.host_state_bytes"),
+    ("host: parameter and gradient copies", "optimizer_offload.host_copy_bytes"),
+)
+"""The offload levers' host memory (not in the device's peak), shown where an estimate has it."""
+
 PER_DEVICE_FIELDS = (
     ("parameters", "parameter_bytes"),
     ("gradients", "gradient_bytes"),
@@ -588,6 +616,14 @@ def estimates_table(results: list[dict[str, Any]], against: dict[str, Any] | Non
                 ],
                 *(["", ""] if against is not None else []),
             )
+    for label, key in HOST_FIELDS:
+        values = [metrics_field(r, key) for r in results]
+        if any(value is not None for value in values):
+            cells = [format_bytes(v) if v is not None else "-" for v in values]
+            if against is not None:
+                truth = metrics_field(against["measured"], key)
+                cells += [format_bytes(truth) if truth is not None else "-", "-"]
+            table.add_row(label, *cells)
     return table
 
 

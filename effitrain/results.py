@@ -123,6 +123,11 @@ class TrainResult:
     baseline: dict[str, int] = field(default_factory=dict)
     """The same model trained whole in fp32 with fp32 AdamW and no levers (parameters,
     gradients, optimizer state), for the savings column."""
+    activation_offload_host_bytes: int | None = None
+    """--activation-offload: the most pinned host bytes its offloaded activations held at once."""
+    optimizer_offload: dict[str, int] = field(default_factory=dict)
+    """--optimizer-offload: where the optimizer's memory lives (``device_state_bytes``,
+    ``host_state_bytes``, ``host_copy_bytes``: :func:`effitrain.optim.offload.offload_ledger`)."""
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

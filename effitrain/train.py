@@ -206,4 +206,5 @@ def summarize(
         baseline=ledger.fp32_adamw_baseline(
             levers.original_parameters(accelerator.unwrap_model(model))
         ),
+        **levers.offload_results(run),
     )

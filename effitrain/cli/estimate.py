@@ -24,6 +24,7 @@ SHOWN = (
     *("lr", "weight_decay", "max_grad_norm", "fp32_embedding_state"),
     *("batch_size", "grad_accum", "mixed_precision", "seed"),
     *("gradient_checkpointing", "optimizer_in_backward", "weights_dtype"),
+    *("activation_offload", "optimizer_offload"),
     *("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules"),
 )
 """The train options that change what a step holds; the others are accepted and not listed, so

@@ -66,6 +66,8 @@ PANELS: dict[str, tuple[str, ...]] = {
         "optimizer_in_backward",
         "weights_dtype",
         "chunked_loss",
+        "activation_offload",
+        "optimizer_offload",
         "lora_rank",
         "lora_alpha",
         "lora_dropout",
@@ -113,6 +115,7 @@ METAVARS = {
     "mixed_precision": "no|fp16|bf16",
     "weights_dtype": "fp32|bf16",
     "chunked_loss": "auto|torch|liger|cce|off",
+    "optimizer_offload": "off|state|state+grads",
     "lora_alpha": "ALPHA",
     "lora_dropout": "P",
     "lora_target_modules": "NAME[,NAME]",
@@ -146,7 +149,7 @@ PER_OPTIMIZER = ("lr", "scheduler", "warmup_ratio")
 
 DEFAULT_TEXT = {
     **dict.fromkeys(PER_OPTIMIZER, "per optimizer, see effitrain optimizers"),
-    "max_grad_norm": "1.0; 0 with --optimizer-in-backward",
+    "max_grad_norm": "1.0; 0 with --optimizer-in-backward or --optimizer-offload",
     "packing": "per data format",
     "completion_only_loss": "per data format",
     "chunked_loss": "auto",

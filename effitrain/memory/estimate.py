@@ -123,7 +123,8 @@ def estimate(config: TrainConfig) -> dict[str, Any]:
 
     import effitrain.levers as levers
     import effitrain.tasks as tasks
-    from effitrain.build import check_config, configured_optimizer
+    from effitrain.activation_offload import HostBytes
+    from effitrain.build import check_config
     from effitrain.models import load_tokenizer
     from effitrain.optim import bf16, resolve_hyperparameters, set_train_mode
 
@@ -154,7 +155,7 @@ def estimate(config: TrainConfig) -> dict[str, Any]:
     with _fake_mode():
         _materialize(model, device)
         model.train()
-        optimizer = configured_optimizer(config, model, spec, lr)
+        optimizer = _optimizer(config, model, spec, lr)
         set_train_mode(optimizer, True)  # as fit() does (schedule-free)
         # As the tasks tokenize (classification.tokenize, lm_data.tokenize_lm): capped by the
         # tokenizer's model_max_length.
@@ -166,8 +167,11 @@ def estimate(config: TrainConfig) -> dict[str, Any]:
                 "(torch.compile cannot run on fake tensors): the update's working tensors are "
                 "not in the peak"
             )
-        step_memory = _train_steps(config, spec, model, optimizer, batch, device, loss)
+        notes += _offload_notes(config)
+        host_bytes = HostBytes() if config.activation_offload else None
+        step_memory = _train_steps(config, spec, model, optimizer, batch, device, loss, host_bytes)
         result = _measured(config, spec, lr, model, optimizer, step_memory)
+        result.update(_offloaded(optimizer, host_bytes))
         result["loss"] = loss.to_dict()
         result["levers"] += loss.levers
         if config.optimizer_in_backward:
@@ -185,6 +189,50 @@ def estimate(config: TrainConfig) -> dict[str, Any]:
     return result
 
 
+def _optimizer(config: TrainConfig, model: Any, spec: Any, lr: float) -> Any:
+    """The run's optimizer; with --optimizer-offload, its stand-in (torchao needs CUDA)."""
+    from effitrain.build import configured_optimizer
+
+    if config.optimizer_offload == "off":
+        return configured_optimizer(config, model, spec, lr)
+    from effitrain.optim import param_groups
+    from effitrain.optim.offload import EstimatedOffload
+
+    groups = param_groups(model, config.weight_decay)
+    return EstimatedOffload(groups, spec.factory, lr, config.optimizer_offload == "state+grads")
+
+
+def _offload_notes(config: TrainConfig) -> list[str]:
+    notes = []
+    if config.activation_offload:
+        notes.append(
+            "--activation-offload: trl's choice of what moves is modeled (not parameters, not "
+            "under 1 KiB, not the output head's inputs, each storage once), moved at once: its "
+            "copies in flight (up to 5 behind compute) are not"
+        )
+    if config.optimizer_offload != "off":
+        notes.append(
+            "--optimizer-offload: the host optimizers run on fake copies after the measured "
+            "step (their state and copies are host memory, not in the peak)"
+        )
+    return notes
+
+
+def _offloaded(optimizer: Any, host_bytes: Any) -> dict[str, Any]:
+    """The offload levers' fields (as ``levers.offload_results``): the optimizer's state where
+    it lives (``optimizer_state`` becomes the total, host included), the activations' host
+    bytes."""
+    from effitrain.optim.offload import EstimatedOffload
+
+    fields: dict[str, Any] = {}
+    if host_bytes is not None:
+        fields["activation_offload_host_bytes"] = host_bytes.peak
+    if isinstance(optimizer, EstimatedOffload):
+        fields["optimizer_offload"], states = optimizer.where()
+        fields["optimizer_state"] = ledger.optimizer_state_ledger(states).to_dict()
+    return fields
+
+
 def _train_steps(
     config: TrainConfig,
     spec: Any,
@@ -193,11 +241,14 @@ def _train_steps(
     batch: dict[str, Any],
     device: Any,
     loss_function: Any,
+    host_bytes: Any = None,
 ) -> dict[str, Any]:
     """The run's training step, ``STEPS`` times on fake tensors; the last one is measured as
-    ``effitrain train`` measures its tracked step. Returns the probe's step memory."""
+    ``effitrain train`` measures its tracked step. Returns the probe's step memory.
+    ``host_bytes``: --activation-offload, modeled (``activation_offload.fake_offload``)."""
     import torch
 
+    from effitrain.activation_offload import fake_offload
     from effitrain.memory.step import StepMemoryProbe
     from effitrain.tasks.lm_loss import labelled_tokens
 
@@ -215,11 +266,12 @@ def _train_steps(
             for micro in range(config.grad_accum):
                 if micro:
                     probe.next_micro_batch()
-                with autocast:
-                    loss = loss_function(model, batch)
-                if loss_function.token_weighted:  # a sum: over the step's tokens, as in a run
-                    loss = loss / (labelled_tokens(batch) * config.grad_accum)
-                loss.backward()
+                with fake_offload(model, host_bytes) if host_bytes is not None else nullcontext():
+                    with autocast:
+                        loss = loss_function(model, batch)
+                    if loss_function.token_weighted:  # a sum: over the step's tokens, as in a run
+                        loss = loss / (labelled_tokens(batch) * config.grad_accum)
+                    loss.backward()
             if config.effective_max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), config.effective_max_grad_norm)
             optimizer.step()

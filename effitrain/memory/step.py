@@ -74,6 +74,9 @@ class StepMemory:
     method: str = "torch MemTracker"
     cuda_max_allocated: int | None = None
     """``torch.cuda.max_memory_allocated`` over the same step (CUDA only)."""
+    cuda_max_reserved: int | None = None
+    """``torch.cuda.max_memory_reserved`` over the same step: what the caching allocator held
+    (CUDA only)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -181,10 +184,11 @@ class StepMemoryProbe:
             total = counts.get("optimizer_state", 0)
             counts["optimizer_state"] = min(total, kept)
             counts["optimizer_temporaries"] = total - counts["optimizer_state"]
-        cuda_peak = None
+        cuda_peak = cuda_reserved = None
         if getattr(self.device, "type", str(self.device)) == "cuda":
             torch.cuda.synchronize(self.device)
             cuda_peak = int(torch.cuda.max_memory_allocated(self.device))
+            cuda_reserved = int(torch.cuda.max_memory_reserved(self.device))
         return StepMemory(
             # On CUDA, the allocator's own count (it also sees what the tracker cannot: cuBLAS
             # workspaces, allocator rounding); the parts come from the tracker either way.
@@ -192,6 +196,7 @@ class StepMemoryProbe:
             at_peak=at_peak,
             kind_peaks={kind: max(peaks.get(kind, 0), at_peak[kind]) for kind in KINDS},
             cuda_max_allocated=cuda_peak,
+            cuda_max_reserved=cuda_reserved,
         ).to_dict()
 
 

@@ -30,6 +30,42 @@ from effitrain.errors import EffitrainError
 ParamGroups = list[dict[str, Any]]
 
 
+def numbered_state_dict(
+    param_groups: ParamGroups, entry_of: Callable[[Any], Mapping[str, Any] | None]
+) -> dict[str, Any]:
+    """A normal optimizer's ``state_dict`` from each parameter's own state entry
+    (``entry_of(param)``, None for none): parameters numbered 0, 1, … in group order."""
+    state: dict[int, Any] = {}
+    groups = []
+    index = 0
+    for group in param_groups:
+        ids = []
+        for param in group["params"]:
+            entry = entry_of(param)
+            if entry is not None:
+                state[index] = entry
+            ids.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+    return {"state": state, "param_groups": groups}
+
+
+def check_saved_groups(param_groups: ParamGroups, state_dict: Mapping[str, Any]) -> list[Any]:
+    """The saved ``param_groups``, once they are known to match ``param_groups`` in sizes.
+
+    Raises:
+        ValueError: the groups or their sizes differ.
+    """
+    saved_groups = list(state_dict["param_groups"])
+    sizes = [len(g["params"]) for g in param_groups]
+    saved_sizes = [len(g["params"]) for g in saved_groups]
+    if sizes != saved_sizes:
+        raise ValueError(
+            f"the saved optimizer has parameter groups of sizes {saved_sizes}, this one {sizes}"
+        )
+    return saved_groups
+
+
 class _PerParameterState(Mapping):
     """A read-only view ``{parameter: that parameter's optimizer state}`` (only parameters that
     have state, as in a normal optimizer's ``state``)."""
@@ -128,19 +164,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """A normal optimizer's layout: parameters numbered 0, 1, … in group order."""
-        state: dict[int, Any] = {}
-        groups = []
-        index = 0
-        for group in self.param_groups:
-            ids = []
-            for param in group["params"]:
-                entry = self.optimizers[param].state_dict()["state"].get(0)
-                if entry is not None:
-                    state[index] = entry
-                ids.append(index)
-                index += 1
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
-        return {"state": state, "param_groups": groups}
+        return numbered_state_dict(
+            self.param_groups, lambda param: self.optimizers[param].state_dict()["state"].get(0)
+        )
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
         """Load what :meth:`state_dict` wrote: each parameter's state into its own optimizer
@@ -150,13 +176,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: the groups or their sizes differ from this optimizer's.
         """
-        saved_groups = state_dict["param_groups"]
-        sizes = [len(g["params"]) for g in self.param_groups]
-        saved_sizes = [len(g["params"]) for g in saved_groups]
-        if sizes != saved_sizes:
-            raise ValueError(
-                f"the saved optimizer has parameter groups of sizes {saved_sizes}, this one {sizes}"
-            )
+        saved_groups = check_saved_groups(self.param_groups, state_dict)
         saved_state = state_dict["state"]
         for group, saved in zip(self.param_groups, saved_groups, strict=True):
             options = {k: v for k, v in saved.items() if k != "params"}

@@ -552,6 +552,7 @@ def build_optimizer(
     spec: OptimizerSpec | None = None,
     in_backward: bool = False,
     fp32_embedding_state: bool = False,
+    offload: str = "off",
 ) -> torch.optim.Optimizer:
     """Build the optimizer ``name`` over ``model``'s trainable parameters.
 
@@ -559,7 +560,8 @@ def build_optimizer(
     of the registry's entry to build instead (bf16 weights: ``effitrain.optim.bf16``).
     ``in_backward``: one such optimizer per parameter, stepped inside backward
     (:mod:`effitrain.optim.in_backward`). ``fp32_embedding_state``: bitsandbytes' 8-bit optimizers
-    keep 32-bit state for embedding weights (see ``keep_embeddings_32bit``).
+    keep 32-bit state for embedding weights (see ``keep_embeddings_32bit``). ``offload``:
+    ``state`` or ``state+grads`` runs it on the host (:mod:`effitrain.optim.offload`).
 
     Raises:
         EffitrainError: unknown optimizer, or its library is not installed.
@@ -574,7 +576,18 @@ def build_optimizer(
     kept = 0
     if spec.takes_fp32_embedding_state:  # also clears an earlier build's overrides
         kept = keep_embeddings_32bit(model if fp32_embedding_state else None)
-    optimizer = _build(spec, model, groups, lr, in_backward)
+    if offload != "off":
+        from effitrain.optim.offload import OffloadedOptimizer
+
+        optimizer = OffloadedOptimizer(
+            groups,
+            spec.factory,
+            lr,
+            offload_gradients=offload == "state+grads",
+            torch_adamw=spec.class_path == "torch.optim.AdamW",
+        )
+    else:
+        optimizer = _build(spec, model, groups, lr, in_backward)
     if fp32_embedding_state:  # the banner's split line (as Muon's and GaLore's)
         optimizer.split_description = (
             f"32-bit state for the embedding weights ({kept:,} params), 8-bit for the "

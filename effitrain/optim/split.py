@@ -193,13 +193,9 @@ class SplitOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
         """Raises: ValueError when the saved groups differ from this optimizer's."""
-        saved_groups = list(state_dict["param_groups"])
-        sizes = [len(g["params"]) for g in self.param_groups]
-        saved_sizes = [len(g["params"]) for g in saved_groups]
-        if sizes != saved_sizes:
-            raise ValueError(
-                f"the saved optimizer has parameter groups of sizes {saved_sizes}, this one {sizes}"
-            )
+        from effitrain.optim.in_backward import check_saved_groups
+
+        saved_groups = check_saved_groups(self.param_groups, state_dict)
         saved_state = state_dict["state"]
         start = 0
         for optimizer in self.optimizers:

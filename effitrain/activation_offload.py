@@ -1,0 +1,136 @@
+"""Activation offload (``--activation-offload``): the tensors autograd saves for backward go to
+pinned host memory in forward and come back for backward.
+
+The implementation is trl's ``get_act_offloading_ctx_manager`` (a maintained copy of torchtune's
+``OffloadActivations``), not ``torch.autograd.graph.save_on_cpu``: trl copies on a side CUDA
+stream, so the copies overlap with compute in both directions, and it leaves on the GPU what
+would cost more to move than to keep: parameters (a weight saved by a linear layer is not an
+activation), tensors under 1 KiB, a storage already offloaded, and the output head's inputs
+(used again at once by the loss). ``save_on_cpu`` copies every saved tensor, weights included,
+and waits for each copy. trl's dependencies are effitrain's own.
+
+With ``--gradient-checkpointing`` (non-reentrant) only the checkpoints move: the saved tensors
+inside a checkpointed layer never reach the outer hooks (the checkpoint keeps its inputs and
+recomputes the rest in backward).
+
+:class:`HostBytes` counts what was offloaded: the most pinned host bytes alive at once, for the
+memory table and the metrics JSON (``activation_offload_host_bytes``). ``effitrain estimate``
+models the same choice on fake tensors (:func:`fake_offload`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+MIN_OFFLOAD_BYTES = 1024
+"""trl's default: smaller saved tensors stay on the GPU."""
+
+
+class HostBytes:
+    """Host bytes of the offloaded activations: ``current`` and ``peak`` (over the run)."""
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def remove(self, nbytes: int) -> None:
+        self.current -= nbytes
+
+
+def _nbytes(tensor: Any) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def counted(context: Any, counter: HostBytes) -> Any:
+    """Wrap a trl ``OffloadActivations`` context's pack and unpack hooks so that ``counter``
+    follows the host tensors it holds (its ``tracker`` maps each saved tensor's id to
+    ``(tensor, offloaded, …)``; an offloaded one is a host copy)."""
+    pack, unpack = context.pack_hook, context.unpack_hook
+    sizes: dict[int, int] = {}
+
+    def counting_pack(tensor: Any) -> Any:
+        tensor_id = pack(tensor)
+        kept, offloaded = context.tracker[tensor_id][:2]
+        if offloaded:
+            sizes[tensor_id] = _nbytes(kept)
+            counter.add(sizes[tensor_id])
+        return tensor_id
+
+    def counting_unpack(tensor_id: Any) -> Any:
+        counter.remove(sizes.pop(tensor_id, 0))
+        return unpack(tensor_id)
+
+    context.pack_hook, context.unpack_hook = counting_pack, counting_unpack
+    return context
+
+
+def offload_context(model: Any, counter: HostBytes) -> Any:
+    """trl's activation-offloading context for ``model`` (prepared or not), counted.
+
+    Raises:
+        EffitrainError: trl is not installed.
+    """
+    from effitrain.errors import EffitrainError
+
+    try:
+        from trl.models.activation_offloading import get_act_offloading_ctx_manager
+    except ImportError:
+        raise EffitrainError(
+            "--activation-offload needs trl's offloading context: pip install 'effitrain[offload]'"
+        ) from None
+    context = get_act_offloading_ctx_manager(
+        model, min_offload_size=MIN_OFFLOAD_BYTES, warn_if_no_head=False
+    )
+    return counted(context, counter)
+
+
+@contextmanager
+def fake_offload(model: Any, counter: HostBytes) -> Iterator[None]:
+    """``effitrain estimate``'s model of :func:`offload_context` on fake tensors: the same
+    choice of what moves (not a parameter, at least :data:`MIN_OFFLOAD_BYTES`, not the output
+    head's input, each storage once), moved to the meta device (no device memory, so the
+    step's tracker sees it leave) and brought back as a new device tensor in backward."""
+    import torch
+
+    parameters = {p.untyped_storage()._cdata for p in model.parameters()}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    in_head = [False]
+    seen: set[Any] = set()
+
+    def pack(tensor: Any) -> Any:
+        storage = tensor.untyped_storage()._cdata
+        if (
+            in_head[0]
+            or isinstance(tensor, torch.nn.Parameter)
+            or storage in parameters
+            or storage in seen
+            or _nbytes(tensor) < MIN_OFFLOAD_BYTES
+        ):
+            return tensor
+        seen.add(storage)
+        counter.add(_nbytes(tensor))
+        return (tensor.device, torch.empty_like(tensor, device="meta"))
+
+    def unpack(packed: Any) -> Any:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        device, host = packed
+        counter.remove(_nbytes(host))
+        return torch.empty_like(host, device=device)
+
+    handles = []
+    if head is not None:
+        handles.append(head.register_forward_pre_hook(lambda *_: in_head.__setitem__(0, True)))
+        handles.append(head.register_forward_hook(lambda *_: in_head.__setitem__(0, False)))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        for handle in handles:
+            handle.remove()
