@@ -98,3 +98,24 @@ def test_errors_are_one_line(train_cli, tmp_path):
         "cannot load model 'effitrain-test/not-cached'",
         "offline",
     )
+
+
+@pytest.mark.slow
+def test_a_cached_hub_id_with_only_its_config(cli, tmp_path, llama_config_dir):
+    """A hub id goes through the same path: offline, a cache holding its config.json is enough."""
+    snapshot = "0" * 40
+    repo = tmp_path / "models--org--llama-config-only"
+    (repo / "snapshots" / snapshot).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(snapshot)
+    shutil.copy(llama_config_dir / "config.json", repo / "snapshots" / snapshot)
+    args = ("estimate", "--task", "causal-lm", "--batch-size", "2", "--max-length", "32", "--json")
+    from_hub = cli(*args, "--model", "org/llama-config-only", env={"HF_HUB_CACHE": str(tmp_path)})
+    assert from_hub.returncode == 0, from_hub.stderr
+    from_folder = _estimate(
+        model=str(llama_config_dir), task="causal-lm", batch_size=2, max_length=32
+    )
+    result = json.loads(from_hub.stdout)
+    for key in COMPARED:
+        assert result[key] == from_folder[key], key
+    assert _no_tokenizer(result)
