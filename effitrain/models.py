@@ -91,7 +91,9 @@ def is_offline() -> bool:
 
 
 def cannot_load(what: str, name: str, exc: BaseException) -> EffitrainError:
-    if Path(name).exists():
+    if what == "model" and Path(name).is_dir() and not (Path(name) / "config.json").exists():
+        reason = "the folder has no config.json"
+    elif Path(name).exists():
         reason = f"the folder exists but is not a saved {what} ({first_line(exc)})"
     elif name.startswith((".", "/", "~")):
         reason = "no such folder"
@@ -202,10 +204,16 @@ def load_model_config(name: str, **kwargs: Any) -> Any:
 
 
 def model_from_config(
-    name: str, tokenizer: PreTrainedTokenizerBase, causal_lm: bool, label_names: list[str] = ()
+    name: str,
+    tokenizer: PreTrainedTokenizerBase | None,
+    causal_lm: bool,
+    label_names: list[str] = (),
 ) -> PreTrainedModel:
     """The model a run would train, built from its config only: no weights are read (a hub id
-    needs its config.json alone). Call it under ``torch.device("meta")`` to allocate nothing."""
+    needs its config.json alone). Call it under ``torch.device("meta")`` to allocate nothing.
+
+    ``tokenizer`` may be None for a hub id or folder without one: the pad token is then the
+    config's own, else its (first) eos token, as :func:`load_tokenizer` would choose."""
     if name in PRESETS:
         return load_model(name, list(label_names), tokenizer)
     if name in CAUSAL_PRESETS:
@@ -215,12 +223,33 @@ def model_from_config(
     labels = {} if causal_lm else _label_fields(list(label_names))
     model_config = load_model_config(name, **labels)
     if getattr(model_config, "pad_token_id", None) is None:
-        model_config.pad_token_id = tokenizer.pad_token_id
-    # from_pretrained keeps the checkpoint's dtype; from_config, fp32 unless told.
-    dtype = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
-    kwargs = {"dtype": dtype} if dtype is not None and not isinstance(dtype, str) else {}
+        model_config.pad_token_id = (
+            tokenizer.pad_token_id if tokenizer is not None else config_eos_token_id(model_config)
+        )
+    # fp32 whatever the checkpoint's dtype, as load_model and load_causal_lm load it
+    # (from_config would take config.json's torch_dtype).
     auto = AutoModelForCausalLM if causal_lm else AutoModelForSequenceClassification
-    return auto.from_config(model_config, **kwargs)
+    model = auto.from_config(model_config, dtype="float32")
+    if causal_lm:
+        model.config.use_cache = False  # as _for_training leaves a loaded causal LM
+    return model
+
+
+def config_eos_token_id(model_config: Any) -> int | None:
+    """A transformers config's eos token id (the first, where it lists several)."""
+    eos = getattr(model_config, "eos_token_id", None)
+    if isinstance(eos, list | tuple):
+        return eos[0] if eos else None
+    return eos
+
+
+def max_positions(model_config: Any) -> int | None:
+    """The longest sequence a transformers config's positions allow, where it says."""
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(model_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def _label_fields(label_names: list[str]) -> dict[str, Any]:

@@ -125,7 +125,6 @@ def estimate(config: TrainConfig) -> dict[str, Any]:
     import effitrain.tasks as tasks
     from effitrain.activation_offload import HostBytes
     from effitrain.build import check_config
-    from effitrain.models import load_tokenizer
     from effitrain.optim import bf16, resolve_hyperparameters, set_train_mode
 
     check_config(config)
@@ -136,8 +135,8 @@ def estimate(config: TrainConfig) -> dict[str, Any]:
     task = tasks.resolve_task(config)
     # A causal LM needs no labels from the data: its shapes come from the model alone.
     data = task.load_data(config) if task.name != tasks.CAUSAL_LM else None
-    tokenizer = load_tokenizer(config.model)
     notes: list[str] = []
+    tokenizer, max_tokens = _tokenizer_or_config(config, notes)
     spec = bf16.optimizer_spec(config)
     lr = resolve_hyperparameters(config).lr
     device = torch.device("cpu")
@@ -158,8 +157,8 @@ def estimate(config: TrainConfig) -> dict[str, Any]:
         optimizer = _optimizer(config, model, spec, lr)
         set_train_mode(optimizer, True)  # as fit() does (schedule-free)
         # As the tasks tokenize (classification.tokenize, lm_data.tokenize_lm): capped by the
-        # tokenizer's model_max_length.
-        length = min(config.max_length, tokenizer.model_max_length)
+        # tokenizer's model_max_length (without a tokenizer, by the model's positions).
+        length = min(config.max_length, max_tokens)
         batch = task.fake_batch(tokenizer, config.batch_size, length)
         if spec.module == "torchao":
             notes.append(
@@ -231,6 +230,34 @@ def _offloaded(optimizer: Any, host_bytes: Any) -> dict[str, Any]:
         fields["optimizer_offload"], states = optimizer.where()
         fields["optimizer_state"] = ledger.optimizer_state_ledger(states).to_dict()
     return fields
+
+
+def _tokenizer_or_config(config: TrainConfig, notes: list[str]) -> tuple[Any, int]:
+    """The run's tokenizer and the longest sequence it makes; or, for a hub id or folder that
+    has a config.json and no tokenizer, None and the longest sequence the model's positions
+    allow (shapes need no tokenizer; a note says how the batch is made).
+
+    Raises:
+        EffitrainError: neither a tokenizer nor a model config can be read.
+    """
+    from effitrain.models import load_model_config, load_tokenizer, max_positions
+
+    try:
+        tokenizer = load_tokenizer(config.model)
+    except EffitrainError:
+        model_config = load_model_config(config.model)  # its one-line error where none either
+    else:
+        return tokenizer, tokenizer.model_max_length
+    positions = max_positions(model_config)
+    length = min(config.max_length, positions or config.max_length)
+    vocabulary = getattr(model_config, "vocab_size", None)
+    notes.append(
+        f"no tokenizer found for '{config.model}': the batch is {config.batch_size} x {length} "
+        "token ids made from its config.json"
+        + (f" (vocabulary {vocabulary:,})" if vocabulary else "")
+        + (f", at most max_position_embeddings ({positions:,}) long" if positions else "")
+    )
+    return None, positions or config.max_length
 
 
 def _train_steps(

@@ -276,7 +276,7 @@ def _quiet_tracker_warnings() -> Callable[[], None]:
 def _make_tracker() -> Any:
     """A MemTracker that also keeps each kind's own maximum (MemTracker keeps only the
     composition at the overall peak)."""
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 
     class KindPeakTracker(MemTracker):
         def __init__(self) -> None:
@@ -302,6 +302,14 @@ def _make_tracker() -> Any:
 
         def _track_gradient(self, grad: Any) -> None:
             self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            # Only the step's peak is read, never the per-module peaks, whose upkeep walks
+            # every module at every operator: most of an LLM-sized estimate's time.
+            for dev, by_type in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < by_type[_TOTAL_KEY]:
+                    self._peak_mem[dev] = by_type[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = dict(by_type)
 
         def _update_snap(self, *args: Any, **kwargs: Any) -> None:
             super()._update_snap(*args, **kwargs)

@@ -103,9 +103,14 @@ class Task:
 
     def fake_batch(self, tokenizer: Any, batch_size: int, length: int) -> dict[str, Any]:
         """A full batch as the collator makes it, every example ``length`` tokens long
-        (``effitrain estimate``)."""
+        (``effitrain estimate``). With no tokenizer (a model known by its config alone), token
+        ids and an attention mask of that shape: what a causal LM's tokenizer gives."""
         import torch
 
+        if tokenizer is None:
+            # Only shapes matter on fake tensors: any id in the vocabulary will do.
+            input_ids = torch.zeros(batch_size, length, dtype=torch.long)
+            return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
         batch = dict(
             tokenizer(
                 ["a"] * batch_size,
