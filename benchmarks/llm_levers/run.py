@@ -59,8 +59,8 @@ PARTS = (
     ("peak tensors", "peak_tensor_bytes"),
     ("peak RSS", "peak_rss_bytes"),
 )
-WORDS = ("the committee approved a new budget report and the board rejected the plan on monday "
-         "while prices rose in the city").split()  # fmt: skip
+WORDS = ("the", "committee", "approved", "a", "new", "budget", "report", "and", "board",
+         "rejected", "plan", "on", "monday", "while", "prices", "rose", "in", "city")  # fmt: skip
 
 
 def write_texts(folder: Path, documents: int, length: int) -> tuple[Path, Path]:
