@@ -112,6 +112,17 @@ def preset_settings(name: str) -> dict[str, Any]:
     return {**tiny_model_config(), **PRESETS[name][1]}
 
 
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "vocab.json",
+    "tokenizer.model",
+    "spiece.model",
+)
+"""A local folder holds a tokenizer if it has one of these (what save_pretrained writes)."""
+
+
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     """The tokenizer for a preset, hub id or local folder; a pad token is guaranteed.
 
@@ -130,6 +141,14 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
         return build_lm_tokenizer(model_max_length=max_positions)
     from transformers import AutoTokenizer
 
+    folder = Path(name)
+    if folder.is_dir() and not any((folder / f).exists() for f in TOKENIZER_FILES):
+        # transformers would build a near-empty tokenizer from the config alone: every word
+        # would become one unknown token.
+        raise EffitrainError(
+            f"cannot load tokenizer from '{name}': the folder has no tokenizer files "
+            f"({', '.join(TOKENIZER_FILES[:3])} …); save it with tokenizer.save_pretrained"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError, KeyError) as exc:

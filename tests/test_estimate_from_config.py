@@ -119,3 +119,17 @@ def test_a_cached_hub_id_with_only_its_config(cli, tmp_path, llama_config_dir):
     for key in COMPARED:
         assert result[key] == from_folder[key], key
     assert _no_tokenizer(result)
+
+
+def test_training_from_a_folder_without_a_tokenizer_is_refused(
+    train_cli, no_dropout_model_dir, tmp_path
+):
+    """transformers would make a 5-token tokenizer from the config: every word unknown."""
+    import shutil
+
+    folder = tmp_path / "weights-only"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(no_dropout_model_dir / name, folder / name)
+    proc = train_cli("train", "--model", str(folder), "--max-steps", "1")
+    assert_clean_error(proc, "the folder has no tokenizer files")
