@@ -331,7 +331,7 @@ def render_block(topic: Topic, data: dict[str, Any], render_run: Callable[[Run],
         if run.get("notes"):
             parts.append("\n".join(f"- {note}" for note in run["notes"]))
     if not data["runs"]:
-        parts.append("No runs recorded yet.")
+        parts.append("No runs recorded yet: this topic needs a GPU (`python -m benchmarks.gpu`).")
     parts.append(END)
     return "\n\n".join(parts)
 

@@ -99,7 +99,8 @@ def test_every_readme_matches_its_results(name):
     module = importlib.import_module(f"benchmarks.{name}.run")
     topic = module.TOPIC
     data = common.load_results(topic.results, topic)
-    assert data["runs"], f"{name}: no runs in results.json"
+    # A topic that only a GPU can run may have none yet; its README then says so.
+    assert data["runs"] or getattr(module, "GPU_ONLY", False), f"{name}: no runs in results.json"
     for run in data["runs"]:
         assert {"source", "date", "device"} <= set(run["provenance"]), (name, run["name"])
     block = common.render_block(topic, data, module.render)

@@ -26,6 +26,8 @@ import sys
 from benchmarks import common
 
 TOPIC = common.Topic.of(__file__)
+GPU_ONLY = True
+"""Its levers train only on CUDA: no CPU run is recorded (benchmarks/test_common.py)."""
 ROWS = {
     "baseline": [],
     "activation-offload": ["--activation-offload"],
