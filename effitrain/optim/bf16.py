@@ -35,6 +35,8 @@ Nothing heavy is imported at module level: :func:`effitrain.levers.check_options
 from __future__ import annotations
 
 import dataclasses
+import functools
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -50,18 +52,59 @@ if TYPE_CHECKING:
 INSTALL = "pip install 'effitrain[bf16]'  (torch-optimi)"
 
 
-def _optimi_adamw(groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
+def _optimi_adamw(groups: ParamGroups, lr: float, seeds: ParamSeeds) -> torch.optim.Optimizer:
     import optimi
 
     # torch.optim.AdamW's betas and eps (optimi's own defaults are 0.99 and 1e-6).
     return optimi.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, kahan_sum=True)
 
 
-def _optimi_sgd(groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
+def _optimi_sgd(groups: ParamGroups, lr: float, seeds: ParamSeeds) -> torch.optim.Optimizer:
     import optimi
 
     # As torch.optim.SGD(momentum=0.9): no dampening, weight decay as an L2 term in the gradient.
     return optimi.SGD(groups, lr=lr, momentum=0.9, kahan_sum=True)
+
+
+def _sr_adafactor(groups: ParamGroups, lr: float, seeds: ParamSeeds) -> torch.optim.Optimizer:
+    from effitrain.optim.stochastic_rounding import Adafactor
+
+    # As the registry's torch.optim.Adafactor(groups, lr=lr).
+    return Adafactor(groups, lr=lr, seeds=seeds.take(groups))
+
+
+def _sr_adafactor_hf(groups: ParamGroups, lr: float, seeds: ParamSeeds) -> torch.optim.Optimizer:
+    from effitrain.optim.stochastic_rounding import AdafactorHF
+
+    # As the registry's (the Trainer's optim="adafactor").
+    return AdafactorHF(
+        groups,
+        lr=lr,
+        relative_step=False,
+        scale_parameter=False,
+        warmup_init=False,
+        seeds=seeds.take(groups),
+    )
+
+
+class ParamSeeds:
+    """The rounding generators' seeds, one per trained parameter, from the run seed and the
+    parameter's position among them (in the order the optimizers take them): a run with
+    ``--optimizer-in-backward`` (one optimizer per parameter) seeds each parameter as a run
+    without it does, and no two parameters draw the same random stream."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.taken = 0
+
+    def take(self, groups: ParamGroups) -> list[int]:
+        """The next seeds, one for each parameter in ``groups``."""
+        count = sum(len(group["params"]) for group in groups)
+        first, self.taken = self.taken, self.taken + count
+        # str seeds go through SHA-512: well mixed, and the same in every process.
+        return [
+            random.Random(f"{self.seed}:{i}").getrandbits(63) for i in range(first, first + count)
+        ]
 
 
 @dataclass(frozen=True)
@@ -72,10 +115,15 @@ class Bf16Variant:
     rule: str
     """The update rule, for the banner."""
     state: str
-    factory: Callable[[ParamGroups, float], torch.optim.Optimizer]
+    factory: Callable[[ParamGroups, float, ParamSeeds], torch.optim.Optimizer]
     module: str = "optimi"
     install: str = INSTALL
+    over_lora: bool = True
+    """Also built over LoRA's fp32 adapters (optimi's update is the same there); False: nothing
+    to round on fp32 adapters, the registry's optimizer trains them."""
 
+
+_SR_STATE = "; rounding_generator (uint8, on the host)"
 
 BF16_VARIANTS: dict[str, Bf16Variant] = {
     "adamw": Bf16Variant(
@@ -90,11 +138,27 @@ BF16_VARIANTS: dict[str, Bf16Variant] = {
         "exp_avg (momentum), kahan_comp (bf16)",
         _optimi_sgd,
     ),
+    "adafactor": Bf16Variant(
+        "torch.optim.Adafactor + stochastic rounding",
+        "torch.optim.Adafactor in fp32 per parameter, stochastic rounding to bf16",
+        "step, row_var + col_var (>=2-D), variance (1-D) (fp32)" + _SR_STATE,
+        _sr_adafactor,
+        module="torch",
+        install="pip install 'torch>=2.5'",
+        over_lora=False,
+    ),
+    "adafactor-hf": Bf16Variant(
+        "transformers.optimization.Adafactor + stochastic rounding",
+        "transformers' Adafactor in fp32 per parameter, stochastic rounding to bf16",
+        "step, exp_avg_sq_row/col (>=2-D) or exp_avg_sq, RMS (fp32)" + _SR_STATE,
+        _sr_adafactor_hf,
+        module="transformers",
+        install="pip install transformers",
+        over_lora=False,
+    ),
 }
 
 _NONE_BECAUSE = {
-    "adafactor": "no Adafactor in torch-optimi or torchao compensates bf16 updates",
-    "adafactor-hf": "no Adafactor in torch-optimi or torchao compensates bf16 updates",
     "adamw-8bit": "bitsandbytes rounds bf16 weights to nearest",
 }
 
@@ -114,14 +178,22 @@ def refusal(config: TrainConfig) -> str | None:
         )
     if config.optim not in BF16_VARIANTS and config.lora_rank is None:
         why = _NONE_BECAUSE.get(config.optim, "it has no bf16 variant")
-        # torch's adafactor cannot train LoRA adapters (TrainConfig refuses the pair).
-        lora = "" if config.optim == "adafactor" else ", or --lora-rank (its adapters stay fp32)"
         return (
             "--weights-dtype bf16 needs an optimizer that updates bf16 weights without losing "
-            f"small steps (Kahan summation): {', '.join(BF16_VARIANTS)}; --optim {config.optim}: "
-            f"{why}; use --weights-dtype fp32{lora}"
+            "small steps (Kahan summation or stochastic rounding): "
+            f"{', '.join(BF16_VARIANTS)}; --optim {config.optim}: {why}; use --weights-dtype "
+            "fp32, or --lora-rank (its adapters stay fp32)"
         )
     return None
+
+
+def _variant(config: TrainConfig) -> Bf16Variant | None:
+    """The bf16 variant that this run builds, or None (fp32 weights; no variant; LoRA adapters
+    that the registry's optimizer trains)."""
+    variant = BF16_VARIANTS.get(config.optim) if config.weights_dtype == "bf16" else None
+    if variant is not None and config.lora_rank is not None and not variant.over_lora:
+        return None
+    return variant
 
 
 def optimizer_spec(config: TrainConfig) -> OptimizerSpec:
@@ -130,7 +202,7 @@ def optimizer_spec(config: TrainConfig) -> OptimizerSpec:
     from effitrain.optim.registry import get_spec
 
     spec = get_spec(config.optim)
-    variant = BF16_VARIANTS.get(spec.name) if config.weights_dtype == "bf16" else None
+    variant = _variant(config)
     if variant is None:
         return spec
     return dataclasses.replace(
@@ -139,7 +211,7 @@ def optimizer_spec(config: TrainConfig) -> OptimizerSpec:
         module=variant.module,
         install=variant.install,
         state=variant.state,
-        factory=variant.factory,
+        factory=functools.partial(variant.factory, seeds=ParamSeeds(config.seed)),
     )
 
 
@@ -147,7 +219,7 @@ def banner_line(config: TrainConfig) -> str | None:
     """One line for the banner: the weights' dtype and the update rule, or None for fp32."""
     if config.weights_dtype != "bf16":
         return None
-    variant = BF16_VARIANTS.get(config.optim)
+    variant = _variant(config)
     rule = variant.rule if variant else f"{config.optim} on fp32 LoRA adapters"
     return f"weights bf16 (parameters, gradients, optimizer state), {rule}"
 
