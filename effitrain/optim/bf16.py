@@ -1,32 +1,47 @@
-"""Pure-bf16 weights (``--weights-dtype bf16``): parameters, gradients and optimizer state in bf16.
+"""Pure-bf16 weights (``--weights-dtype bf16``): parameters and gradients in bf16.
 
 Not autocast: Accelerate's ``--mixed-precision bf16`` computes in bf16 but keeps fp32 weights, so
 it saves no weight memory. Here the model itself is cast to bf16 after loading, and the optimizer
 is replaced by a variant that updates bf16 weights without losing small steps. A plain update
 rounds ``w + lr * step`` to the nearest bf16 (8 significant bits), so any step below about
-1/256 of the weight vanishes; fine-tuning steps (lr 2e-4) mostly do. The variants come from
-torch-optimi, whose optimizers keep a Kahan compensation buffer (in bf16) that carries each
-rounding error into the next step:
+1/256 of the weight vanishes; fine-tuning steps (lr 2e-4) mostly do. Two ways to keep them:
 
-===========  ===========================  ===============================================
---optim      bf16 variant                 state per parameter (bf16, 2 bytes each)
-===========  ===========================  ===============================================
-adamw        optimi.AdamW, kahan_sum      exp_avg, exp_avg_sq, kahan_comp  (6 bytes)
-sgd          optimi.SGD, kahan_sum        exp_avg (momentum), kahan_comp   (4 bytes)
-===========  ===========================  ===============================================
+- Kahan summation (torch-optimi): a bf16 compensation buffer carries each rounding error into
+  the next step. Deterministic, but one more weight-sized buffer: right for AdamW and SGD, whose
+  state is weight-sized anyway.
+- Stochastic rounding (:mod:`effitrain.optim.stochastic_rounding`): the update is computed in
+  fp32 on one parameter at a time and rounded up or down at random, exact in expectation. No
+  buffer: right for Adafactor, whose state is near zero (a Kahan buffer would be 2 bytes per
+  parameter, more than all of Adafactor's state). The rounding is torchao's and
+  pytorch-optimizer's bit trick, with a generator per parameter whose state is optimizer state.
 
-The rest have none and are refused (:func:`refusal`): no Adafactor in torch-optimi or torchao
-compensates its bf16 updates, and bitsandbytes' 8-bit AdamW rounds bf16 weights to nearest.
-Not torchao's ``_AdamW(bf16_stochastic_round=True)`` nor ``AdamW8bit``: they ``torch.compile``
-every parameter shape on the first step (slow to start on a CPU, see docs/levers.md) and draw
-random numbers for the rounding. With ``--lora-rank`` any optimizer is allowed: the trained
-adapters stay fp32 (the frozen base is what bf16 halves).
+===============  ======================================  ========================================
+--optim          bf16 variant                            state per parameter
+===============  ======================================  ========================================
+adamw            optimi.AdamW, kahan_sum                 exp_avg, exp_avg_sq, kahan_comp (bf16:
+                                                         6 bytes)
+sgd              optimi.SGD, kahan_sum                   exp_avg (momentum), kahan_comp (bf16: 4)
+adafactor        torch.optim.Adafactor + stochastic      row_var + col_var (fp32, about
+                 rounding                                4(m+n)/(mn)); a generator state per
+                                                         tensor (5056 bytes on CPU, 16 on CUDA)
+adafactor-hf     transformers' Adafactor + stochastic    exp_avg_sq_row/col (fp32), as above
+                 rounding
+===============  ======================================  ========================================
+
+The rest have none and are refused (:func:`refusal`): bitsandbytes' 8-bit AdamW rounds bf16
+weights to nearest. Not torchao's ``_AdamW(bf16_stochastic_round=True)`` nor ``AdamW8bit``: they
+``torch.compile`` every parameter shape on the first step (slow to start on a CPU, see
+docs/levers.md) and draw the rounding's random numbers from the global RNG. With
+``--lora-rank`` any optimizer is allowed: the trained adapters stay fp32 (the frozen base is
+what bf16 halves), and the Adafactors train them as the registry builds them.
 
 The variants reproduce the registry's hyperparameters (torch's AdamW betas and eps, SGD momentum
-0.9 without dampening, L2 weight decay for SGD), so a bf16 run differs from its fp32 twin only in
-precision. One known loss: optimi applies AdamW's decoupled weight decay (``w *= 1 - lr * wd``)
-to the bf16 weight before the compensated step, so at fine-tuning lr it rounds away.
-Kahan summation uses no random numbers, so checkpoints resume bit-exactly.
+0.9 without dampening, L2 weight decay for SGD, the Adafactors' own arguments), so a bf16 run
+differs from its fp32 twin only in precision. One known loss: optimi applies AdamW's decoupled
+weight decay (``w *= 1 - lr * wd``) to the bf16 weight before the compensated step, so at
+fine-tuning lr it rounds away (the Adafactors decay the fp32 copy: kept in expectation).
+Kahan summation uses no random numbers, and stochastic rounding saves its generators' states
+with the optimizer, so checkpoints resume bit-exactly.
 
 Nothing heavy is imported at module level: :func:`effitrain.levers.check_options` reads
 :func:`refusal` before anything is built.
