@@ -34,7 +34,10 @@ Mersenne Twister, 16 for CUDA's Philox)."""
 
 
 def round_stochastic_(
-    target: torch.Tensor, value: torch.Tensor, generator: torch.Generator
+    target: torch.Tensor,
+    value: torch.Tensor,
+    generator: torch.Generator,
+    scratch: torch.Tensor | None = None,
 ) -> None:
     """Write fp32 ``value`` into bf16 ``target``, rounded stochastically.
 
@@ -42,10 +45,16 @@ def round_stochastic_(
     into the upper ones with probability (lower bits) / 2**16, the distance to the next bf16
     value (away from zero) in units of bf16's spacing; the sum truncated to its upper 16 bits is
     then exactly a bf16 value, so the final copy does not round again.
+
+    Args:
+        scratch: a 4-byte tensor of ``value``'s shape, on ``generator``'s device, that may be
+            overwritten (the random bits go there); None: a new one.
     """
-    noise = torch.randint(
-        0, 1 << 16, value.shape, generator=generator, dtype=torch.int32, device=generator.device
-    ).to(value.device)
+    if scratch is None:
+        noise = torch.empty(value.shape, dtype=torch.int32, device=generator.device)
+    else:
+        noise = scratch.view(torch.int32)
+    noise.random_(0, 1 << 16, generator=generator)
     noise.add_(value.view(torch.int32)).bitwise_and_(-65536)  # -65536 == 0xFFFF0000
     target.copy_(noise.view(torch.float32))
 
@@ -109,7 +118,8 @@ class StochasticRounding:
             super().step()  # type: ignore[misc]
             state = self.state[param]
             generator = _generator(weight.device, self._seeds[param], state.get(GENERATOR_KEY))
-            round_stochastic_(weight, param.data, generator)
+            # The fp32 gradient is spent: the random bits reuse its memory.
+            round_stochastic_(weight, param.data, generator, scratch=param.grad)
             state[GENERATOR_KEY] = generator.get_state()
         finally:
             param.grad = None
