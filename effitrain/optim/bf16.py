@@ -136,9 +136,12 @@ class Bf16Variant:
     over_lora: bool = True
     """Also built over LoRA's fp32 adapters (optimi's update is the same there); False: nothing
     to round on fp32 adapters, the registry's optimizer trains them."""
+    in_bf16: str = "parameters, gradients, optimizer state"
+    """What is bf16, for the banner."""
 
 
 _SR_STATE = "; rounding_generator (uint8, on the host)"
+_SR_IN_BF16 = "parameters, gradients; the factored state fp32"
 
 BF16_VARIANTS: dict[str, Bf16Variant] = {
     "adamw": Bf16Variant(
@@ -161,6 +164,7 @@ BF16_VARIANTS: dict[str, Bf16Variant] = {
         module="torch",
         install="pip install 'torch>=2.5'",
         over_lora=False,
+        in_bf16=_SR_IN_BF16,
     ),
     "adafactor-hf": Bf16Variant(
         "transformers.optimization.Adafactor + stochastic rounding",
@@ -170,6 +174,7 @@ BF16_VARIANTS: dict[str, Bf16Variant] = {
         module="transformers",
         install="pip install transformers",
         over_lora=False,
+        in_bf16=_SR_IN_BF16,
     ),
 }
 
@@ -235,8 +240,12 @@ def banner_line(config: TrainConfig) -> str | None:
     if config.weights_dtype != "bf16":
         return None
     variant = _variant(config)
-    rule = variant.rule if variant else f"{config.optim} on fp32 LoRA adapters"
-    return f"weights bf16 (parameters, gradients, optimizer state), {rule}"
+    if variant is None:
+        return (
+            "weights bf16 (parameters, gradients, optimizer state), "
+            f"{config.optim} on fp32 LoRA adapters"
+        )
+    return f"weights bf16 ({variant.in_bf16}), {variant.rule}"
 
 
 def cast_model(model: Any, config: TrainConfig) -> Any:
