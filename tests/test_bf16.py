@@ -19,20 +19,19 @@ from tests.test_resume import assert_same_end, straight_and_resumed
     ("options", "fragments"),
     [
         (
-            ("--optim", "adafactor"),
+            ("--optim", "lion"),
             (
                 "--weights-dtype bf16 needs",
-                "adamw, sgd",
-                "--optim adafactor",
-                "use --weights-dtype fp32",
+                "adamw, sgd, adafactor, adafactor-hf",
+                "--optim lion: it has no bf16 variant",
+                "use --weights-dtype fp32, or --lora-rank",
             ),
         ),
-        (("--optim", "adafactor-hf"), ("--optim adafactor-hf", "no Adafactor", "--lora-rank")),
         (("--optim", "adamw-8bit"), ("--optim adamw-8bit", "bitsandbytes rounds")),
         (("--mixed-precision", "fp16"), ("--mixed-precision fp16", "drop --mixed-precision")),
         (("--weights-dtype", "fp16"), ("unknown --weights-dtype 'fp16'", "fp32, bf16")),
     ],
-    ids=["adafactor", "adafactor-hf", "adamw-8bit", "fp16-autocast", "unknown-dtype"],
+    ids=["lion", "adamw-8bit", "fp16-autocast", "unknown-dtype"],
 )
 def test_refused_before_anything_is_built(train_cli, tmp_path, options, fragments):
     proc = train_cli("train", "--weights-dtype", "bf16", *options, "--max-steps", "1")
@@ -42,10 +41,15 @@ def test_refused_before_anything_is_built(train_cli, tmp_path, options, fragment
 
 def test_lora_trains_fp32_adapters_so_any_optimizer_is_allowed():
     # The rule is about the trained parameters' dtype: LoRA adapters stay fp32.
-    for optim in ("adafactor-hf", "adamw-8bit", "lion"):
+    from effitrain.optim.bf16 import optimizer_spec
+
+    for optim in ("adamw-8bit", "lion"):
         check_config(TrainConfig(weights_dtype="bf16", optim=optim, lora_rank=8).validate())
         with pytest.raises(EffitrainError, match="needs an optimizer"):
             check_config(TrainConfig(weights_dtype="bf16", optim=optim).validate())
+    # Nothing to round on fp32 adapters: the registry's Adafactor trains them.
+    lora = TrainConfig(weights_dtype="bf16", optim="adafactor-hf", lora_rank=8)
+    assert optimizer_spec(lora).class_path == "transformers.optimization.Adafactor"
     with pytest.raises(EffitrainError, match="fp16"):
         check_config(
             TrainConfig(weights_dtype="bf16", lora_rank=8, mixed_precision="fp16").validate()
@@ -67,43 +71,88 @@ def test_missing_optimi_is_one_install_line(train_cli, monkeypatch):
 def test_variant_keeps_steps_that_bf16_rounding_would_lose(optim):
     """One bf16 weight at 1.0 and steps of about 1e-4 (below bf16's spacing of 2**-7 near 1):
     a plain optimizer rounds every step away, the bf16 variant accumulates them."""
-    import torch
-
-    from effitrain.optim import build_optimizer
-    from effitrain.optim.bf16 import optimizer_spec
-
-    def train(spec):
-        model = torch.nn.Linear(1, 1, bias=False).to(torch.bfloat16)
-        torch.nn.init.ones_(model.weight)
-        optimizer = build_optimizer(model, optim, 1e-4, 0.0, spec=spec)
-        for _ in range(200):
-            model.weight.grad = torch.ones_like(model.weight)
-            optimizer.step()
-        return model.weight.item()
-
-    plain = train(None)
-    kahan = train(optimizer_spec(TrainConfig(weights_dtype="bf16", optim=optim)))
-    assert plain == 1.0  # every step rounded away
+    plain = _train_bf16_weights(optim, None, (1, 1))
+    kahan = _train_bf16_weights(optim, TrainConfig(weights_dtype="bf16", optim=optim), (1, 1))
+    assert plain.item() == 1.0  # every step rounded away
     # AdamW: 200 steps of lr (0.98); SGD with momentum 0.9: about 10x that (0.82).
     expected = (
         1 - 200 * 1e-4
         if optim == "adamw"
         else 1 - 1e-4 * sum((1 - 0.9 ** (k + 1)) / 0.1 for k in range(200))
     )
-    assert abs(kahan - expected) < 2**-7
+    assert abs(kahan.item() - expected) < 2**-7
+
+
+def _train_bf16_weights(optim, config, shape, dtype=None):
+    """200 steps of lr 1e-4 with gradient 1 on weights that start at 1.0 (bf16 unless
+    ``dtype``), by the registry's optimizer (``config`` None) or ``config``'s bf16 variant."""
+    import torch
+
+    from effitrain.optim import build_optimizer
+    from effitrain.optim.bf16 import optimizer_spec
+
+    model = torch.nn.Linear(shape[1], shape[0], bias=False).to(dtype or torch.bfloat16)
+    torch.nn.init.ones_(model.weight)
+    spec = optimizer_spec(config) if config else None
+    optimizer = build_optimizer(model, optim, 1e-4, 0.0, spec=spec)
+    for _ in range(200):
+        model.weight.grad = torch.ones_like(model.weight)
+        optimizer.step()
+    return model.weight.detach().float()
+
+
+@pytest.mark.parametrize("optim", ["adafactor", "adafactor-hf"])
+def test_stochastic_rounding_drifts_as_the_fp32_twin(optim):
+    """Adafactor's steps of about 1e-4 (both rules: lr 1e-4, a unit update) on bf16 weights at
+    1.0: round-to-nearest drops every one; stochastic rounding moves the weights as fp32 does,
+    in expectation (the mean over 4096 weights: its noise is about 1e-4)."""
+    import torch
+
+    shape = (64, 64)
+    twin = _train_bf16_weights(optim, None, shape, dtype=torch.float32).mean().item()
+    plain = _train_bf16_weights(optim, None, shape)
+    rounded = _train_bf16_weights(optim, TrainConfig(weights_dtype="bf16", optim=optim), shape)
+    assert 0.975 < twin < 0.985  # 200 relative steps of 1e-4
+    assert bool((plain == 1.0).all())
+    assert abs(rounded.mean().item() - twin) < 1e-3
+    assert rounded.std().item() > 0  # the weights round differently: the rounding is random
+
+
+def test_rounding_is_pytorch_optimizers_with_our_generator():
+    """The same 16 random bits give the same bf16 values as pytorch-optimizer's copy_stochastic
+    (which draws them from the global RNG); values already in bf16 never move."""
+    import torch
+
+    from effitrain.optim.stochastic_rounding import round_stochastic_
+
+    precision = pytest.importorskip("pytorch_optimizer.optimizer.utils.precision")
+    value = torch.randn(1000) * torch.logspace(-30, 30, 1000)
+    ours, theirs = torch.empty(1000, dtype=torch.bfloat16), torch.empty(1000, dtype=torch.bfloat16)
+    round_stochastic_(ours, value, torch.Generator().manual_seed(7))
+    torch.manual_seed(7)
+    precision.copy_stochastic(theirs, value)
+    assert torch.equal(ours.view(torch.int16), theirs.view(torch.int16))
+    exact = value.bfloat16()
+    round_stochastic_(ours, exact.float(), torch.Generator().manual_seed(8))
+    assert torch.equal(ours, exact)
+
+
+def _train_bf16(train_cli, data, out, *options):
+    """A run with bf16 weights; returns its process and its metrics JSON."""
+    metrics = out.parent / "m.json"
+    proc = train_cli(
+        *train_args(data, out, "--weights-dtype", "bf16", *options), "--metrics-json", str(metrics)
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc, json.loads(metrics.read_text())
 
 
 def test_trains_saves_bf16_and_loads_back(train_cli, data, tmp_path):
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    out, metrics = tmp_path / "out", tmp_path / "m.json"
-    proc = train_cli(
-        *train_args(data, out, "--weights-dtype", "bf16", "--max-steps", "3", "--save-every", "3"),
-        "--metrics-json",
-        str(metrics),
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = tmp_path / "out"
+    proc, m = _train_bf16(train_cli, data, out, "--max-steps", "3", "--save-every", "3")
     assert "weights bf16 (parameters, gradients, optimizer state), AdamW with Kahan" in proc.stdout
     assert "optimizer adamw (optimi.AdamW)" in proc.stdout
     saved = load_tensors(out / "checkpoint-3")
@@ -113,7 +162,6 @@ def test_trains_saves_bf16_and_loads_back(train_cli, data, tmp_path):
     assert {t.dtype for s in state.values() for t in s.values()} == {torch.bfloat16}
     assert any(bool(s["kahan_comp"].any()) for s in state.values())  # compensation in use
 
-    m = json.loads(metrics.read_text())
     assert m["optimizer_class"] == "optimi.AdamW"
     assert m["parameter_bytes"] == 2 * m["trainable_parameters"]
     if torch.cuda.is_available():  # the tracker counts CUDA's blocks: 512-byte multiples
@@ -159,6 +207,58 @@ def test_resume_is_exact(train_cli, data, tmp_path, optim):
     straight, resumed = straight_and_resumed(train_cli, data, tmp_path, 4, *options)
     assert_same_end(straight, resumed, 8)
     assert "kahan_comp" in load_tensors(resumed / "checkpoint-8")["optimizer.bin"]["state"][0]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ("--optim", "adafactor"),
+        pytest.param(("--optim", "adafactor-hf"), marks=pytest.mark.slow),
+        pytest.param(
+            ("--optim", "adafactor-hf", "--optimizer-in-backward", "--gradient-checkpointing"),
+            marks=pytest.mark.slow,
+        ),
+    ],
+    ids=lambda options: " ".join(options),
+)
+def test_stochastic_rounding_resumes_exactly(train_cli, data, tmp_path, options):
+    """The rounding generators' states are optimizer state: a resumed run draws the numbers the
+    uninterrupted run drew, and its fp32 factors come back fp32 (not cast to the weights' bf16)."""
+    import torch
+
+    every = ("--max-steps", "8", "--save-every", "4")
+    straight, resumed = straight_and_resumed(
+        train_cli, data, tmp_path, 4, "--weights-dtype", "bf16", *options, *every
+    )
+    assert_same_end(straight, resumed, 8)
+    state = load_tensors(resumed / "checkpoint-8")["optimizer.bin"]["state"]
+    assert {s["rounding_generator"].dtype for s in state.values()} == {torch.uint8}
+    factors = {
+        t.dtype
+        for s in state.values()
+        for key, t in s.items()
+        if key not in ("step", "rounding_generator") and isinstance(t, torch.Tensor)
+    }
+    assert factors == {torch.float32}
+
+
+@pytest.mark.parametrize("optim", ["adafactor", "adafactor-hf"])
+def test_adafactor_trains_bf16_weights(train_cli, data, tmp_path, optim):
+    import torch
+
+    proc, m = _train_bf16(train_cli, data, tmp_path / "out", "--optim", optim, "--max-steps", "2")
+    assert "weights bf16 (parameters, gradients; the factored state fp32)" in proc.stdout
+    assert "in fp32 per parameter, stochastic rounding to bf16" in proc.stdout
+    assert "+ stochastic rounding)" in proc.stdout  # the optimizer line's class
+    assert m["optimizer_class"].endswith("Adafactor + stochastic rounding")
+    assert m["parameter_bytes"] == 2 * m["trainable_parameters"]
+    by_key = m["optimizer_state"]["by_key"]
+    # One generator state per parameter, the CPU's Mersenne Twister (5056 bytes), counted.
+    generator = by_key.pop("rounding_generator")
+    assert generator["tensors"] == m["optimizer_state"]["params_with_state"]
+    assert generator["bytes"] == generator["tensors"] * torch.Generator().get_state().numel()
+    by_key.pop("step")  # a tensor in torch's Adafactor, a Python int in transformers'
+    assert {dtype for usage in by_key.values() for dtype in usage["dtypes"]} == {"float32"}
 
 
 @pytest.mark.slow

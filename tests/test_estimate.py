@@ -98,6 +98,26 @@ def test_estimate_equals_a_run_of_one_two_step_epoch(train_cli, tmp_path, long_d
     compare(train_cli, tmp_path, [*long_data, "--batch-size", "24", "--max-length", "64"])
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["--optim", "adafactor", "--weights-dtype", "bf16"],
+        pytest.param(
+            ["--optim", "adafactor-hf", "--weights-dtype", "bf16", "--optimizer-in-backward"],
+            marks=pytest.mark.slow,
+        ),
+    ],
+    ids=lambda options: " ".join(options),
+)
+def test_estimate_of_stochastic_rounding(train_cli, tmp_path, long_data, options):
+    """bf16 Adafactor: the fp32 factors and the rounding generators' states (real tensors, made
+    under the fake mode) to the byte; the random draw itself runs on fake tensors."""
+    estimated, _ = compare(
+        train_cli, tmp_path, [*long_data, "--batch-size", "4", "--max-length", "32", *options]
+    )
+    assert "rounding_generator" in estimated["optimizer_state"]["by_key"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("batch,length", [(4, 32), (16, 48), (2, 64)])
 def test_estimate_at_batch_and_length(train_cli, tmp_path, long_data, batch, length):

@@ -4,7 +4,8 @@
 - :mod:`.adam_mini`: Adam-mini's per-head and per-row blocks;
 - :mod:`.split`: Muon, GaLore and APOLLO on the hidden matrices, AdamW on the rest;
 - :mod:`.in_backward`: one optimizer per parameter, stepped inside backward;
-- :mod:`.bf16`: bf16 weights with torch-optimi's Kahan summation.
+- :mod:`.bf16`: bf16 weights with torch-optimi's Kahan summation or stochastic rounding
+  (:mod:`.stochastic_rounding`, the Adafactors).
 
 Nothing heavy is imported here: ``effitrain optimizers`` and ``--help`` stay instant.
 """

@@ -1,32 +1,47 @@
-"""Pure-bf16 weights (``--weights-dtype bf16``): parameters, gradients and optimizer state in bf16.
+"""Pure-bf16 weights (``--weights-dtype bf16``): parameters and gradients in bf16.
 
 Not autocast: Accelerate's ``--mixed-precision bf16`` computes in bf16 but keeps fp32 weights, so
 it saves no weight memory. Here the model itself is cast to bf16 after loading, and the optimizer
 is replaced by a variant that updates bf16 weights without losing small steps. A plain update
 rounds ``w + lr * step`` to the nearest bf16 (8 significant bits), so any step below about
-1/256 of the weight vanishes; fine-tuning steps (lr 2e-4) mostly do. The variants come from
-torch-optimi, whose optimizers keep a Kahan compensation buffer (in bf16) that carries each
-rounding error into the next step:
+1/256 of the weight vanishes; fine-tuning steps (lr 2e-4) mostly do. Two ways to keep them:
 
-===========  ===========================  ===============================================
---optim      bf16 variant                 state per parameter (bf16, 2 bytes each)
-===========  ===========================  ===============================================
-adamw        optimi.AdamW, kahan_sum      exp_avg, exp_avg_sq, kahan_comp  (6 bytes)
-sgd          optimi.SGD, kahan_sum        exp_avg (momentum), kahan_comp   (4 bytes)
-===========  ===========================  ===============================================
+- Kahan summation (torch-optimi): a bf16 compensation buffer carries each rounding error into
+  the next step. Deterministic, but one more weight-sized buffer: right for AdamW and SGD, whose
+  state is weight-sized anyway.
+- Stochastic rounding (:mod:`effitrain.optim.stochastic_rounding`): the update is computed in
+  fp32 on one parameter at a time and rounded up or down at random, exact in expectation. No
+  buffer: right for Adafactor, whose state is near zero (a Kahan buffer would be 2 bytes per
+  parameter, more than all of Adafactor's state). The rounding is torchao's and
+  pytorch-optimizer's bit trick, with a generator per parameter whose state is optimizer state.
 
-The rest have none and are refused (:func:`refusal`): no Adafactor in torch-optimi or torchao
-compensates its bf16 updates, and bitsandbytes' 8-bit AdamW rounds bf16 weights to nearest.
-Not torchao's ``_AdamW(bf16_stochastic_round=True)`` nor ``AdamW8bit``: they ``torch.compile``
-every parameter shape on the first step (slow to start on a CPU, see docs/levers.md) and draw
-random numbers for the rounding. With ``--lora-rank`` any optimizer is allowed: the trained
-adapters stay fp32 (the frozen base is what bf16 halves).
+===============  ======================================  ========================================
+--optim          bf16 variant                            state per parameter
+===============  ======================================  ========================================
+adamw            optimi.AdamW, kahan_sum                 exp_avg, exp_avg_sq, kahan_comp (bf16:
+                                                         6 bytes)
+sgd              optimi.SGD, kahan_sum                   exp_avg (momentum), kahan_comp (bf16: 4)
+adafactor        torch.optim.Adafactor + stochastic      row_var + col_var (fp32, about
+                 rounding                                4(m+n)/(mn)); a generator state per
+                                                         tensor (5056 bytes on CPU, 16 on CUDA)
+adafactor-hf     transformers' Adafactor + stochastic    exp_avg_sq_row/col (fp32), as above
+                 rounding
+===============  ======================================  ========================================
+
+The rest have none and are refused (:func:`refusal`): bitsandbytes' 8-bit AdamW rounds bf16
+weights to nearest. Not torchao's ``_AdamW(bf16_stochastic_round=True)`` nor ``AdamW8bit``: they
+``torch.compile`` every parameter shape on the first step (slow to start on a CPU, see
+docs/levers.md) and draw the rounding's random numbers from the global RNG. With
+``--lora-rank`` any optimizer is allowed: the trained adapters stay fp32 (the frozen base is
+what bf16 halves), and the Adafactors train them as the registry builds them.
 
 The variants reproduce the registry's hyperparameters (torch's AdamW betas and eps, SGD momentum
-0.9 without dampening, L2 weight decay for SGD), so a bf16 run differs from its fp32 twin only in
-precision. One known loss: optimi applies AdamW's decoupled weight decay (``w *= 1 - lr * wd``)
-to the bf16 weight before the compensated step, so at fine-tuning lr it rounds away.
-Kahan summation uses no random numbers, so checkpoints resume bit-exactly.
+0.9 without dampening, L2 weight decay for SGD, the Adafactors' own arguments), so a bf16 run
+differs from its fp32 twin only in precision. One known loss: optimi applies AdamW's decoupled
+weight decay (``w *= 1 - lr * wd``) to the bf16 weight before the compensated step, so at
+fine-tuning lr it rounds away (the Adafactors decay the fp32 copy: kept in expectation).
+Kahan summation uses no random numbers, and stochastic rounding saves its generators' states
+with the optimizer, so checkpoints resume bit-exactly.
 
 Nothing heavy is imported at module level: :func:`effitrain.levers.check_options` reads
 :func:`refusal` before anything is built.
@@ -35,6 +50,8 @@ Nothing heavy is imported at module level: :func:`effitrain.levers.check_options
 from __future__ import annotations
 
 import dataclasses
+import functools
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -50,18 +67,59 @@ if TYPE_CHECKING:
 INSTALL = "pip install 'effitrain[bf16]'  (torch-optimi)"
 
 
-def _optimi_adamw(groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
+def _optimi_adamw(groups: ParamGroups, lr: float, seeds: ParamSeeds) -> torch.optim.Optimizer:
     import optimi
 
     # torch.optim.AdamW's betas and eps (optimi's own defaults are 0.99 and 1e-6).
     return optimi.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, kahan_sum=True)
 
 
-def _optimi_sgd(groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
+def _optimi_sgd(groups: ParamGroups, lr: float, seeds: ParamSeeds) -> torch.optim.Optimizer:
     import optimi
 
     # As torch.optim.SGD(momentum=0.9): no dampening, weight decay as an L2 term in the gradient.
     return optimi.SGD(groups, lr=lr, momentum=0.9, kahan_sum=True)
+
+
+def _sr_adafactor(groups: ParamGroups, lr: float, seeds: ParamSeeds) -> torch.optim.Optimizer:
+    from effitrain.optim.stochastic_rounding import Adafactor
+
+    # As the registry's torch.optim.Adafactor(groups, lr=lr).
+    return Adafactor(groups, lr=lr, seeds=seeds.take(groups))
+
+
+def _sr_adafactor_hf(groups: ParamGroups, lr: float, seeds: ParamSeeds) -> torch.optim.Optimizer:
+    from effitrain.optim.stochastic_rounding import AdafactorHF
+
+    # As the registry's (the Trainer's optim="adafactor").
+    return AdafactorHF(
+        groups,
+        lr=lr,
+        relative_step=False,
+        scale_parameter=False,
+        warmup_init=False,
+        seeds=seeds.take(groups),
+    )
+
+
+class ParamSeeds:
+    """The rounding generators' seeds, one per trained parameter, from the run seed and the
+    parameter's position among them (in the order the optimizers take them): a run with
+    ``--optimizer-in-backward`` (one optimizer per parameter) seeds each parameter as a run
+    without it does, and no two parameters draw the same random stream."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.taken = 0
+
+    def take(self, groups: ParamGroups) -> list[int]:
+        """The next seeds, one for each parameter in ``groups``."""
+        count = sum(len(group["params"]) for group in groups)
+        first, self.taken = self.taken, self.taken + count
+        # str seeds go through SHA-512: well mixed, and the same in every process.
+        return [
+            random.Random(f"{self.seed}:{i}").getrandbits(63) for i in range(first, first + count)
+        ]
 
 
 @dataclass(frozen=True)
@@ -72,10 +130,18 @@ class Bf16Variant:
     rule: str
     """The update rule, for the banner."""
     state: str
-    factory: Callable[[ParamGroups, float], torch.optim.Optimizer]
+    factory: Callable[[ParamGroups, float, ParamSeeds], torch.optim.Optimizer]
     module: str = "optimi"
     install: str = INSTALL
+    over_lora: bool = True
+    """Also built over LoRA's fp32 adapters (optimi's update is the same there); False: nothing
+    to round on fp32 adapters, the registry's optimizer trains them."""
+    in_bf16: str = "parameters, gradients, optimizer state"
+    """What is bf16, for the banner."""
 
+
+_SR_STATE = "; rounding_generator (uint8, on the host)"
+_SR_IN_BF16 = "parameters, gradients; the factored state fp32"
 
 BF16_VARIANTS: dict[str, Bf16Variant] = {
     "adamw": Bf16Variant(
@@ -90,11 +156,29 @@ BF16_VARIANTS: dict[str, Bf16Variant] = {
         "exp_avg (momentum), kahan_comp (bf16)",
         _optimi_sgd,
     ),
+    "adafactor": Bf16Variant(
+        "torch.optim.Adafactor + stochastic rounding",
+        "torch.optim.Adafactor in fp32 per parameter, stochastic rounding to bf16",
+        "step, row_var + col_var (>=2-D), variance (1-D) (fp32)" + _SR_STATE,
+        _sr_adafactor,
+        module="torch",
+        install="pip install 'torch>=2.5'",
+        over_lora=False,
+        in_bf16=_SR_IN_BF16,
+    ),
+    "adafactor-hf": Bf16Variant(
+        "transformers.optimization.Adafactor + stochastic rounding",
+        "transformers' Adafactor in fp32 per parameter, stochastic rounding to bf16",
+        "step, exp_avg_sq_row/col (>=2-D) or exp_avg_sq, RMS (fp32)" + _SR_STATE,
+        _sr_adafactor_hf,
+        module="transformers",
+        install="pip install transformers",
+        over_lora=False,
+        in_bf16=_SR_IN_BF16,
+    ),
 }
 
 _NONE_BECAUSE = {
-    "adafactor": "no Adafactor in torch-optimi or torchao compensates bf16 updates",
-    "adafactor-hf": "no Adafactor in torch-optimi or torchao compensates bf16 updates",
     "adamw-8bit": "bitsandbytes rounds bf16 weights to nearest",
 }
 
@@ -114,14 +198,22 @@ def refusal(config: TrainConfig) -> str | None:
         )
     if config.optim not in BF16_VARIANTS and config.lora_rank is None:
         why = _NONE_BECAUSE.get(config.optim, "it has no bf16 variant")
-        # torch's adafactor cannot train LoRA adapters (TrainConfig refuses the pair).
-        lora = "" if config.optim == "adafactor" else ", or --lora-rank (its adapters stay fp32)"
         return (
             "--weights-dtype bf16 needs an optimizer that updates bf16 weights without losing "
-            f"small steps (Kahan summation): {', '.join(BF16_VARIANTS)}; --optim {config.optim}: "
-            f"{why}; use --weights-dtype fp32{lora}"
+            "small steps (Kahan summation or stochastic rounding): "
+            f"{', '.join(BF16_VARIANTS)}; --optim {config.optim}: {why}; use --weights-dtype "
+            "fp32, or --lora-rank (its adapters stay fp32)"
         )
     return None
+
+
+def _variant(config: TrainConfig) -> Bf16Variant | None:
+    """The bf16 variant that this run builds, or None (fp32 weights; no variant; LoRA adapters
+    that the registry's optimizer trains)."""
+    variant = BF16_VARIANTS.get(config.optim) if config.weights_dtype == "bf16" else None
+    if variant is not None and config.lora_rank is not None and not variant.over_lora:
+        return None
+    return variant
 
 
 def optimizer_spec(config: TrainConfig) -> OptimizerSpec:
@@ -130,7 +222,7 @@ def optimizer_spec(config: TrainConfig) -> OptimizerSpec:
     from effitrain.optim.registry import get_spec
 
     spec = get_spec(config.optim)
-    variant = BF16_VARIANTS.get(spec.name) if config.weights_dtype == "bf16" else None
+    variant = _variant(config)
     if variant is None:
         return spec
     return dataclasses.replace(
@@ -139,7 +231,7 @@ def optimizer_spec(config: TrainConfig) -> OptimizerSpec:
         module=variant.module,
         install=variant.install,
         state=variant.state,
-        factory=variant.factory,
+        factory=functools.partial(variant.factory, seeds=ParamSeeds(config.seed)),
     )
 
 
@@ -147,9 +239,13 @@ def banner_line(config: TrainConfig) -> str | None:
     """One line for the banner: the weights' dtype and the update rule, or None for fp32."""
     if config.weights_dtype != "bf16":
         return None
-    variant = BF16_VARIANTS.get(config.optim)
-    rule = variant.rule if variant else f"{config.optim} on fp32 LoRA adapters"
-    return f"weights bf16 (parameters, gradients, optimizer state), {rule}"
+    variant = _variant(config)
+    if variant is None:
+        return (
+            "weights bf16 (parameters, gradients, optimizer state), "
+            f"{config.optim} on fp32 LoRA adapters"
+        )
+    return f"weights bf16 ({variant.in_bf16}), {variant.rule}"
 
 
 def cast_model(model: Any, config: TrainConfig) -> Any:
