@@ -73,11 +73,29 @@ CONFIGURATIONS = {
         ["--optim", "adafactor", *LEAN],
     ),
     "lean-8bit": ("the same with 8-bit AdamW state", ["--optim", "adamw-8bit", *LEAN]),
+    "lean-offload": (
+        "bf16 weights + Adafactor + checkpointing + chunked loss, the step and the gradients "
+        "on the host (CUDA: torchao's CPUOffloadOptimizer)",
+        [
+            "--optim",
+            "adafactor",
+            "--weights-dtype",
+            "bf16",
+            "--gradient-checkpointing",
+            "--chunked-loss",
+            "auto",
+            "--optimizer-offload",
+            "state+grads",
+        ],
+    ),
     "lora": ("LoRA r=16 (AdamW) on a bf16 base, checkpointing", LORA),
-    "qlora": ("QLoRA: the same on a 4-bit NF4 base", [*LORA, "--load-in-4bit"]),
+    "qlora": (
+        "QLoRA: LoRA r=16 on a 4-bit NF4 base (the rest fp32), checkpointing",
+        ["--lora-rank", "16", "--load-in-4bit", "--gradient-checkpointing"],
+    ),
 }
 """Short name -> (what it is, ``effitrain estimate`` options besides model, batch and length)."""
-FULL = ("plain", "lean", "lean-8bit")
+FULL = ("plain", "lean", "lean-8bit", "lean-offload")
 """The configurations that train every weight."""
 CARDS_GB = (24, 48, 80)
 """Cards' memory as sold: a "24 GB" card holds 24 GiB (24,564 MiB on an RTX 4090)."""
