@@ -95,6 +95,7 @@ PLAN = [
     Step("optimizer_costs", alone=False, seconds=220),
     Step("levers", alone=False, seconds=220),
     Step("offload", alone=False, seconds=300),
+    Step("llm_levers", alone=False, seconds=300),
     Step("estimate", alone=False, seconds=220),
     Step("causal_lm", alone=False, seconds=220),
     Step("learning", alone=False, seconds=220),

@@ -154,10 +154,13 @@ def test_a_causal_lm_on_labelled_data_stays_a_classifier(train_cli, tmp_path, lm
 
 
 def test_resume_is_bit_exact(train_cli, tmp_path):
+    """With the chunked, token-weighted loss over two micro-batches per step (the defaults and
+    --grad-accum 2): the resumed run groups the same micro-batches into the same steps."""
     (tmp_path / "corpus.txt").write_text(TEXT)
     common = (
         "train", "--task", "causal-lm", "--dataset", str(tmp_path / "corpus.txt"),
-        "--max-steps", "6", "--save-every", "3", "--sample-prompt", "", *SHORT,
+        "--max-steps", "6", "--save-every", "3", "--sample-prompt", "", "--grad-accum", "2",
+        *SHORT,
     )  # fmt: skip
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     proc = train_cli(*common, "--output-dir", str(straight))

@@ -13,6 +13,14 @@ from tests.conftest import assert_clean_error
 IGNORE = -100
 
 
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    """Chunks of a few hundred logits, so that the tiny shapes here take several."""
+    from effitrain.tasks import lm_loss
+
+    monkeypatch.setattr(lm_loss, "MIN_CHUNK_VALUES", 512)
+
+
 def _plain_sum(hidden, weight, bias, labels, softcap=None):
     import torch
     import torch.nn.functional as F

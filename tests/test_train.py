@@ -275,7 +275,9 @@ def test_hub_model_offline(train_cli):
 
 def test_folder_that_is_not_a_model(train_cli, tmp_path):
     (tmp_path / "notes.txt").write_text("hi")
-    assert_clean_error(train_cli("train", "--model", str(tmp_path)), "cannot load", "no config.json")
+    assert_clean_error(
+        train_cli("train", "--model", str(tmp_path)), "cannot load", "no config.json"
+    )
 
 
 def test_dataset_path_missing(train_cli, tmp_path):

@@ -9,10 +9,11 @@ own weight chunk by chunk:
 
 - ``liger``: liger-kernel's fused linear cross-entropy (Triton, CUDA);
 - ``cce``: Apple's cut-cross-entropy (Triton, CUDA);
-- ``torch``: the pure-PyTorch form here, for any device: each chunk's logits are computed,
-  reduced to a loss sum and dropped, under activation checkpointing, so backward recomputes one
-  chunk at a time. A chunk holds about as many logits as the hidden states have values
-  (:func:`chunk_tokens`), so the loss's memory no longer grows with the vocabulary.
+- ``torch``: the pure-PyTorch form here, for any device: forward computes each chunk's logits,
+  reduces them to a loss sum and drops them; backward recomputes one chunk at a time and adds
+  its gradients into one buffer per input. A chunk holds about as many logits as the hidden
+  states have values, and at least 128 MiB of them (:func:`chunk_tokens`), so the loss's
+  memory no longer grows with the vocabulary.
 
 This runs inside the model's own forward, so a DDP wrapper, autocast and the model's hooks see
 the usual call. It is refused where the output layer is not a plain Linear
@@ -30,6 +31,7 @@ tokens (short texts, padding, completion-only masks) the same weight as a full o
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -50,8 +52,8 @@ KERNELS = {"liger": "liger-kernel", "cce": "cut-cross-entropy"}
 LOGIT_SCALES = ("logit_scale", "logits_scaling", "output_multiplier_scale")
 """Config fields of models that rescale their logits after the output layer (Cohere, Granite,
 Falcon-H1): the chunked loss would skip that. Final-logit softcapping (Gemma 2) is applied."""
-MIN_CHUNK_TOKENS = 64
-"""Fewer tokens per chunk only add per-chunk overhead."""
+MIN_CHUNK_VALUES = 2**25
+"""Logit values a chunk holds at least (128 MiB in fp32): smaller chunks only add time."""
 
 
 @dataclass(frozen=True)
@@ -148,8 +150,9 @@ def _kernel(name: str) -> Any:
 
 def chunk_tokens(tokens: int, hidden_size: int, vocab_size: int) -> int:
     """Tokens per chunk: a chunk's logits about as large as all the hidden states (as
-    liger-kernel sizes its chunks), at least :data:`MIN_CHUNK_TOKENS`."""
-    return max(MIN_CHUNK_TOKENS, math.ceil(tokens * hidden_size / max(vocab_size, 1)))
+    liger-kernel sizes its chunks), but at least :data:`MIN_CHUNK_VALUES` logits."""
+    vocab_size = max(vocab_size, 1)
+    return max(1, math.ceil(tokens * hidden_size / vocab_size), MIN_CHUNK_VALUES // vocab_size)
 
 
 def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -179,8 +182,51 @@ def _token_losses(
     return _from_logits(F.linear(hidden, weight, bias), labels, softcap)
 
 
-def _chunk_sum(hidden, weight, bias, labels, softcap):  # type: ignore[no-untyped-def]
-    return _token_losses(hidden, weight, bias, labels, softcap).sum()
+@functools.cache
+def _linear_cross_entropy() -> Any:
+    """The torch form as an autograd Function (built on first use: torch is imported lazily).
+
+    Forward keeps no logits: per chunk, the logits, their loss sum, dropped. Backward recomputes
+    each chunk's logits, takes the loss's gradient with respect to them (autograd, on the chunk
+    alone) and adds that chunk's share into one gradient buffer per input, so no full-size
+    weight gradient is made per chunk."""
+    import torch
+
+    class LinearCrossEntropy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, hidden, weight, bias, labels, softcap, size):  # type: ignore[no-untyped-def]
+            total = torch.zeros((), device=hidden.device, dtype=torch.float32)
+            for h, t in zip(hidden.split(size), labels.split(size), strict=True):
+                total += _token_losses(h, weight, bias, t, softcap).sum()
+            ctx.save_for_backward(hidden, weight, bias, labels)
+            ctx.softcap, ctx.size = softcap, size
+            kind = hidden.device.type
+            ctx.autocast = (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+            return total
+
+        @staticmethod
+        def backward(ctx, grad_total):  # type: ignore[no-untyped-def]
+            hidden, weight, bias, labels = ctx.saved_tensors
+            kind, enabled, dtype = ctx.autocast
+            grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+            grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+            grad_b = torch.zeros_like(bias) if ctx.needs_input_grad[2] else None
+            start = 0
+            for h, t in zip(hidden.split(ctx.size), labels.split(ctx.size), strict=True):
+                with torch.enable_grad(), torch.autocast(kind, dtype=dtype, enabled=enabled):
+                    raw = torch.nn.functional.linear(h, weight, bias).detach().requires_grad_()
+                    loss = _from_logits(raw, t, ctx.softcap).sum()
+                (d_raw,) = torch.autograd.grad(loss, raw, grad_total)
+                if grad_h is not None:
+                    grad_h[start : start + len(h)] = d_raw @ weight.to(d_raw.dtype)
+                if grad_w is not None:
+                    grad_w.addmm_(d_raw.T.to(weight.dtype), h.to(weight.dtype))
+                if grad_b is not None:
+                    grad_b += d_raw.sum(dim=0).to(bias.dtype)
+                start += len(h)
+            return grad_h, grad_w, grad_b, None, None, None
+
+    return LinearCrossEntropy
 
 
 def chunked_loss_sum(
@@ -193,9 +239,6 @@ def chunked_loss_sum(
 ) -> torch.Tensor:
     """The sum of the token losses of ``hidden`` (``[..., hidden]``) against ``labels`` (already
     shifted), without the full logits. Differentiable in ``hidden``, ``weight`` and ``bias``."""
-    import torch
-    from torch.utils.checkpoint import checkpoint
-
     flat, targets = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     if choice.name == "liger":
         return _kernel("liger")(
@@ -210,10 +253,7 @@ def chunked_loss_sum(
             flat, weight, targets, ignore_index=IGNORE_INDEX, softcap=softcap, reduction="sum"
         )
     size = chunk_tokens(flat.shape[0], flat.shape[1], weight.shape[0])
-    total = torch.zeros((), device=flat.device, dtype=torch.float32)
-    for h, t in zip(flat.split(size), targets.split(size), strict=True):
-        total = total + checkpoint(_chunk_sum, h, weight, bias, t, softcap, use_reentrant=False)
-    return total
+    return _linear_cross_entropy().apply(flat, weight, bias, targets, softcap, size)
 
 
 def sequence_loss_sums(
