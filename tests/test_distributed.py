@@ -120,6 +120,40 @@ def two_process_run(tmp_path_factory, no_dropout_model_dir):
 
 
 @pytest.mark.slow
+def test_token_weighted_loss_over_two_processes_equals_one_big_batch(
+    lm_model_dir, train_cli, tmp_path
+):
+    """Causal LM on padded texts of very different lengths: two processes x two micro-batches
+    of 2 step to the same weights as one process with one batch of the same 8 texts (each
+    labelled token weighs the same, wherever it falls)."""
+    import torch
+
+    lengths = (60, 2, 3, 50, 1, 40, 2, 2)
+    data = tmp_path / "uneven.jsonl"
+    data.write_text("".join(json.dumps({"text": " ".join(["word"] * n)}) + "\n" for n in lengths))
+    common = (
+        "train", "--quiet", "--task", "causal-lm", "--model", str(lm_model_dir),
+        "--train-file", str(data), "--validation-file", str(data), "--no-packing",
+        "--max-steps", "1", "--max-grad-norm", "0", "--warmup-steps", "0", "--optim", "sgd",
+        "--lr", "0.5", "--no-memory-breakdown",
+    )  # fmt: skip
+    proc = launch(
+        *common, "--batch-size", "2", "--grad-accum", "2", "--output-dir", str(tmp_path / "two")
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    one = train_cli(*common, "--batch-size", "8", "--output-dir", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stdout + one.stderr
+    two, single = (
+        load_parameters(tmp_path / "two" / "final"),
+        load_parameters(tmp_path / "one" / "final"),
+    )
+    start = load_parameters(lm_model_dir)
+    assert any(not torch.equal(single[k], start[k]) for k in start)  # it stepped
+    for key in single:
+        torch.testing.assert_close(two[key], single[key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
 def test_two_processes_match_one_process(
     two_process_run, no_dropout_model_dir, train_cli, tmp_path
 ):
