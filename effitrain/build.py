@@ -210,11 +210,11 @@ def build_run(config: TrainConfig, reporter: Reporter) -> Run:
             "accelerate launch --multi_gpu -m effitrain train ..."
         )
     levers.check_launch(config, accelerator.state)
-    run = build_task(config, accelerator, reporter)
-
-    # What FSDP/DeepSpeed would do to this optimizer: refuse or note it before anything is built.
-    for note in distributed.optimizer_notes(accelerator.state, run.spec.name):
+    # What FSDP/DeepSpeed would do to this optimizer: refuse or note it before any data or
+    # model is loaded.
+    for note in distributed.optimizer_notes(accelerator.state, bf16.optimizer_spec(config).name):
         reporter.note(note)
+    run = build_task(config, accelerator, reporter)
     run.sharding = distributed.detect_sharding(accelerator.state)
     if run.sharding.kind == "deepspeed":
         distributed.configure_deepspeed(accelerator.state, config.batch_size, config.grad_accum)

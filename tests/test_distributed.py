@@ -120,6 +120,37 @@ def two_process_run(tmp_path_factory, no_dropout_model_dir):
 
 
 @pytest.mark.slow
+def test_a_refused_launch_prints_one_error_line():
+    """Every process meets the refusal; only the main one prints it, first. What follows is the
+    launcher's own report of the failed processes (torchrun prints it for any failed child)."""
+    proc = launch("train", "--optimizer-in-backward", "--max-steps", "1")
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        "error: --optimizer-in-backward cannot run on DDP over 2 processes (gloo): each update "
+        "runs as soon as this process's gradient is ready, before the processes average their "
+        "gradients; run one process, or drop --optimizer-in-backward"
+    ]
+    assert proc.stderr.startswith(errors[0])
+
+
+def test_a_sharding_refusal_comes_before_any_data_or_model_is_loaded(monkeypatch):
+    """FSDP refuses a whole-matrix optimizer from the accelerator's state alone."""
+    from effitrain import build
+    from effitrain.report import Reporter
+
+    def loaded(*_args, **_kwargs):
+        raise AssertionError("the model or data was loaded before the refusal")
+
+    monkeypatch.setattr(build, "build_task", loaded)
+    accelerator = SimpleNamespace(state=fsdp(1), num_processes=2, is_main_process=True)
+    monkeypatch.setattr(build, "build_accelerator", lambda config: accelerator)
+    config = build.checked_config(None, {"optim": "muon"})
+    with pytest.raises(EffitrainError, match="--optim muon cannot run under FSDP"):
+        build.build_run(config, Reporter(quiet=True))
+
+
+@pytest.mark.slow
 def test_token_weighted_loss_over_two_processes_equals_one_big_batch(
     lm_model_dir, train_cli, tmp_path
 ):

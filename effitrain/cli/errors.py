@@ -54,8 +54,12 @@ def usage_errors() -> Iterator[None]:
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:
-    """Print one error line on stderr; return the Exit to raise (``raise fail(...) from None``)."""
-    typer.echo(f"error: {message}", err=True)
+    """Print one error line on stderr; return the Exit to raise (``raise fail(...) from None``).
+
+    Under ``accelerate launch`` every process meets the same refusal: only the main one
+    (``RANK`` 0) prints it, the others exit with the same code quietly."""
+    if os.environ.get("RANK", "0") in ("", "0"):
+        typer.echo(f"error: {message}", err=True)
     return typer.Exit(code)
 
 
