@@ -49,33 +49,15 @@ def long_data(tmp_path_factory) -> list[str]:
     ]
 
 
-def _overrides(args: list[str]) -> dict:
-    """`--name value` / `--flag` pairs as TrainConfig overrides (what the CLI would pass)."""
-    from effitrain.config import TrainConfig
-
-    fields = TrainConfig.__dataclass_fields__
-    out, i = {}, 0
-    while i < len(args):
-        name = args[i][2:].replace("-", "_")
-        if i + 1 < len(args) and not args[i + 1].startswith("--"):
-            value = args[i + 1]
-            kind = str(fields[name].type)
-            out[name] = int(value) if "int" in kind else float(value) if "float" in kind else value
-            i += 2
-        else:
-            out[name], i = True, i + 1
-    return out
-
-
 def compare(train_cli, tmp_path: Path, args: list[str]) -> tuple[dict, dict]:
-    from effitrain.build import checked_config
+    from effitrain.cli.compare import train_config
     from effitrain.memory.estimate import estimate
 
     metrics = tmp_path / "metrics.json"
     proc = train_cli("train", "--quiet", "--max-steps", "2", *args, "--metrics-json", str(metrics))
     assert proc.returncode == 0, proc.stderr
     measured = json.loads(metrics.read_text())
-    estimated = estimate(checked_config(None, _overrides(args)))
+    estimated = estimate(train_config(args))
     for key in EXACT:
         assert estimated[key] == measured[key], (key, estimated[key], measured[key])
     assert estimated["optimizer_state"] == measured["optimizer_state"]
@@ -180,13 +162,11 @@ def test_estimate_of_a_pretrained_folder_reads_no_weights(
     for item in tiny_model_dir.iterdir():
         if item.suffix != ".safetensors":  # the estimate needs the config and tokenizer only
             (tmp_path / "copy" / item.name).write_bytes(item.read_bytes())
-    from effitrain.build import checked_config
+    from effitrain.cli.compare import train_config
     from effitrain.memory.estimate import estimate
 
     args = [*long_data, "--batch-size", "8", "--max-length", "32"]
-    without_weights = estimate(
-        checked_config(None, _overrides([*args, "--model", str(tmp_path / "copy")]))
-    )
+    without_weights = estimate(train_config([*args, "--model", str(tmp_path / "copy")]))
     estimated, _ = compare(train_cli, tmp_path, [*args, "--model", str(tiny_model_dir)])
     assert without_weights["peak_tensor_bytes"] == estimated["peak_tensor_bytes"]
 
@@ -372,7 +352,7 @@ def test_torchao_state_from_its_own_allocation(train_cli, tmp_path, long_data, o
     """torchao's compiled update cannot run on fake tensors: the estimate runs its step without
     it (its own state allocation). The state still equals a real run's to the byte (a real run
     does not measure torchao's step by kind, so there is no peak to compare)."""
-    from effitrain.build import checked_config
+    from effitrain.cli.compare import train_config
     from effitrain.memory.estimate import estimate
 
     args = [*long_data, "--batch-size", "4", "--max-length", "32", "--optim", optim]
@@ -380,7 +360,7 @@ def test_torchao_state_from_its_own_allocation(train_cli, tmp_path, long_data, o
     proc = train_cli("train", "--quiet", "--max-steps", "2", *args, "--metrics-json", str(metrics))
     assert proc.returncode == 0, proc.stderr
     measured = json.loads(metrics.read_text())
-    estimated = estimate(checked_config(None, _overrides(args)))
+    estimated = estimate(train_config(args))
     assert estimated["optimizer_state"] == measured["optimizer_state"]
     for key in EXACT:
         assert estimated[key] == measured[key], key

@@ -77,25 +77,8 @@ def write_texts(folder: Path, documents: int, length: int) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
-def _overrides(args: list[str]) -> dict:
-    """CLI options as TrainConfig overrides (what the CLI passes to checked_config)."""
-    from effitrain.config import TrainConfig
-
-    fields = TrainConfig.__dataclass_fields__
-    out, i = {}, 0
-    while i < len(args):
-        name = args[i][2:].replace("-", "_")
-        if i + 1 < len(args) and not args[i + 1].startswith("--"):
-            kind, value = str(fields[name].type), args[i + 1]
-            out[name] = int(value) if kind.startswith("int") else value
-            i += 2
-        else:
-            out[name], i = True, i + 1
-    return out
-
-
 def measure(args: argparse.Namespace, device: str) -> common.Run:
-    from effitrain.build import checked_config
+    from effitrain.cli.compare import train_config
     from effitrain.compare import Configuration
     from effitrain.memory.estimate import estimate
 
@@ -113,14 +96,9 @@ def measure(args: argparse.Namespace, device: str) -> common.Run:
     comparison = common.run_configurations(
         rows, shared, args.work_dir, args.repeats, summarize=summarize
     )
-    common_options = {"task": "causal-lm", "model": args.model, "batch_size": 1}
-    common_options |= {"max_length": args.max_length}
-    if device != "cpu":
-        common_options["mixed_precision"] = "bf16"
-    for row in comparison.rows:
-        options = common_options | _overrides(ROWS[row["row"]])
+    for row in comparison.rows:  # each run's own options, estimated in this process
         try:
-            predicted = estimate(checked_config(None, options))
+            predicted = estimate(train_config([*shared, *ROWS[row["row"]]]))
         except Exception as exc:  # noqa: BLE001 - recorded beside the measurement
             row["estimate_error"] = f"{type(exc).__name__}: {exc}"
             continue

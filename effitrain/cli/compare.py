@@ -195,12 +195,13 @@ def shared_arguments(overrides: dict[str, Any], course: bool = False) -> list[st
     return [*train_arguments(values), "--log-every", "1"]
 
 
-def check_configuration(row: Configuration, common: list[str]) -> None:
-    """Parse and check one run's options as its ``effitrain train`` will, before any run starts,
-    so that a typo fails at once with its reason rather than after the other runs.
+def train_config(arguments: list[str]) -> Any:
+    """The checked :class:`~effitrain.config.TrainConfig` that ``effitrain train ARGUMENTS``
+    would run, parsed by the train command itself (benchmarks and tests use it to estimate a
+    run's own options).
 
     Raises:
-        EffitrainError: naming the configuration and the reason.
+        EffitrainError: an option does not parse (click's message) or is refused.
     """
     from effitrain.build import checked_config
     from effitrain.cli.errors import click_exception, usage_message
@@ -211,11 +212,23 @@ def check_configuration(row: Configuration, common: list[str]) -> None:
     app.command()(train)
     command = typer.main.get_command(app)
     try:
-        ctx = command.make_context("effitrain train", [*common, *row.args])
+        ctx = command.make_context("effitrain train", list(arguments))
     except click_exception() as exc:
-        raise EffitrainError(f"{row.label}: {usage_message(exc)}") from None
+        raise EffitrainError(usage_message(exc)) from None
     overrides = given_values(ctx, ctx.params, config_fields())
+    return checked_config(ctx.params.get("config_file"), overrides)
+
+
+def check_configuration(row: Configuration, common: list[str]) -> None:
+    """Parse and check one run's options as its ``effitrain train`` will, before any run starts,
+    so that a typo fails at once with its reason rather than after the other runs.
+
+    Raises:
+        EffitrainError: naming the configuration and the reason.
+    """
+    from effitrain.errors import EffitrainError
+
     try:
-        checked_config(ctx.params.get("config_file"), overrides)
+        train_config([*common, *row.args])
     except EffitrainError as exc:
         raise EffitrainError(f"{row.label}: {exc}") from None
