@@ -288,6 +288,19 @@ def with_ratio(row: Row, base: Row, key: str, fmt: Callable[[Any], str]) -> str:
     return shown(value, fmt) + ("" if row is base else ratio(value, base.get(key)))
 
 
+def seconds_column(base: Row) -> Column:
+    """Median seconds per step, with its ratio to the base row's."""
+    return Column("s/step", lambda row: with_ratio(row, base, "seconds_per_step", seconds))
+
+
+def add_rows_argument(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
+    """``--rows NAME ...``: which of a topic's rows to run (default: all)."""
+    parser.add_argument(
+        "--rows", nargs="+", default=list(names), choices=list(names), metavar="ROW",
+        help=f"which rows (default: all): {', '.join(names)}",
+    )  # fmt: skip
+
+
 def seconds(value: float) -> str:
     return f"{value:.2f}"
 

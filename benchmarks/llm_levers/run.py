@@ -158,19 +158,14 @@ def render(run: common.Run) -> str:
         common.Column(
             "estimated activations (error)", lambda row: _estimated(row, "activation_bytes")
         ),
-        common.Column(
-            "s/step", lambda row: common.with_ratio(row, base, "seconds_per_step", common.seconds)
-        ),
+        common.seconds_column(base),
     ]
     return common.markdown_table(columns, rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = common.parser(TOPIC, __doc__)
-    parser.add_argument(
-        "--rows", nargs="+", default=list(ROW_NAMES), choices=list(ROW_NAMES), metavar="ROW",
-        help=f"which rows (default: all): {', '.join(ROW_NAMES)}",
-    )  # fmt: skip
+    common.add_rows_argument(parser, ROW_NAMES)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps per run")
     parser.add_argument("--model", default="qwen2.5-0.5b")

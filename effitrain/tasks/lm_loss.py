@@ -126,12 +126,17 @@ def _unsupported(model: Any, sharded: str | None) -> str:
     head = model.get_output_embeddings()
     if type(head) is not torch.nn.Linear:
         return f"the output layer is a {type(head).__name__}, not a plain Linear layer"
-    config = model.config
-    config = getattr(config, "get_text_config", lambda: config)()
+    config = _text_config(model)
     for field in LOGIT_SCALES:
         if getattr(config, field, None) not in (None, 1, 1.0):
             return f"this model rescales its logits after the output layer ({field})"
     return ""
+
+
+def _text_config(model: Any) -> Any:
+    """The config of the language model inside ``model`` (a multimodal model nests one)."""
+    config = model.config
+    return getattr(config, "get_text_config", lambda: config)()
 
 
 def _kernel(name: str) -> Any:
@@ -319,8 +324,7 @@ def loss_in_output_layer(model: Any, compute: Callable[[Any, Any], Any]) -> Iter
 
 def softcap_of(model: Any) -> float | None:
     """The model's final-logit softcapping (Gemma 2), applied by the loss after each chunk."""
-    config = model.config
-    config = getattr(config, "get_text_config", lambda: config)()
+    config = _text_config(model)
     return getattr(config, "final_logit_softcapping", None) or None
 
 
