@@ -107,6 +107,13 @@ def test_every_readme_matches_its_results(name):
     assert common.replace_block(topic.readme.read_text(), block) == topic.readme.read_text()
 
 
+def test_the_sharding_table_in_the_docs_is_the_rendered_one():
+    """docs/distributed.md's table: effitrain's rules now, with benchmarks/sharding's evidence."""
+    from benchmarks.sharding import run
+
+    assert run.render_docs(check=True) == 0, "python -m benchmarks.sharding.run --render"
+
+
 def test_importing_the_benchmarks_is_light():
     """gpu.py reads each run.py's GPU_ARGS and SMOKE_ARGS: importing them must not import torch."""
     import subprocess

@@ -219,6 +219,7 @@ def build_run(config: TrainConfig, reporter: Reporter) -> Run:
     if run.sharding.kind == "deepspeed":
         distributed.configure_deepspeed(accelerator.state, config.batch_size, config.grad_accum)
 
+    run.spec = optim.for_sharding(run.spec, run.sharding.dtensor_params)
     optimizer = configured_optimizer(config, run.model, run.spec, run.hyper.lr)
     # Accelerate's prepared scheduler steps once per process on every optimizer step, so its
     # lengths are counted in process-steps.

@@ -5,13 +5,14 @@ effitrain does not invent its own distribution. Accelerate decides (DDP, FSDP1, 
 DeepSpeed ZeRO) from its config; this module reads that decision and, *before* training starts:
 
 - refuses combinations that cannot work, with one line giving the reason and the alternative
-  (FSDP2 + Adafactor or bitsandbytes 8-bit crash on DTensor parameters; FSDP1 without
+  (FSDP2 + bitsandbytes 8-bit crash on DTensor parameters; FSDP1 without
   ``use_orig_params`` leaves an optimizer built before ``prepare`` holding orphaned parameters,
   so nothing trains; a DeepSpeed config with its own optimizer or scheduler section; ZeRO
   optimizer offload with a client optimizer; processes that were launched together but would
   each train alone);
 - warns where a combination works but loses the point (FSDP1 and DeepSpeed hand the optimizer
-  flat 1-D shards, so Adafactor keeps a full second moment instead of row/column factors);
+  flat 1-D shards, so Adafactor keeps a full second moment instead of row/column factors; under
+  FSDP2 effitrain builds its own sharding-aware Adafactor and CAME, :mod:`effitrain.optim.fsdp2`);
 - sets ``zero_allow_untested_optimizer`` for DeepSpeed, since effitrain always passes its own
   (client) optimizer.
 
@@ -38,7 +39,19 @@ if TYPE_CHECKING:
 
 
 FACTORED_OPTIMIZERS = frozenset({"adafactor", "adafactor-hf", "came"})
-"""Optimizers whose savings come from factoring the second moment of >=2-D weights."""
+"""Optimizers whose savings come from factoring the second moment of >=2-D weights. Under FSDP2
+they run as :mod:`effitrain.optim.fsdp2`'s sharding-aware classes."""
+
+COLUMN_FACTORS = frozenset({"col_var", "exp_avg_sq_col", "exp_avg_res_col"})
+"""The factored optimizers' state keys for the factor that averages over dim -2."""
+
+
+def replicated_under_fsdp2(key: str, param_ndim: int) -> bool:
+    """Whether optimizer state ``key`` of a ``param_ndim``-D parameter is held whole by every
+    rank under FSDP2: the column factor of a 2-D weight, which averages over the sharded dim 0.
+    Every other state tensor with a dim 0 is sharded on it, like its parameter."""
+    return key in COLUMN_FACTORS and param_ndim == 2
+
 
 MATRIX_OPTIMIZERS = {
     "muon": "Muon orthogonalises",
@@ -58,16 +71,20 @@ def _flat_cost(optim: str) -> str:
 
 
 DTENSOR_INCOMPATIBLE = {
-    "adafactor": "torch.optim.Adafactor",
-    "adafactor-hf": "transformers' Adafactor",
     "adamw-8bit": "bitsandbytes' 8-bit AdamW",
     "lion-8bit": "bitsandbytes' 8-bit Lion",
-    "came": "pytorch-optimizer's CAME",
     "adamw-4bit": "torchao's AdamW4bit",
     "adamw-fp8": "torchao's AdamWFp8",
 }
 """Optimizers that crash on FSDP2's DTensor parameters (torchao's AdamW8bit trains; 4-bit and FP8
-crash in their step). Which versions and launches showed it: docs/distributed.md."""
+crash in their step). The libraries' Adafactors and CAME crash too, but effitrain replaces them
+there (:data:`FACTORED_OPTIMIZERS`). Versions and launches: docs/distributed.md."""
+
+DTENSOR_ALTERNATIVE = {
+    "adamw-8bit": "--optim adamw-8bit-ao (torchao's 8-bit AdamW keeps DTensor state)",
+    "lion-8bit": "--optim lion (its one state tensor is element-wise)",
+}
+"""What to use under FSDP2 instead of an optimizer that crashes there."""
 
 TORCHAO_OPTIMIZERS = {"adamw-8bit-ao": 256, "adamw-4bit": 128, "adamw-fp8": 256}
 """torchao's low-bit AdamW and its block size: it quantizes a local tensor only when it has at
@@ -282,11 +299,9 @@ def _check_launch(state: Any, sharding: Sharding) -> None:
 
 def _fsdp_rules(sharding: Sharding, state: Any, optim: str) -> list[str]:
     if sharding.kind == "fsdp2" and optim in DTENSOR_INCOMPATIBLE:
+        alternative = DTENSOR_ALTERNATIVE.get(optim, "--optim adamw")
         alternative = (
-            f"use {USE_DDP}, where {optim} keeps its factored savings, or --optim adamw with FSDP2"
-            if optim in FACTORED_OPTIMIZERS
-            else f"use {USE_DDP}, FSDP1 with fsdp_use_orig_params: true, "
-            "or --optim adamw with FSDP2"
+            f"use {alternative} with FSDP2, {USE_DDP}, or FSDP1 with fsdp_use_orig_params: true"
         )
         raise EffitrainError(
             f"--optim {optim} cannot run under FSDP2: {DTENSOR_INCOMPATIBLE[optim]} crashes on "
@@ -306,7 +321,7 @@ def _fsdp_rules(sharding: Sharding, state: Any, optim: str) -> list[str]:
         return [
             f"FSDP1 hands the optimizer flattened 1-D parameter shards: {optim} cannot factor "
             f"them and keeps a full second moment ({_flat_cost(optim)}); "
-            f"for its factored savings use {USE_DDP}"
+            f"for its factored savings use FSDP2 (fsdp_version: 2) or {USE_DDP}"
         ]
     return []
 
@@ -343,7 +358,7 @@ def _deepspeed_rules(sharding: Sharding, state: Any, optim: str) -> list[str]:
         notes.append(
             f"DeepSpeed ZeRO-{sharding.zero_stage} hands the optimizer flat 1-D partitions: "
             f"{optim} cannot factor them and keeps a full second moment ({_flat_cost(optim)}); "
-            f"for its factored savings use {USE_DDP}"
+            f"for its factored savings use FSDP2 (fsdp_version: 2) or {USE_DDP}"
         )
     return notes
 

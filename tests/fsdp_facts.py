@@ -1,8 +1,8 @@
 """Run by test_distributed.py under ``accelerate launch`` with two CPU processes (gloo).
 
 Checks, on real FSDP1 and FSDP2 from torch (Accelerate itself only enables FSDP on GPUs), what
-effitrain's sharding rules say: FSDP2's DTensor parameters crash both Adafactors and bitsandbytes
-but not AdamW; FSDP1 hands the optimizer flattened 1-D shards, so Adafactor keeps a full
+effitrain's sharding rules say: FSDP2's DTensor parameters crash the libraries' Adafactors and
+CAME (effitrain replaces them there: fsdp2_factored.py) and bitsandbytes, but not AdamW; FSDP1 hands the optimizer flattened 1-D shards, so Adafactor keeps a full
 ``variance``; FSDP1 with ``use_orig_params=False`` leaves an optimizer built before wrapping
 holding parameters that never train. Each rank writes its facts as JSON to
 ``$FSDP_FACTS_DIR/rank-<N>.json`` (not stdout: two ranks' lines can interleave in one pipe).
@@ -61,13 +61,14 @@ def checksum(model: torch.nn.Module) -> float:
     return sum(float(p.detach().double().sum()) for p in model.parameters())
 
 
-def fsdp2_outcome(name: str, mesh) -> str:
+def fsdp2_outcome(name: str, mesh, errors: dict) -> str:
     model = make_model()
     fully_shard(model, mesh=mesh)
     optimizer = make_optimizer(name, model.parameters())
     try:
         train_steps(model, optimizer)
-    except RuntimeError:
+    except RuntimeError as exc:
+        errors[name] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}"
         return "crash"
     return "trains"
 
@@ -123,12 +124,12 @@ def adam_mini_facts(mesh) -> dict:
 def main() -> None:
     state = PartialState(cpu=True)
     mesh = init_device_mesh("cpu", (state.num_processes,))
-    facts: dict = {"rank": state.process_index, "fsdp2": {}, "fsdp1": {}}
+    facts: dict = {"rank": state.process_index, "fsdp2": {}, "fsdp2_errors": {}, "fsdp1": {}}
     for name in (
         *("adamw", "adafactor", "adafactor-hf", "adamw-8bit"),
         *("lion", "lion-8bit", "came", "adamw-schedule-free"),
     ):
-        facts["fsdp2"][name] = fsdp2_outcome(name, mesh)
+        facts["fsdp2"][name] = fsdp2_outcome(name, mesh, facts["fsdp2_errors"])
 
     wrapped = FullyShardedDataParallel(
         make_model(), device_id=torch.device("cpu"), use_orig_params=True
@@ -151,8 +152,12 @@ def main() -> None:
     train_steps(wrapped, optimizer)
     facts["fsdp1"]["orig_params_false_trains"] = checksum(wrapped) != before
     facts["adam-mini"] = adam_mini_facts(mesh)
-    out_dir = Path(os.environ["FSDP_FACTS_DIR"])
-    (out_dir / f"rank-{state.process_index}.json").write_text(json.dumps(facts))
+    write_and_finish(state, f"rank-{state.process_index}.json", facts)
+
+
+def write_and_finish(state: PartialState, file_name: str, facts: dict) -> None:
+    """This rank's facts as ``$FSDP_FACTS_DIR/<file_name>``; then leave the process group."""
+    (Path(os.environ["FSDP_FACTS_DIR"]) / file_name).write_text(json.dumps(facts))
     # Leave no gloo thread running at exit: once (CI, 2026-12-04) a rank aborted there
     # ("terminate called without an active exception", SIGABRT), most likely at exit.
     state.wait_for_everyone()

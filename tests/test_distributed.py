@@ -308,7 +308,13 @@ def test_fsdp_facts_behind_the_rules(tmp_path):
         # FSDP2: the DTensor-incompatible optimizers crash, AdamW trains.
         # (torchao's two are left out: each compiles its step for a minute on a CPU;
         # docs/distributed.md says how they fare.)
-        for optim in set(distributed.DTENSOR_INCOMPATIBLE) - {"adamw-4bit", "adamw-fp8"}:
+        # The libraries' factored optimizers crash too: effitrain replaces them under FSDP2
+        # (effitrain.optim.fsdp2, tested by test_fsdp2_optim.py).
+        crash = (set(distributed.DTENSOR_INCOMPATIBLE) | distributed.FACTORED_OPTIMIZERS) - {
+            "adamw-4bit",
+            "adamw-fp8",
+        }
+        for optim in crash:
             assert rank_facts["fsdp2"][optim] == "crash", rank_facts
         assert rank_facts["fsdp2"]["adamw"] == "trains"
         # Element-wise, plain torch: Lion (lion-pytorch) and schedule-free AdamW train.
@@ -404,11 +410,8 @@ def test_ddp_accepts_every_optimizer_silently(optim):
 @pytest.mark.parametrize(
     ("optim", "library", "alternative"),
     [
-        ("adafactor", "torch.optim.Adafactor", "keeps its factored savings"),
-        ("adafactor-hf", "transformers' Adafactor", "keeps its factored savings"),
-        ("adamw-8bit", "bitsandbytes' 8-bit AdamW", "FSDP1 with fsdp_use_orig_params: true"),
-        ("lion-8bit", "bitsandbytes' 8-bit Lion", "FSDP1 with fsdp_use_orig_params: true"),
-        ("came", "pytorch-optimizer's CAME", "keeps its factored savings"),
+        ("adamw-8bit", "bitsandbytes' 8-bit AdamW", "use --optim adamw-8bit-ao"),
+        ("lion-8bit", "bitsandbytes' 8-bit Lion", "use --optim lion (its"),
     ],
 )
 def test_fsdp2_refuses_dtensor_incompatible_optimizers(optim, library, alternative):
@@ -418,11 +421,13 @@ def test_fsdp2_refuses_dtensor_incompatible_optimizers(optim, library, alternati
     assert "\n" not in message
     assert f"--optim {optim} cannot run under FSDP2" in message
     assert library in message and "DTensor" in message
-    assert "use DDP" in message and alternative in message
+    assert "DDP (accelerate launch --multi_gpu)" in message and alternative in message
 
 
-@pytest.mark.parametrize("optim", ["adamw", "sgd", "lion", "adamw-schedule-free"])
-def test_fsdp2_accepts_elementwise_optimizers(optim):
+@pytest.mark.parametrize(
+    "optim", ["adamw", "sgd", "lion", "adamw-schedule-free", "adafactor", "adafactor-hf", "came"]
+)
+def test_fsdp2_accepts_elementwise_and_factored_optimizers(optim):
     assert distributed.optimizer_notes(fsdp(2), optim) == []
 
 
@@ -430,7 +435,7 @@ def test_fsdp2_accepts_elementwise_optimizers(optim):
 def test_fsdp1_warns_that_adafactor_keeps_a_full_second_moment(optim):
     (note,) = distributed.optimizer_notes(fsdp(1), optim)
     assert "FSDP1" in note and "flattened 1-D" in note and "full second moment" in note
-    assert "use DDP" in note
+    assert "use FSDP2 (fsdp_version: 2) or DDP" in note
     assert ("as much as AdamW" if optim == "came" else "half of AdamW") in note
 
 

@@ -335,12 +335,43 @@ def test_per_device_splits_what_each_strategy_shards():
         per_device(result, 2, "zero9")
 
 
+def test_fsdp2_per_device_splits_rows_and_keeps_column_factors_whole():
+    """Adafactor on a 3 x 5 weight and a 3-vector bias over two processes: rank 0 holds 2 of 3
+    rows of the weight, the row factor, the bias and its second moment; the whole 1 x 5 column
+    factor; and each step count (a 0-d tensor)."""
+    import torch
+
+    from effitrain.memory.estimate import fsdp2_layout, per_device
+
+    model = torch.nn.Linear(5, 3)
+    optimizer = torch.optim.Adafactor(model.parameters())
+    model(torch.randn(2, 5)).sum().backward()
+    optimizer.step()
+    layout = fsdp2_layout(model, optimizer)
+    assert layout["optimizer_state"] == {"rows:3": 12 + 12, "whole": 20 + 4 + 4}
+    result = {
+        "parameter_bytes": 72,
+        "gradient_bytes": 72,
+        "optimizer_state": {"bytes": 52},
+        "activation_bytes": 0,
+        "step_memory": {"at_peak": {"parameters": 72, "optimizer_state": 52, "activations": 5}},
+    }
+    share = per_device(result, 2, "fsdp", layout)
+    assert share["optimizer_state_bytes"] == 8 + 8 + 20 + 8
+    assert share["parameter_bytes"] == share["gradient_bytes"] == (60 + 12) * 2 // 3
+    assert share["peak_tensor_bytes"] == 48 + 44 + 5
+    assert per_device(result, 2, "zero3")["optimizer_state_bytes"] == 26  # plain halves
+
+
 def test_cli_per_device(train_cli):
     proc = train_cli("estimate", "--max-length", "16", "--batch-size", "2", "--num-processes", "2",
                "--sharding", "fsdp", "--json")  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     row = json.loads(proc.stdout)
-    assert row["per_device"]["parameter_bytes"] == -(-row["parameter_bytes"] // 2)
+    # FSDP2 splits each tensor's rows; rank 0 gets the larger half where they are odd.
+    assert -(-row["parameter_bytes"] // 2) <= row["per_device"]["parameter_bytes"]
+    assert row["per_device"]["parameter_bytes"] < 0.51 * row["parameter_bytes"]
+    assert "FSDP2" in row["per_device"]["modeled"]
     assert_clean_error(
         train_cli("estimate", "--num-processes", "2", "--sharding", "zero9"), "zero9"
     )

@@ -56,7 +56,7 @@ Sharding = Annotated[
         rich_help_panel=LOOP,
         metavar="ddp|zero1|zero2|zero3|fsdp",
         help="How --num-processes processes split the model: ddp (nothing), zero1 (optimizer "
-        "state), zero2 (+ gradients), zero3 or fsdp (+ parameters).",
+        "state), zero2 (+ gradients), zero3 or fsdp (+ parameters; FSDP2, tensor by tensor).",
     ),
 ]
 AsJson = Annotated[
@@ -139,14 +139,12 @@ def _estimates(
     for name in names:
         config = checked_config(config_file, _for_optimizer(overrides, name, names, fp32))
         try:
-            result = run_estimate(config)
+            result = run_estimate(config, num_processes, sharding)
         except EffitrainError as exc:
             if optim != "all":
                 raise
             skipped.append(str(exc))  # --optim all: the others still get their column
             continue
-        if num_processes > 1:
-            result["per_device"] = per_device(result, num_processes, sharding)
         results.append(result)
     return results, skipped
 

@@ -111,31 +111,29 @@ def _materialize(model: Any, device: Any) -> None:
                 module._buffers[name] = fake(buffer, parameter=False)
 
 
-def estimate(config: TrainConfig) -> dict[str, Any]:
+def estimate(config: TrainConfig, num_processes: int = 1, sharding: str = "ddp") -> dict[str, Any]:
     """What ``effitrain train`` with ``config`` would measure, with the metrics JSON's field
     names (``optimizer_state``, ``parameter_bytes``, ``gradient_bytes``, ``activation_bytes``,
-    ``peak_tensor_bytes`` …), plus ``estimate`` (how it was made) and ``notes``.
+    ``peak_tensor_bytes`` …), plus ``estimate`` (how it was made) and ``notes``; with
+    ``num_processes`` > 1, also ``per_device``: each process's share under ``sharding``
+    (:func:`per_device`).
 
     Raises:
-        EffitrainError: the model, the data or the options cannot be used.
+        EffitrainError: the model, the data or the options cannot be used, or the optimizer
+            cannot run under ``sharding`` (the same refusal as ``effitrain train``'s).
     """
     import torch
 
     import effitrain.levers as levers
     import effitrain.tasks as tasks
+    from effitrain import optim
     from effitrain.activation_offload import HostBytes
-    from effitrain.build import check_config
     from effitrain.optim import bf16, resolve_hyperparameters, set_train_mode
 
-    check_config(config)
-    if config.mixed_precision == "fp16":
-        raise EffitrainError(
-            "effitrain estimate does not model fp16 loss scaling; use --mixed-precision bf16 or no"
-        )
+    notes = _checked(config, num_processes, sharding)
     task = tasks.resolve_task(config)
     # A causal LM needs no labels from the data: its shapes come from the model alone.
     data = task.load_data(config) if task.name != tasks.CAUSAL_LM else None
-    notes: list[str] = []
     tokenizer, max_tokens = _tokenizer_or_config(config, notes)
     spec = bf16.optimizer_spec(config)
     lr = resolve_hyperparameters(config).lr
@@ -146,6 +144,7 @@ def estimate(config: TrainConfig) -> dict[str, Any]:
     with torch.device("meta"):
         model = task.model_from_config(config, data, tokenizer)
         model = levers.apply_to_model(model, config)
+    spec = optim.for_sharding(spec, num_processes > 1 and sharding == "fsdp")
     loss = task.loss_function(config, model, device, None)
     if spec.module == "torchao":
         from effitrain.optim.low_bit import build_quantization_maps
@@ -160,19 +159,16 @@ def estimate(config: TrainConfig) -> dict[str, Any]:
         # tokenizer's model_max_length (without a tokenizer, by the model's positions).
         length = min(config.max_length, max_tokens)
         batch = task.fake_batch(tokenizer, config.batch_size, length)
-        if spec.module == "torchao":
-            notes.append(
-                f"{spec.name}: torchao's own state allocation was run, not its compiled update "
-                "(torch.compile cannot run on fake tensors): the update's working tensors are "
-                "not in the peak"
-            )
-        notes += _offload_notes(config)
+        notes += _offload_notes(config, spec)
         host_bytes = HostBytes() if config.activation_offload else None
         step_memory = _train_steps(config, spec, model, optimizer, batch, device, loss, host_bytes)
         result = _measured(config, spec, lr, model, optimizer, step_memory)
         result.update(_offloaded(optimizer, host_bytes))
         result["loss"] = loss.to_dict()
         result["levers"] += loss.levers
+        if num_processes > 1:
+            layout = fsdp2_layout(model, optimizer) if sharding == "fsdp" else None
+            result["per_device"] = per_device(result, num_processes, sharding, layout)
         if config.optimizer_in_backward:
             optimizer.remove_hooks()
     result["estimate"] = {
@@ -188,6 +184,22 @@ def estimate(config: TrainConfig) -> dict[str, Any]:
     return result
 
 
+def _checked(config: TrainConfig, num_processes: int, sharding: str) -> list[str]:
+    """Refuse what ``effitrain train`` would refuse (and fp16); its notes on the sharding."""
+    from effitrain.build import check_config
+    from effitrain.optim import bf16
+
+    check_config(config)
+    notes = []
+    if num_processes > 1:
+        notes += sharding_notes(bf16.optimizer_spec(config).name, num_processes, sharding)
+    if config.mixed_precision == "fp16":
+        raise EffitrainError(
+            "effitrain estimate does not model fp16 loss scaling; use --mixed-precision bf16 or no"
+        )
+    return notes
+
+
 def _optimizer(config: TrainConfig, model: Any, spec: Any, lr: float) -> Any:
     """The run's optimizer; with --optimizer-offload, its stand-in (torchao needs CUDA)."""
     from effitrain.build import configured_optimizer
@@ -201,8 +213,15 @@ def _optimizer(config: TrainConfig, model: Any, spec: Any, lr: float) -> Any:
     return EstimatedOffload(groups, spec.factory, lr, config.optimizer_offload == "state+grads")
 
 
-def _offload_notes(config: TrainConfig) -> list[str]:
+def _offload_notes(config: TrainConfig, spec: Any) -> list[str]:
+    """What the estimate of a torchao optimizer or an offload lever leaves out."""
     notes = []
+    if spec.module == "torchao":
+        notes.append(
+            f"{spec.name}: torchao's own state allocation was run, not its compiled update "
+            "(torch.compile cannot run on fake tensors): the update's working tensors are "
+            "not in the peak"
+        )
     if config.activation_offload:
         notes.append(
             "--activation-offload: trl's choice of what moves is modeled (not parameters, not "
@@ -315,14 +334,99 @@ SHARDED = {
     "zero3": ("optimizer_state", "gradients", "parameters"),
     "fsdp": ("optimizer_state", "gradients", "parameters"),
 }
-"""What each strategy splits across processes (FSDP = FULL_SHARD, like ZeRO-3)."""
+"""What each strategy splits across processes (``fsdp`` is FSDP2 full shard, like ZeRO-3)."""
 
 
-def per_device(result: dict[str, Any], num_processes: int, sharding: str) -> dict[str, Any]:
+def sharding_notes(optim: str, num_processes: int, sharding: str) -> list[str]:
+    """What ``effitrain train`` would say about ``optim`` under ``sharding`` over
+    ``num_processes`` processes (``distributed.optimizer_notes`` on a stand-in of Accelerate's
+    state): notes, or the refusal raised.
+
+    Raises:
+        EffitrainError: an unknown strategy, or the optimizer is refused under it.
+    """
+    from types import SimpleNamespace
+
+    from effitrain.distributed import optimizer_notes
+
+    if sharding not in SHARDED:
+        raise EffitrainError(
+            f"unknown --sharding '{sharding}'; choose one of: {', '.join(SHARDED)}"
+        )
+    if sharding == "ddp":
+        return []
+    if sharding == "fsdp":
+        plugin = SimpleNamespace(fsdp_version=2, reshard_after_forward=True)
+        state = SimpleNamespace(
+            distributed_type="FSDP", num_processes=num_processes, fsdp_plugin=plugin
+        )
+    else:
+        plugin = SimpleNamespace(zero_stage=int(sharding[-1]), deepspeed_config={})
+        state = SimpleNamespace(
+            distributed_type="DEEPSPEED", num_processes=num_processes, deepspeed_plugin=plugin
+        )
+    return optimizer_notes(state, optim)
+
+
+def _rank0_rows(rows: int, n: int) -> int:
+    """Rows of a dim 0 of ``rows`` that FSDP2 gives rank 0, the largest share (torch.chunk)."""
+    return min(rows, -(-rows // n))
+
+
+def fsdp2_layout(model: Any, optimizer: Any) -> dict[str, dict[str, int]]:
+    """How FSDP2 splits this run's tensors: per kind (``parameters``, ``gradients``,
+    ``optimizer_state``), bytes by the size of the dim 0 they are split on (``"rows:<n>"``) and
+    the bytes every rank holds whole (``"whole"``: the column factors of 2-D weights, scalars).
+    Gradients are the trainable parameters' shapes."""
+    import torch
+
+    from effitrain.distributed import replicated_under_fsdp2
+
+    layout: dict[str, dict[str, int]] = {"parameters": {}, "gradients": {}, "optimizer_state": {}}
+
+    def add(kind: str, tensor: Any, whole: bool = False) -> None:
+        nbytes = ledger.optimizer_state_ledger({0: {"t": tensor}}).bytes
+        key = "whole" if whole or tensor.dim() == 0 else f"rows:{tensor.shape[0]}"
+        layout[kind][key] = layout[kind].get(key, 0) + nbytes
+
+    state = ledger.unwrap_optimizer(optimizer).state
+    for p in model.parameters():
+        add("parameters", p)
+        if p.requires_grad:
+            add("gradients", p)
+        for key, value in state.get(p, {}).items():
+            if torch.is_tensor(value):
+                add("optimizer_state", value, replicated_under_fsdp2(key, p.dim()))
+    whole = ledger.optimizer_state_ledger(optimizer).bytes - sum(layout["optimizer_state"].values())
+    layout["optimizer_state"]["whole"] = layout["optimizer_state"].get("whole", 0) + whole
+    return layout
+
+
+def _fsdp2_share(split: dict[str, int], n: int) -> int:
+    total = 0
+    for key, nbytes in split.items():
+        if key == "whole":
+            total += nbytes
+        else:
+            rows = int(key.removeprefix("rows:"))
+            total += nbytes * _rank0_rows(rows, n) // rows
+    return total
+
+
+def per_device(
+    result: dict[str, Any],
+    num_processes: int,
+    sharding: str,
+    fsdp2: dict[str, dict[str, int]] | None = None,
+) -> dict[str, Any]:
     """Each process's share under ``sharding`` over ``num_processes`` processes, from a
     one-process estimate: the sharded parts divided by N (rounded up), the rest (activations:
     each process runs its own --batch-size; temporaries) whole. The peak is the one-process
     peak's composition with the sharded parts divided.
+
+    With ``fsdp2`` (:func:`fsdp2_layout`), FSDP2's split tensor by tensor: rank 0's rows of each
+    dim 0 (the largest share when rows do not divide), and whole what every rank holds whole
+    (the factored optimizers' column factors of 2-D weights).
 
     A model of the split, not a measurement: FSDP's all-gathered layer (the largest one's full
     parameters, briefly) and the communication buckets (DDP keeps a gradient-sized set unless
@@ -337,11 +441,20 @@ def per_device(result: dict[str, Any], num_processes: int, sharding: str) -> dic
         )
     split = SHARDED[sharding]
     n = max(num_processes, 1)
+    totals = {
+        "parameters": result["parameter_bytes"],
+        "gradients": result["gradient_bytes"],
+        "optimizer_state": result["optimizer_state"]["bytes"],
+    }
 
     def share(kind: str, value: int | None) -> int | None:
-        if value is None:
-            return None
-        return -(-value // n) if kind in split else value
+        if value is None or kind not in split:
+            return value
+        if fsdp2 is None or not totals.get(kind):
+            return -(-value // n)
+        # the measured bytes (gradients: as the tracker saw them) in the layout's proportions
+        layout_total = sum(fsdp2[kind].values())
+        return -(-value * _fsdp2_share(fsdp2[kind], n) // layout_total) if layout_total else 0
 
     at_peak = result.get("step_memory", {}).get("at_peak", {})
     peak = sum(share(kind, value) or 0 for kind, value in at_peak.items())
@@ -353,7 +466,11 @@ def per_device(result: dict[str, Any], num_processes: int, sharding: str) -> dic
         "optimizer_state_bytes": share("optimizer_state", result["optimizer_state"]["bytes"]),
         "activation_bytes": result["activation_bytes"],
         "peak_tensor_bytes": peak if at_peak else None,
-        "modeled": "sharded parts divided by the number of processes",
+        "modeled": (
+            "FSDP2's split, tensor by tensor (rank 0's rows; replicated factors whole)"
+            if fsdp2 is not None
+            else "sharded parts divided by the number of processes"
+        ),
     }
 
 

@@ -4,6 +4,7 @@
 - :mod:`.adam_mini`: Adam-mini's per-head and per-row blocks;
 - :mod:`.split`: Muon, GaLore and APOLLO on the hidden matrices, AdamW on the rest;
 - :mod:`.in_backward`: one optimizer per parameter, stepped inside backward;
+- :mod:`.fsdp2`: the factored Adafactors and CAME on FSDP2's sharded parameters;
 - :mod:`.bf16`: bf16 weights with torch-optimi's Kahan summation or stochastic rounding
   (:mod:`.stochastic_rounding`, the Adafactors).
 
@@ -23,6 +24,7 @@ from effitrain.optim.registry import (
     build_scheduler,
     check_options,
     embedding_weights,
+    for_sharding,
     get_spec,
     param_groups,
     resolve_hyperparameters,
@@ -42,6 +44,7 @@ __all__ = [
     "build_scheduler",
     "check_options",
     "embedding_weights",
+    "for_sharding",
     "get_spec",
     "param_groups",
     "resolve_hyperparameters",

@@ -7,6 +7,7 @@ nothing heavy at module level: ``effitrain optimizers`` and ``--help`` stay inst
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 from collections.abc import Callable
@@ -594,6 +595,28 @@ def build_optimizer(
             "other tensors of 4096+ elements"
         )
     return optimizer
+
+
+def for_sharding(spec: OptimizerSpec, dtensor_params: bool) -> OptimizerSpec:
+    """The spec to build when the optimizer will see FSDP2's DTensor parameters: the factored
+    optimizers become :mod:`effitrain.optim.fsdp2`'s classes (the libraries' own crash there),
+    with the registry's hyperparameters; any other spec as it is."""
+    from effitrain.distributed import FACTORED_OPTIMIZERS
+
+    if not dtensor_params or spec.name not in FACTORED_OPTIMIZERS:
+        return spec
+    name, library_factory = spec.name, spec.factory
+
+    def factory(groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
+        from effitrain.optim.fsdp2 import build
+
+        return build(name, library_factory, groups, lr)
+
+    return dataclasses.replace(
+        spec,
+        class_path=f"effitrain.optim.fsdp2 ({spec.class_path}, on each rank's FSDP2 shard)",
+        factory=factory,
+    )
 
 
 def _build(

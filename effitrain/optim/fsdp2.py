@@ -1,0 +1,384 @@
+"""The factored optimizers on FSDP2's sharded parameters: torch's Adafactor, transformers'
+Adafactor (the Trainer's ``optim="adafactor"``) and pytorch-optimizer's CAME.
+
+FSDP2 hands the optimizer DTensor parameters, each split on dim 0 (``Shard(0)``, the last ranks'
+shards shorter or empty when the rows do not divide). The libraries crash there: torch's
+Adafactor squares a partial norm in place, which DTensor refuses; transformers' and CAME's
+create plain-tensor state and mix it with DTensor gradients.
+
+Each class here is the library's own class (its ``__init__``, defaults, checks and state keys).
+With plain parameters its ``step`` is the library's. With DTensor parameters it runs the same
+update, line for line, on each rank's local shard, and reduces across ranks only where the maths
+needs a global value:
+
+- a factor that averages over dim 0 (the column factor of a 2-D weight): summed over every
+  rank's rows, divided by the global row count; it is small (one value per column) and each
+  rank keeps all of it, the same values everywhere;
+- the mean of a row factor over its rows (the factored estimate's normaliser) and the RMS of a
+  weight or an update (the relative step size, update clipping): sums over all ranks.
+
+Everything else is local: the row factor and every gradient-shaped tensor keep only the rank's
+rows; a >= 3-D weight's two factors both keep dim 0, so both are sharded. That is at most four
+small all-reduces per parameter and step. The alternative, writing the maths in DTensor
+operations, is refused by DTensor itself (in-place ops on partial results) and would hide the
+communication in its dispatcher.
+
+The state is stored as DTensors with those placements (row factors sharded like the parameter,
+the column factors of 2-D weights replicated), so each rank's ledger counts its own share, and
+torch's distributed checkpointing (Accelerate's ``save_state`` under FSDP2) saves and restores
+it. Equal to the library: with one process op for op (tests/test_fsdp2_optim.py); with two
+processes, to a one-process run on the same batch, within fp32 rounding (tests/fsdp_facts.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from transformers.optimization import Adafactor as _AdafactorHF
+
+from effitrain.distributed import FACTORED_OPTIMIZERS
+from effitrain.distributed import replicated_under_fsdp2 as replicated
+
+
+class ShardingError(RuntimeError):
+    """A DTensor placement other than FSDP2's ``Shard(0)`` (or ``Replicate``)."""
+
+
+def sharded_mesh_dim(placements: Any) -> int | None:
+    """The mesh dim over which a parameter's dim 0 is split (None: replicated everywhere).
+
+    Raises:
+        ShardingError: a placement FSDP2 does not make (``Shard(1)``, ``Partial``, dim 0 split
+            over several mesh dims).
+    """
+    sharded = [i for i, p in enumerate(placements) if not isinstance(p, Replicate)]
+    if any(type(placements[i]) is not Shard or placements[i].dim != 0 for i in sharded):
+        raise ShardingError(
+            f"factored optimizers support FSDP2's Shard(0) placement, not {tuple(placements)}"
+        )
+    if len(sharded) > 1:
+        raise ShardingError(f"dim 0 is split over several mesh dims: {tuple(placements)}")
+    return sharded[0] if sharded else None
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How one parameter is split: plain (``mesh`` None) or a DTensor sharded on dim 0."""
+
+    shape: torch.Size
+    """The global shape."""
+    mesh: Any = None
+    placements: tuple[Any, ...] = ()
+    group: Any = None
+    """The process group over which dim 0 is split; None: nothing to reduce."""
+
+    @staticmethod
+    def of(param: torch.Tensor) -> _Layout:
+        if not isinstance(param, DTensor):
+            return _Layout(param.shape)
+        dim = sharded_mesh_dim(param.placements)
+        group = param.device_mesh.get_group(dim) if dim is not None else None
+        return _Layout(param.shape, param.device_mesh, tuple(param.placements), group)
+
+    # -- reductions --------------------------------------------------------------------------
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.group is not None:
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def norm(self, t: torch.Tensor) -> torch.Tensor:
+        """The 2-norm of the whole (global) tensor whose local shard is ``t``."""
+        if self.group is None:
+            return t.norm(2)
+        return self.all_reduce(t.norm(2).square()).sqrt()
+
+    def rms(self, t: torch.Tensor) -> torch.Tensor:
+        """RMS of the whole tensor, as the libraries write it: norm / sqrt(numel)."""
+        return self.norm(t) / math.sqrt(self.shape.numel())
+
+    def mean(self, t: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+        """``t.mean(dim)`` of a sharded tensor whose dim 0 is the parameter's dim 0."""
+        if self.group is None or dim % t.dim() != 0:
+            return t.mean(dim=dim, keepdim=keepdim)
+        return self.all_reduce(t.sum(dim=dim, keepdim=keepdim)).div_(self.shape[0])
+
+    def norm_sq_mean(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """torch's Adafactor's ``torch.norm(t, dim, keepdim=True).square_().div_(size)``."""
+        if self.group is None or dim % t.dim() != 0:
+            return torch.norm(t, dim=dim, keepdim=True).square_().div_(t.size(dim))
+        sums = torch.norm(t, dim=dim, keepdim=True).square_()
+        return self.all_reduce(sums).div_(self.shape[0])
+
+    # -- state -------------------------------------------------------------------------------
+
+    def state(self, local: torch.Tensor, key: str = "", global_shape: Any = None) -> torch.Tensor:
+        """``local`` as this parameter's state: a DTensor sharded like it, or replicated."""
+        if self.mesh is None:
+            return local
+        shape = torch.Size(global_shape if global_shape is not None else self.shape)
+        if replicated(key, len(self.shape)):
+            placements: tuple[Any, ...] = tuple(Replicate() for _ in self.placements)
+        else:
+            placements = self.placements
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(
+            local, self.mesh, placements, run_check=False, shape=shape, stride=stride
+        )
+
+
+def _local(t: Any) -> Any:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _has_dtensors(optimizer: torch.optim.Optimizer) -> bool:
+    return any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"])
+
+
+class _Sharded:
+    """Mixin: the library's step for plain parameters, :meth:`_sharded_step` for DTensors."""
+
+    force_sharded_step = False
+    """Run the sharded step on plain parameters too (the one-process equality tests)."""
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        if not (self.force_sharded_step or _has_dtensors(self)):  # type: ignore[arg-type]
+            return super().step(closure)  # type: ignore[misc]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:  # type: ignore[attr-defined]
+            self._sharded_group(group)
+        return loss
+
+    def _sharded_group(self, group: dict[str, Any]) -> None:
+        for p in group["params"]:
+            if p.grad is not None:
+                self._sharded_param(group, p, _Layout.of(p))
+
+    def _sharded_param(self, group: dict[str, Any], p: Any, layout: _Layout) -> None:
+        raise NotImplementedError
+
+
+class Adafactor(_Sharded, torch.optim.Adafactor):
+    """``torch.optim.Adafactor`` that also steps FSDP2's sharded parameters."""
+
+    def _sharded_param(self, group: dict[str, Any], p: Any, layout: _Layout) -> None:
+        # torch/optim/_adafactor.py::_single_tensor_adafactor, on local shards.
+        if torch.is_complex(p) or p.grad.is_sparse:
+            raise RuntimeError("Adafactor does not support complex parameters or sparse gradients")
+        param, grad = _local(p), _local(p.grad)
+        grad = -grad if group["maximize"] else grad
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            if p.dim() > 1:
+                row_shape, col_shape = list(p.shape), list(p.shape)
+                row_shape[-1], col_shape[-2] = 1, 1
+                local_rows = [*grad.shape[:-1], 1]
+                # a 2-D weight's column factor spans every rank's rows: each rank holds it whole
+                local_cols = col_shape if p.dim() == 2 else [*grad.shape[:-2], 1, grad.shape[-1]]
+                state["row_var"] = layout.state(grad.new_zeros(local_rows), "row_var", row_shape)
+                state["col_var"] = layout.state(grad.new_zeros(local_cols), "col_var", col_shape)
+            else:
+                state["variance"] = layout.state(torch.zeros_like(grad))
+        eps1, eps2 = group["eps"]
+        if eps1 is None:
+            eps1 = torch.finfo(param.dtype).eps
+        lr = float(group["lr"])
+        step_t = state["step"]
+        step_t += 1
+        step_float = step_t.item()
+        one_minus_beta2_t = step_float ** group["beta2_decay"]
+        rho_t = min(lr, 1 / (step_float**0.5))
+        alpha = max(eps2, layout.norm(param).item() / (p.numel() ** 0.5)) * rho_t
+        if group["weight_decay"] != 0:
+            param.mul_(1 - lr * group["weight_decay"])
+        if grad.dim() > 1:
+            row_var, col_var = _local(state["row_var"]), _local(state["col_var"])
+            row_var.lerp_(layout.norm_sq_mean(grad, -1), one_minus_beta2_t)
+            col_var.lerp_(layout.norm_sq_mean(grad, -2), one_minus_beta2_t)
+            var_estimate = row_var @ col_var
+            var_estimate.div_(layout.mean(row_var, -2, keepdim=True).clamp_(min=eps1))
+        else:
+            variance = _local(state["variance"])
+            variance.lerp_(grad * grad, one_minus_beta2_t)
+            var_estimate = variance.clone()
+        update = var_estimate.clamp_(min=eps1 * eps1).rsqrt_()
+        update.mul_(grad)
+        denom = max(1.0, layout.norm(update).item() / ((p.numel() ** 0.5) * group["d"]))
+        param.add_(update, alpha=-alpha / denom)
+
+
+def _approx_sq_grad(layout: _Layout, row: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+    """transformers' and CAME's ``approximate_sq_grad``: the row factor's mean is global for a
+    2-D weight (its rows are sharded)."""
+    r_factor = (row / layout.mean(row, -1, keepdim=True)).rsqrt_().unsqueeze(-1)
+    c_factor = col.unsqueeze(-2).rsqrt()
+    return torch.mul(r_factor, c_factor)
+
+
+def _factor_zeros(layout: _Layout, grad: torch.Tensor, key: str) -> torch.Tensor:
+    """A zero row (``..._row``: shape[:-1]) or column (``..._col``: shape[:-2] + shape[-1:])
+    factor for ``grad``'s local shard, as state."""
+    shape = layout.shape
+    if key.endswith("_row"):
+        return layout.state(grad.new_zeros(grad.shape[:-1]), key, shape[:-1])
+    local = grad.shape[:-2] + grad.shape[-1:]
+    if replicated(key, len(shape)):
+        local = shape[-1:]
+    return layout.state(grad.new_zeros(local), key, shape[:-2] + shape[-1:])
+
+
+class AdafactorHF(_Sharded, _AdafactorHF):
+    """transformers' ``Adafactor`` that also steps FSDP2's sharded parameters."""
+
+    def _sharded_param(self, group: dict[str, Any], p: Any, layout: _Layout) -> None:
+        # transformers/optimization.py::Adafactor.step, on local shards.
+        grad = _local(p.grad)
+        if grad.dtype in {torch.float16, torch.bfloat16}:
+            grad = grad.float()
+        state = self.state[p]
+        factored, use_first_moment = self._get_options(group, p.shape)
+        if len(state) == 0:
+            state["step"] = 0
+            if use_first_moment:
+                state["exp_avg"] = layout.state(torch.zeros_like(grad))
+            if factored:
+                state["exp_avg_sq_row"] = _factor_zeros(layout, grad, "exp_avg_sq_row")
+                state["exp_avg_sq_col"] = _factor_zeros(layout, grad, "exp_avg_sq_col")
+            else:
+                state["exp_avg_sq"] = layout.state(torch.zeros_like(grad))
+            state["RMS"] = 0
+        p_data_fp32 = _local(p)
+        if p.dtype in {torch.float16, torch.bfloat16}:
+            p_data_fp32 = p_data_fp32.float()
+        state["step"] += 1
+        state["RMS"] = layout.rms(p_data_fp32)
+        lr = self._get_lr(group, state)
+        beta2t = 1.0 - math.pow(state["step"], group["decay_rate"])
+        update = (grad**2) + group["eps"][0]
+        if factored:
+            row, col = _local(state["exp_avg_sq_row"]), _local(state["exp_avg_sq_col"])
+            row.mul_(beta2t).add_(update.mean(dim=-1), alpha=(1.0 - beta2t))
+            col.mul_(beta2t).add_(layout.mean(update, -2), alpha=(1.0 - beta2t))
+            update = _approx_sq_grad(layout, row, col)
+            update.mul_(grad)
+        else:
+            exp_avg_sq = _local(state["exp_avg_sq"])
+            exp_avg_sq.mul_(beta2t).add_(update, alpha=(1.0 - beta2t))
+            update = exp_avg_sq.rsqrt().mul_(grad)
+        update.div_((layout.rms(update) / group["clip_threshold"]).clamp_(min=1.0))
+        update.mul_(lr)
+        if use_first_moment:
+            exp_avg = _local(state["exp_avg"])
+            exp_avg.mul_(group["beta1"]).add_(update, alpha=(1 - group["beta1"]))
+            update = exp_avg
+        if group["weight_decay"] != 0:
+            p_data_fp32.add_(p_data_fp32, alpha=(-group["weight_decay"] * lr))
+        p_data_fp32.add_(-update)
+        if p.dtype in {torch.float16, torch.bfloat16}:
+            _local(p).copy_(p_data_fp32)
+
+
+def _came_update(optimizer: Any, group: dict[str, Any], p: Any, layout: _Layout) -> None:
+    # pytorch_optimizer/optimizer/came.py::CAME.step (its per-parameter loop), on local shards.
+    if p.grad.is_sparse or torch.is_complex(p):
+        raise RuntimeError("CAME does not support sparse gradients or complex parameters")
+    param, grad = _local(p), _local(p.grad)
+    state = optimizer.state[p]
+    factored = optimizer.get_options(p.shape)
+    if len(state) == 0:
+        state["exp_avg"] = layout.state(torch.zeros_like(param))
+        if factored:
+            for key in ("exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_res_row", "exp_avg_res_col"):
+                state[key] = _factor_zeros(layout, grad, key)
+        else:
+            state["exp_avg_sq"] = layout.state(torch.zeros_like(grad))
+        if group["ams_bound"]:
+            state["exp_avg_sq_hat"] = layout.state(torch.zeros_like(grad))
+        state["RMS"] = 0.0
+    beta1, beta2, beta3 = group["betas"]
+    optimizer.maximize_gradient(grad, maximize=optimizer.maximize)
+    state["RMS"] = layout.rms(param)
+    optimizer.apply_weight_decay(
+        p=param,
+        grad=grad,
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        weight_decouple=group["weight_decouple"],
+        fixed_decay=group["fixed_decay"],
+    )
+    update = torch.mul(grad, grad).add_(optimizer.eps1)
+    if factored:
+        row, col = _local(state["exp_avg_sq_row"]), _local(state["exp_avg_sq_col"])
+        row.mul_(beta2).add_(update.mean(dim=-1), alpha=1.0 - beta2)
+        col.mul_(beta2).add_(layout.mean(update, -2), alpha=1.0 - beta2)
+        update = _approx_sq_grad(layout, row, col)
+    else:
+        exp_avg_sq = _local(state["exp_avg_sq"])
+        exp_avg_sq.mul_(beta2).add_(update, alpha=1.0 - beta2)
+        torch.rsqrt(exp_avg_sq, out=update)
+    if group["ams_bound"]:
+        exp_avg_sq_hat = _local(state["exp_avg_sq_hat"])
+        torch.max(exp_avg_sq_hat, 1 / update, out=exp_avg_sq_hat)
+        torch.rsqrt(exp_avg_sq_hat / beta2, out=update)
+    update.mul_(grad)
+    update.div_((layout.rms(update) / optimizer.clip_threshold).clamp_(min=1.0))
+    exp_avg = _local(state["exp_avg"])
+    exp_avg.lerp_(update, weight=1.0 - beta1)
+    res = update - exp_avg
+    res.pow_(2).add_(optimizer.eps2)
+    if factored:
+        res_row, res_col = _local(state["exp_avg_res_row"]), _local(state["exp_avg_res_col"])
+        res_row.mul_(beta3).add_(res.mean(dim=-1), alpha=1.0 - beta3)
+        res_col.mul_(beta3).add_(layout.mean(res, -2), alpha=1.0 - beta3)
+        update = _approx_sq_grad(layout, res_row, res_col)
+        update.mul_(exp_avg)
+    else:
+        update = exp_avg
+    param.add_(update, alpha=-group["lr"])
+
+
+@functools.cache
+def _came_class() -> type[torch.optim.Optimizer]:
+    from pytorch_optimizer import CAME as _CAME  # the 'came' extra: imported when asked for
+
+    class CAME(_Sharded, _CAME):
+        """pytorch-optimizer's ``CAME`` that also steps FSDP2's sharded parameters."""
+
+        def _sharded_group(self, group: dict[str, Any]) -> None:
+            if "step" not in group:
+                group["step"] = 0
+            group["step"] += 1
+            super()._sharded_group(group)
+
+        def _sharded_param(self, group: dict[str, Any], p: Any, layout: _Layout) -> None:
+            _came_update(self, group, p, layout)
+
+    return CAME
+
+
+def sharded_class(name: str) -> type[torch.optim.Optimizer]:
+    """The FSDP2-aware class of the registry's factored optimizer ``name``."""
+    if name not in FACTORED_OPTIMIZERS:
+        raise ValueError(f"no FSDP2-aware class for --optim {name}")
+    return {"adafactor": Adafactor, "adafactor-hf": AdafactorHF}.get(name) or _came_class()
+
+
+def build(
+    name: str, library_factory: Callable[..., Any], groups: list[dict[str, Any]], lr: float
+) -> torch.optim.Optimizer:
+    """``name``'s FSDP2-aware class with exactly the hyperparameters that ``library_factory``
+    (the registry's) gives the library's optimizer."""
+    library = library_factory([dict(group) for group in groups], lr)
+    return sharded_class(name)(groups, **library.defaults)

@@ -1,0 +1,176 @@
+"""The factored optimizers on FSDP2's sharded parameters (:mod:`effitrain.optim.fsdp2`).
+
+One process: the sharded step, forced on plain tensors, is the library's step op for op
+(bit-identical). Two processes over gloo (``fsdp2_factored.py``, real torch FSDP2): equal to one
+process on the same global batch, each rank's state counted by the ledger, and checkpoints that
+resume bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from effitrain import optim
+from effitrain.distributed import FACTORED_OPTIMIZERS, replicated_under_fsdp2
+
+pytest.importorskip("pytorch_optimizer")
+
+SHAPES = [(7,), (5, 3), (1, 9), (4, 3, 6), (2, 3, 4, 5)]
+"""1-D (no factoring), 2-D (column factor replicated under FSDP2), a one-row weight, 3-D and 4-D
+(both factors sharded)."""
+
+
+def library_and_sharded(name: str, options: dict):
+    from pytorch_optimizer import CAME
+    from transformers.optimization import Adafactor as AdafactorHF
+
+    from effitrain.optim import fsdp2
+
+    library = {"adafactor": torch.optim.Adafactor, "adafactor-hf": AdafactorHF, "came": CAME}
+    return library[name], fsdp2.sharded_class(name)
+
+
+CASES = [
+    ("adafactor", {"lr": 1e-2, "weight_decay": 0.1}),
+    ("adafactor", {"lr": 1e-2, "maximize": True, "d": 2.0}),
+    (
+        "adafactor-hf",
+        {"lr": 1e-3, "relative_step": False, "scale_parameter": False, "weight_decay": 0.1},
+    ),
+    ("adafactor-hf", {"lr": None, "beta1": 0.9}),  # relative step, parameter scaling, momentum
+    ("came", {"lr": 1e-3, "weight_decay": 0.1}),
+    ("came", {"lr": 1e-3, "ams_bound": True, "maximize": True}),
+    ("came", {"lr": 1e-3, "foreach": False, "weight_decouple": False, "weight_decay": 0.1}),
+]
+
+
+@pytest.mark.parametrize(("name", "options"), CASES)
+def test_the_sharded_step_is_the_library_step_on_one_process(name, options):
+    library, sharded = library_and_sharded(name, options)
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    reference, mine = library(ps, **options), sharded(qs, **options)
+    mine.force_sharded_step = True
+    for _ in range(4):
+        for p, q in zip(ps, qs, strict=True):
+            p.grad = torch.randn(p.shape)
+            q.grad = p.grad.clone()
+        reference.step()
+        mine.step()
+    for p, q in zip(ps, qs, strict=True):
+        assert torch.equal(p, q)
+        assert reference.state[p].keys() == mine.state[q].keys()
+        for key, value in reference.state[p].items():
+            if torch.is_tensor(value):
+                assert torch.equal(value, mine.state[q][key]), key
+    assert reference.param_groups[0].keys() == mine.param_groups[0].keys()
+
+
+@pytest.mark.parametrize("name", sorted(FACTORED_OPTIMIZERS))
+def test_plain_parameters_take_the_library_step(name, monkeypatch):
+    """Without DTensors the class is the library's: its own step runs, not effitrain's."""
+    _, sharded = library_and_sharded(name, {})
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    optimizer = optim.for_sharding(optim.get_spec(name), True).factory([{"params": [p]}], 1e-3)
+    assert isinstance(optimizer, sharded)
+    monkeypatch.setattr(type(optimizer), "_sharded_group", None)  # would raise if called
+    p.grad = torch.randn(4, 3)
+    optimizer.step()
+
+
+@pytest.mark.parametrize("name", sorted(FACTORED_OPTIMIZERS))
+def test_under_fsdp2_the_registry_builds_the_sharded_class_with_its_hyperparameters(name):
+    spec = optim.get_spec(name)
+    assert optim.for_sharding(spec, False) is spec
+    variant = optim.for_sharding(spec, True)
+    assert variant.name == name and "effitrain.optim.fsdp2" in variant.class_path
+    assert spec.class_path in variant.class_path
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    library = spec.factory([{"params": [p]}], 1e-3)
+    built = variant.factory([{"params": [p]}], 1e-3)
+    assert isinstance(built, type(library))
+    assert built.defaults == library.defaults
+    assert optim.for_sharding(optim.get_spec("adamw"), True).class_path == "torch.optim.AdamW"
+
+
+def test_which_state_fsdp2_replicates():
+    assert replicated_under_fsdp2("col_var", 2) and replicated_under_fsdp2("exp_avg_res_col", 2)
+    assert not replicated_under_fsdp2("col_var", 3)  # its dim 0 is the weight's dim 0
+    assert not replicated_under_fsdp2("row_var", 2) and not replicated_under_fsdp2("exp_avg", 2)
+
+
+# --------------------------------------------------------------------------------------------
+# Two processes, real FSDP2 over gloo
+# --------------------------------------------------------------------------------------------
+
+
+def launch_script(script: str, out_dir: Path, extra_env: dict | None = None):
+    from tests.test_distributed import OFFLINE, free_port
+
+    env = {**os.environ, **OFFLINE, "ACCELERATE_USE_CPU": "1", "FSDP_FACTS_DIR": str(out_dir)}
+    env.update(extra_env or {})
+    return subprocess.run(
+        [
+            sys.executable,
+            *("-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"),
+            *("--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"),
+            *("--main_process_port", str(free_port())),
+            str(Path(__file__).with_name(script)),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+
+
+@pytest.mark.slow
+def test_two_fsdp2_processes_equal_one_and_resume_exactly(tmp_path):
+    proc = launch_script("fsdp2_factored.py", tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("factored-rank-*.json"))]
+    assert len(ranks) == 2
+    for name in FACTORED_OPTIMIZERS:
+        facts = [rank["optimizers"][name] for rank in ranks]
+        for rank, fact in enumerate(facts):
+            # After every step, the gathered weights are one process's, to fp32 rounding
+            # (the reductions add in another order), while training moved them by ~0.1.
+            assert max(fact["param_max_diff_per_step"]) < 1e-6, (name, fact)
+            assert fact["moved"] > 0.05, (name, fact)
+            assert fact["state_max_diff"] < 1e-5, (name, fact)
+            # The ledger counts this rank's rows of every sharded tensor and the whole column
+            # factors of 2-D weights: the arithmetic of fsdp2_factored.expected_rank_bytes.
+            assert fact["rank_state_bytes"] == fact["expected_rank_state_bytes"], (name, rank)
+            for kind, checkpoint in fact["checkpoint"].items():
+                assert checkpoint["bit_identical"], (name, kind, checkpoint)
+        # effitrain estimate's FSDP2 split says rank 0's, the largest share, to the byte.
+        assert facts[0]["estimated_rank0_state_bytes"] == facts[0]["rank_state_bytes"], name
+        # Uneven and empty shards: 11 rows split 6 + 5, the one-row weight 1 + 0.
+        assert [f["local_rows"]["embed.weight"] for f in facts] == [6, 5]
+        assert [f["local_rows"]["offset"] for f in facts] == [1, 0]
+        # Each rank holds less than one process, together more (the column factors).
+        one = facts[0]["one_process_state_bytes"]
+        assert all(f["rank_state_bytes"] < one for f in facts), facts
+        assert sum(f["rank_state_bytes"] for f in facts) > one
+
+
+def test_only_fsdp2_placements_are_accepted():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import Partial
+
+    from effitrain.optim.fsdp2 import ShardingError, sharded_mesh_dim
+
+    assert sharded_mesh_dim((Shard(0),)) == 0
+    assert sharded_mesh_dim((Replicate(), Shard(0))) == 1  # HSDP: replicate, then shard
+    assert sharded_mesh_dim((Replicate(),)) is None
+    for placements in [(Shard(1),), (Partial(),), (Shard(0), Shard(0))]:
+        with pytest.raises(ShardingError):
+            sharded_mesh_dim(placements)
