@@ -73,10 +73,10 @@ FSDP2 = " ".join(
     f"accelerate launch --config_file configs/accelerate/fsdp2-full-shard.yaml --num_processes 1 "
     f"-m effitrain train --optim {optim} --epochs 1 --save-strategy no --output-dir "
     f'/tmp/fsdp2-{optim} --metrics-json /tmp/fsdp2-{optim}.json; echo "fsdp2 {optim}: exit $?";'
-    for optim in ("adamw", "adamw-8bit-ao", "adafactor")
+    for optim in ("adamw", "adamw-8bit-ao", "adafactor", "adafactor-hf", "came")
 )
-"""FSDP2 at world size 1 (the code path, not the sharding): adamw and torchao's 8-bit train,
-adafactor is refused with one line before training."""
+"""FSDP2 at world size 1 (the code path, not the sharding): every optimizer here trains, the
+factored ones as effitrain.optim.fsdp2's classes on DTensor parameters."""
 GPU_TESTS = ("tests/test_step_memory.py", "tests/test_memory.py", "tests/test_bf16.py")
 """The tests whose numbers differ on CUDA (step memory, the ledger, bf16 weights)."""
 CHECKS = [

@@ -446,6 +446,20 @@ def local_rank_memory(accelerator: Accelerator, model: Any, optimizer: Any) -> R
     )
 
 
+def _reshard(model: Any) -> None:
+    """FSDP2 leaves the root module's parameters gathered after a forward without backward (the
+    last evaluation): shard them again, so each rank counts its own shard, as during training."""
+    import sys
+
+    if "torch.distributed.fsdp" not in sys.modules:
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def gather_rank_memory(
     accelerator: Accelerator, model: Any, optimizer: Any
 ) -> list[dict[str, Any]]:
@@ -455,6 +469,7 @@ def gather_rank_memory(
     """
     from accelerate.utils import gather_object
 
+    _reshard(model)
     mine = [asdict(local_rank_memory(accelerator, model, optimizer))]
     ranks = gather_object(mine) if accelerator.num_processes > 1 else mine
     return sorted(ranks, key=lambda entry: entry["rank"])

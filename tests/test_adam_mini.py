@@ -193,6 +193,7 @@ def test_optimizer_in_backward_is_refused():
         checked_config(overrides={"optim": "adam-mini", "optimizer_in_backward": True})
 
 
+@pytest.mark.slow
 def test_run_and_inspect_state_name_its_blocks(train_cli, data, tmp_path):
     out, metrics = tmp_path / "out", tmp_path / "m.json"
     args = train_args(data, out, "--optim", "adam-mini", "--max-steps", "3", "--save-every", "3")

@@ -46,6 +46,7 @@ def metrics_of(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+@pytest.mark.slow
 def test_demo_defaults_run_a_few_steps_and_report_perplexity(train_cli, tmp_path):
     out = tmp_path / "m.json"
     proc = train_cli("train", "--task", "causal-lm", "--max-steps", "3", "--metrics-json", str(out))

@@ -41,6 +41,7 @@ def _row(label, scale, steps):
     }
 
 
+@pytest.mark.slow
 def test_plot_draws_the_json_numbers(tmp_path):
     data = {"rows": [_row("adamw", 2**30, 3), _row("adafactor +gradient-checkpointing", 2**29, 3)]}
     drawn = plot(data, tmp_path / "c.png")

@@ -44,14 +44,20 @@ def free_port() -> int:
 
 
 def launch(
-    *args: str, no_python: bool = False, use_cpu_env: bool = True, timeout: int = 240
+    *args: str,
+    no_python: bool = False,
+    use_cpu_env: bool = True,
+    timeout: int = 240,
+    config: Path = CPU_CONFIG,
+    script: Path | None = None,
 ) -> subprocess.CompletedProcess:
     """``accelerate launch`` two CPU processes running ``effitrain ARGS``.
 
-    The config file is the shipped ``cpu-2proc.yaml``; the port is a free one.
-    ``no_python``: the console-script form (``--no_python effitrain …``) instead of
-    ``-m effitrain …``. ``use_cpu_env``: set ``ACCELERATE_USE_CPU=1``; without it, on a machine
-    without GPUs, effitrain itself must put the processes on CPU (``distributed.cpu_for_launch``).
+    The config file is the shipped ``cpu-2proc.yaml`` unless ``config`` says otherwise; the
+    port is a free one. ``no_python``: the console-script form (``--no_python effitrain …``)
+    instead of ``-m effitrain …``; ``script``: a Python file that runs effitrain's CLI.
+    ``use_cpu_env``: set ``ACCELERATE_USE_CPU=1``; without it, on a machine without GPUs,
+    effitrain itself must put the processes on CPU (``distributed.cpu_for_launch``).
     """
     env = {k: v for k, v in os.environ.items() if k != "EFFITRAIN_DEBUG"}
     env.update({**OFFLINE, "COLUMNS": "200"})
@@ -59,12 +65,16 @@ def launch(
         env["ACCELERATE_USE_CPU"] = "1"
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     target = ["--no_python", "effitrain"] if no_python else ["-m", "effitrain"]
+    if script is not None:
+        target = [str(script)]
+        env["PYTHONPATH"] = str(REPO)
     command = [
         sys.executable,
         "-m",
         "accelerate.commands.launch",
         "--config_file",
-        str(CPU_CONFIG),
+        str(config),
+        *(("--num_processes", "2") if config != CPU_CONFIG else ()),
         "--main_process_port",
         str(free_port()),
         *target,

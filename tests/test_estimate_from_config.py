@@ -41,6 +41,7 @@ def llama_config_dir(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optim", ["adamw", "adafactor"])
 def test_a_config_json_alone_estimates_as_the_preset_with_its_tokenizer(llama_config_dir, optim):
     """Weights in fp32 (as a run loads them, whatever config.json's dtype) and no key/value

@@ -174,3 +174,51 @@ def test_only_fsdp2_placements_are_accepted():
     for placements in [(Shard(1),), (Partial(),), (Shard(0), Shard(0))]:
         with pytest.raises(ShardingError):
             sharded_mesh_dim(placements)
+
+
+# --------------------------------------------------------------------------------------------
+# Through effitrain: `effitrain train` under Accelerate's FSDP2 (fsdp2_cpu_launch.py lets
+# Accelerate choose FSDP on CPU processes; everything else is the shipped code and config)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_effitrain_trains_adafactor_under_fsdp2_and_resumes_bit_for_bit(tmp_path):
+    import shutil
+
+    from effitrain.cli.compare import train_config
+    from effitrain.memory.estimate import estimate
+    from tests.test_distributed import REPO, launch, load_parameters
+
+    config = REPO / "configs" / "accelerate" / "fsdp2-full-shard.yaml"
+    script = Path(__file__).with_name("fsdp2_cpu_launch.py")
+    args = ["--optim", "adafactor", "--max-steps", "4", "--save-every", "2"]
+
+    def train(out: Path, *extra: str):
+        proc = launch("train", *args, "--output-dir", str(out), "--metrics-json",
+                      str(out.with_suffix(".json")), *extra, config=config, script=script)  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc, json.loads(out.with_suffix(".json").read_text())
+
+    proc, straight = train(tmp_path / "straight")
+    assert "Per rank: FSDP2 full shard over 2 processes (gloo)" in proc.stdout
+    assert straight["sharding"]["kind"] == "fsdp2"
+    assert "effitrain.optim.fsdp2" in straight["optimizer_class"]
+    assert set(straight["optimizer_state"]["by_key"]) == {"step", "row_var", "col_var", "variance"}
+    # Rank 0 holds what `effitrain estimate --num-processes 2 --sharding fsdp` says, to the byte.
+    predicted = estimate(train_config([*args, "--output-dir", str(tmp_path)]), 2, "fsdp")
+    predicted = predicted["per_device"]
+    rank0 = straight["ranks"][0]
+    assert rank0["optimizer_state_bytes"] == predicted["optimizer_state_bytes"]
+    assert rank0["parameter_bytes"] == predicted["parameter_bytes"]
+
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(tmp_path / "straight" / "checkpoint-2", resumed / "checkpoint-2")
+    _, after = train(resumed, "--resume", "latest")
+    assert [r["parameter_checksum"] for r in after["ranks"]] == [
+        r["parameter_checksum"] for r in straight["ranks"]
+    ]
+    a = load_parameters(tmp_path / "straight" / "final")
+    b = load_parameters(resumed / "final")
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -315,6 +315,7 @@ def test_metrics_and_banner_say_which_loss_ran(train_cli, tmp_path):
     assert "chunked-loss" in result["levers"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunked", ["torch", "off"])
 def test_estimate_equals_a_run(train_cli, tmp_path, chunked):
     from tests.test_estimate import compare

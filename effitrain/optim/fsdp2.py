@@ -19,15 +19,16 @@ needs a global value:
 
 Everything else is local: the row factor and every gradient-shaped tensor keep only the rank's
 rows; a >= 3-D weight's two factors both keep dim 0, so both are sharded. That is at most four
-small all-reduces per parameter and step. The alternative, writing the maths in DTensor
-operations, is refused by DTensor itself (in-place ops on partial results) and would hide the
-communication in its dispatcher.
+small all-reduces per parameter and step (six for CAME). The alternative, writing the maths in
+DTensor operations, is refused by DTensor itself (in-place ops on partial results) and would
+hide the communication in its dispatcher.
 
 The state is stored as DTensors with those placements (row factors sharded like the parameter,
 the column factors of 2-D weights replicated), so each rank's ledger counts its own share, and
 torch's distributed checkpointing (Accelerate's ``save_state`` under FSDP2) saves and restores
 it. Equal to the library: with one process op for op (tests/test_fsdp2_optim.py); with two
-processes, to a one-process run on the same batch, within fp32 rounding (tests/fsdp_facts.py).
+processes, to a one-process run on the same batch, within fp32 rounding
+(tests/fsdp2_factored.py).
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def _has_dtensors(optimizer: torch.optim.Optimizer) -> bool:
 
 
 class _Sharded:
-    """Mixin: the library's step for plain parameters, :meth:`_sharded_step` for DTensors."""
+    """Mixin: the library's step for plain parameters, :meth:`_sharded_param` for DTensors."""
 
     force_sharded_step = False
     """Run the sharded step on plain parameters too (the one-process equality tests)."""
