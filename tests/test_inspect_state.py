@@ -210,6 +210,9 @@ def test_bad_files_each_get_one_clear_line(train_cli, tmp_path, good_file):
     torch.save({"weight": torch.zeros(2)}, weights_only)
     no_state = tmp_path / "folder"
     no_state.mkdir()
+    sharded = tmp_path / "fsdp-checkpoint"  # what Accelerate's FSDP2 SHARDED_STATE_DICT writes
+    (sharded / "optimizer_0").mkdir(parents=True)
+    (sharded / "optimizer_0" / "__0_0.distcp").write_bytes(b"\0" * 8)
 
     cases = [
         (truncated, "truncated or corrupt"),
@@ -219,6 +222,8 @@ def test_bad_files_each_get_one_clear_line(train_cli, tmp_path, good_file):
         (weights_only, "holds no optimizer state_dict (top-level keys: weight)"),
         (tmp_path / "missing.pt", "no such file or folder"),
         (no_state, "no optimizer state in"),
+        (sharded, "sharded optimizer state (torch.distributed.checkpoint"),
+        (sharded / "optimizer_0", "fsdp_state_dict_type: FULL_STATE_DICT"),
     ]
     for path, fragment in cases:
         assert_clean_error(train_cli("inspect-state", str(path)), fragment)

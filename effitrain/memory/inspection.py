@@ -166,6 +166,8 @@ def _trainer_step(folder: Path) -> int | None:
 def _folder_source(folder: Path) -> Source | None:
     if (folder / METADATA_FILE).exists():
         meta = read_metadata(folder)  # checks every file's size: a truncated one is named
+        if not _accelerate_files(folder):
+            _refuse_sharded(folder)
         return Source(
             "effitrain checkpoint", _accelerate_files(folder), meta.get("global_step"), meta
         )
@@ -177,6 +179,20 @@ def _folder_source(folder: Path) -> Source | None:
             "transformers Trainer checkpoint", [folder / "optimizer.pt"], _trainer_step(folder)
         )
     return None
+
+
+def _refuse_sharded(folder: Path) -> None:
+    """One line for torch.distributed.checkpoint's folders (FSDP's SHARDED_STATE_DICT)."""
+    sharded = any(folder.glob("*.distcp")) or any(
+        child.is_dir() and child.name.startswith("optimizer") and any(child.glob("*.distcp"))
+        for child in folder.iterdir()
+    )
+    if sharded:
+        raise EffitrainError(
+            f"{folder} holds sharded optimizer state (torch.distributed.checkpoint, FSDP's "
+            "SHARDED_STATE_DICT), which inspect-state cannot read safely (its .metadata is a "
+            "pickle); save with fsdp_state_dict_type: FULL_STATE_DICT for an optimizer.bin it reads"
+        )
 
 
 def find_source(path: str | Path) -> Source:
@@ -201,10 +217,8 @@ def find_source(path: str | Path) -> Source:
         if source is not None:
             source.format += f" ({child.name}, the newest in {path})"
             return source
-    if any(child.is_dir() and child.name.startswith("optimizer") for child in path.iterdir()):
-        raise EffitrainError(
-            f"{path} holds sharded (FSDP) optimizer state, which inspect-state does not read yet"
-        )
+    for folder in [path, *(child for _, child in reversed(list_checkpoints(path)))][:2]:
+        _refuse_sharded(folder)
     raise EffitrainError(
         f"no optimizer state in {path}: expected {METADATA_FILE}, optimizer.bin (accelerate), "
         "optimizer.pt (Trainer) or checkpoint-* folders"
