@@ -234,6 +234,11 @@ def facts_for(name: str, mesh, state: PartialState) -> dict:
 
 
 def main() -> None:
+    from effitrain.optim import fsdp2
+
+    # Buckets of the largest parameter (108 elements), not of 2**24: several per step, so the
+    # lock-step rounds are checked across buckets too (effitrain train's tiny run has one).
+    fsdp2.BUCKET_ELEMENTS = 1
     state = PartialState(cpu=True)
     mesh = init_device_mesh("cpu", (state.num_processes,))
     names = os.environ.get("FSDP_FACTORED", "adafactor,adafactor-hf,came").split(",")

@@ -18,10 +18,12 @@ needs a global value:
   weight or an update (the relative step size, update clipping): sums over all ranks.
 
 Everything else is local: the row factor and every gradient-shaped tensor keep only the rank's
-rows; a >= 3-D weight's two factors both keep dim 0, so both are sharded. That is at most four
-small all-reduces per parameter and step (six for CAME). The alternative, writing the maths in
-DTensor operations, is refused by DTensor itself (in-place ops on partial results) and would
-hide the communication in its dispatcher.
+rows; a >= 3-D weight's two factors both keep dim 0, so both are sharded. Each parameter's update
+is a generator that yields its local sums; the updates of a bucket of parameters run side by
+side, so a step makes four all-reduces per bucket (six for CAME), each a flat tensor of column
+sums and numbers, instead of four per parameter. The alternative, writing the maths in DTensor
+operations, is refused by DTensor itself (in-place ops on partial results) and would hide the
+communication in its dispatcher.
 
 The state is stored as DTensors with those placements (row factors sharded like the parameter,
 the column factors of 2-D weights replicated), so each rank's ledger counts its own share, and
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +48,11 @@ from transformers.optimization import Adafactor as _AdafactorHF
 
 from effitrain.distributed import FACTORED_OPTIMIZERS
 from effitrain.distributed import replicated_under_fsdp2 as replicated
+
+Reduction = Generator[torch.Tensor, torch.Tensor, torch.Tensor]
+"""A computation that yields local sums and gets them back summed over the ranks."""
+Update = Generator[torch.Tensor, torch.Tensor, None]
+"""One parameter's update, yielding its local sums (:func:`_lockstep` runs many side by side)."""
 
 
 class ShardingError(RuntimeError):
@@ -88,35 +95,38 @@ class _Layout:
         group = param.device_mesh.get_group(dim) if dim is not None else None
         return _Layout(param.shape, param.device_mesh, tuple(param.placements), group)
 
-    # -- reductions --------------------------------------------------------------------------
+    # -- reductions: generators that yield a local sum to add up over the ranks ---------------
+    # (`x = yield from layout.mean(...)`; :func:`_lockstep` sends back the sums over the ranks,
+    # one all-reduce for a whole bucket of parameters. Plain tensors never yield.)
 
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        if self.group is not None:
-            dist.all_reduce(t, group=self.group)
-        return t
+    def all_sum(self, t: torch.Tensor) -> Reduction:
+        """``t`` summed over the ranks that share this parameter."""
+        if self.group is None:
+            return t
+        return (yield t)
 
-    def norm(self, t: torch.Tensor) -> torch.Tensor:
+    def norm(self, t: torch.Tensor) -> Reduction:
         """The 2-norm of the whole (global) tensor whose local shard is ``t``."""
         if self.group is None:
             return t.norm(2)
-        return self.all_reduce(t.norm(2).square()).sqrt()
+        return (yield from self.all_sum(t.norm(2).square())).sqrt()
 
-    def rms(self, t: torch.Tensor) -> torch.Tensor:
+    def rms(self, t: torch.Tensor) -> Reduction:
         """RMS of the whole tensor, as the libraries write it: norm / sqrt(numel)."""
-        return self.norm(t) / math.sqrt(self.shape.numel())
+        return (yield from self.norm(t)) / math.sqrt(self.shape.numel())
 
-    def mean(self, t: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+    def mean(self, t: torch.Tensor, dim: int, keepdim: bool = False) -> Reduction:
         """``t.mean(dim)`` of a sharded tensor whose dim 0 is the parameter's dim 0."""
         if self.group is None or dim % t.dim() != 0:
             return t.mean(dim=dim, keepdim=keepdim)
-        return self.all_reduce(t.sum(dim=dim, keepdim=keepdim)).div_(self.shape[0])
+        return (yield from self.all_sum(t.sum(dim=dim, keepdim=keepdim))).div_(self.shape[0])
 
-    def norm_sq_mean(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+    def norm_sq_mean(self, t: torch.Tensor, dim: int) -> Reduction:
         """torch's Adafactor's ``torch.norm(t, dim, keepdim=True).square_().div_(size)``."""
         if self.group is None or dim % t.dim() != 0:
             return torch.norm(t, dim=dim, keepdim=True).square_().div_(t.size(dim))
         sums = torch.norm(t, dim=dim, keepdim=True).square_()
-        return self.all_reduce(sums).div_(self.shape[0])
+        return (yield from self.all_sum(sums)).div_(self.shape[0])
 
     # -- state -------------------------------------------------------------------------------
 
@@ -143,6 +153,38 @@ def _has_dtensors(optimizer: torch.optim.Optimizer) -> bool:
     return any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"])
 
 
+BUCKET_ELEMENTS = 2**24
+"""The least a bucket of lock-step updates may hold (global elements: 64 MiB of fp32)."""
+
+
+def _lockstep(updates: list[tuple[Update, Any]]) -> None:
+    """Run parameter updates side by side: each round, every update's local sums (its next
+    yield) go into one flat all-reduce per process group and dtype, and each gets its share
+    back. All ranks run the same updates in the same order, so the rounds line up."""
+    running: list[tuple[Update, Any, torch.Tensor]] = []
+
+    def advance(update: Update, group: Any, value: torch.Tensor | None) -> None:
+        try:
+            local = update.send(value)  # type: ignore[arg-type]
+        except StopIteration:
+            return
+        running.append((update, group, local))
+
+    for update, group in updates:
+        advance(update, group, None)
+    while running:
+        batches: dict[tuple[int, torch.dtype, torch.device], list] = {}
+        for item in running:
+            batches.setdefault((id(item[1]), item[2].dtype, item[2].device), []).append(item)
+        running = []
+        for batch in batches.values():
+            flat = torch.cat([local.reshape(-1) for _, _, local in batch])
+            dist.all_reduce(flat, group=batch[0][1])
+            sums = flat.split([local.numel() for _, _, local in batch])
+            for (update, group, local), total in zip(batch, sums, strict=True):
+                advance(update, group, total.view_as(local))
+
+
 class _Sharded:
     """Mixin: the library's step for plain parameters, :meth:`_sharded_param` for DTensors."""
 
@@ -162,18 +204,30 @@ class _Sharded:
         return loss
 
     def _sharded_group(self, group: dict[str, Any]) -> None:
-        for p in group["params"]:
-            if p.grad is not None:
-                self._sharded_param(group, p, _Layout.of(p))
+        """The group's parameters in buckets, each bucket's updates in lock step. A bucket holds
+        up to the largest parameter's elements (at least :data:`BUCKET_ELEMENTS`): the
+        temporaries of its updates, alive together, are then no more than the library's own for
+        the largest parameter (or, for small models, a few times BUCKET_ELEMENTS floats)."""
+        params = [p for p in group["params"] if p.grad is not None]
+        sizes = [p.numel() for p in params]  # global sizes: every rank cuts the same buckets
+        cap, bucket, filled = max([BUCKET_ELEMENTS, *sizes]), [], 0
+        for p, size in zip(params, sizes, strict=True):
+            if bucket and filled + size > cap:
+                _lockstep(bucket)
+                bucket, filled = [], 0
+            layout = _Layout.of(p)
+            bucket.append((self._sharded_param(group, p, layout), layout.group))
+            filled += size
+        _lockstep(bucket)
 
-    def _sharded_param(self, group: dict[str, Any], p: Any, layout: _Layout) -> None:
+    def _sharded_param(self, group: dict[str, Any], p: Any, layout: _Layout) -> Update:
         raise NotImplementedError
 
 
 class Adafactor(_Sharded, torch.optim.Adafactor):
     """``torch.optim.Adafactor`` that also steps FSDP2's sharded parameters."""
 
-    def _sharded_param(self, group: dict[str, Any], p: Any, layout: _Layout) -> None:
+    def _sharded_param(self, group: dict[str, Any], p: Any, layout: _Layout) -> Update:
         # torch/optim/_adafactor.py::_single_tensor_adafactor, on local shards.
         if torch.is_complex(p) or p.grad.is_sparse:
             raise RuntimeError("Adafactor does not support complex parameters or sparse gradients")
@@ -201,29 +255,31 @@ class Adafactor(_Sharded, torch.optim.Adafactor):
         step_float = step_t.item()
         one_minus_beta2_t = step_float ** group["beta2_decay"]
         rho_t = min(lr, 1 / (step_float**0.5))
-        alpha = max(eps2, layout.norm(param).item() / (p.numel() ** 0.5)) * rho_t
+        alpha = max(eps2, (yield from layout.norm(param)).item() / (p.numel() ** 0.5)) * rho_t
         if group["weight_decay"] != 0:
             param.mul_(1 - lr * group["weight_decay"])
         if grad.dim() > 1:
             row_var, col_var = _local(state["row_var"]), _local(state["col_var"])
-            row_var.lerp_(layout.norm_sq_mean(grad, -1), one_minus_beta2_t)
-            col_var.lerp_(layout.norm_sq_mean(grad, -2), one_minus_beta2_t)
+            row_var.lerp_((yield from layout.norm_sq_mean(grad, -1)), one_minus_beta2_t)
+            col_var.lerp_((yield from layout.norm_sq_mean(grad, -2)), one_minus_beta2_t)
             var_estimate = row_var @ col_var
-            var_estimate.div_(layout.mean(row_var, -2, keepdim=True).clamp_(min=eps1))
+            var_estimate.div_((yield from layout.mean(row_var, -2, keepdim=True)).clamp_(min=eps1))
         else:
             variance = _local(state["variance"])
             variance.lerp_(grad * grad, one_minus_beta2_t)
             var_estimate = variance.clone()
         update = var_estimate.clamp_(min=eps1 * eps1).rsqrt_()
         update.mul_(grad)
-        denom = max(1.0, layout.norm(update).item() / ((p.numel() ** 0.5) * group["d"]))
+        denom = max(
+            1.0, (yield from layout.norm(update)).item() / ((p.numel() ** 0.5) * group["d"])
+        )
         param.add_(update, alpha=-alpha / denom)
 
 
-def _approx_sq_grad(layout: _Layout, row: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+def _approx_sq_grad(layout: _Layout, row: torch.Tensor, col: torch.Tensor) -> Reduction:
     """transformers' and CAME's ``approximate_sq_grad``: the row factor's mean is global for a
     2-D weight (its rows are sharded)."""
-    r_factor = (row / layout.mean(row, -1, keepdim=True)).rsqrt_().unsqueeze(-1)
+    r_factor = (row / (yield from layout.mean(row, -1, keepdim=True))).rsqrt_().unsqueeze(-1)
     c_factor = col.unsqueeze(-2).rsqrt()
     return torch.mul(r_factor, c_factor)
 
@@ -243,7 +299,7 @@ def _factor_zeros(layout: _Layout, grad: torch.Tensor, key: str) -> torch.Tensor
 class AdafactorHF(_Sharded, _AdafactorHF):
     """transformers' ``Adafactor`` that also steps FSDP2's sharded parameters."""
 
-    def _sharded_param(self, group: dict[str, Any], p: Any, layout: _Layout) -> None:
+    def _sharded_param(self, group: dict[str, Any], p: Any, layout: _Layout) -> Update:
         # transformers/optimization.py::Adafactor.step, on local shards.
         grad = _local(p.grad)
         if grad.dtype in {torch.float16, torch.bfloat16}:
@@ -264,21 +320,21 @@ class AdafactorHF(_Sharded, _AdafactorHF):
         if p.dtype in {torch.float16, torch.bfloat16}:
             p_data_fp32 = p_data_fp32.float()
         state["step"] += 1
-        state["RMS"] = layout.rms(p_data_fp32)
+        state["RMS"] = yield from layout.rms(p_data_fp32)
         lr = self._get_lr(group, state)
         beta2t = 1.0 - math.pow(state["step"], group["decay_rate"])
         update = (grad**2) + group["eps"][0]
         if factored:
             row, col = _local(state["exp_avg_sq_row"]), _local(state["exp_avg_sq_col"])
             row.mul_(beta2t).add_(update.mean(dim=-1), alpha=(1.0 - beta2t))
-            col.mul_(beta2t).add_(layout.mean(update, -2), alpha=(1.0 - beta2t))
-            update = _approx_sq_grad(layout, row, col)
+            col.mul_(beta2t).add_((yield from layout.mean(update, -2)), alpha=(1.0 - beta2t))
+            update = yield from _approx_sq_grad(layout, row, col)
             update.mul_(grad)
         else:
             exp_avg_sq = _local(state["exp_avg_sq"])
             exp_avg_sq.mul_(beta2t).add_(update, alpha=(1.0 - beta2t))
             update = exp_avg_sq.rsqrt().mul_(grad)
-        update.div_((layout.rms(update) / group["clip_threshold"]).clamp_(min=1.0))
+        update.div_(((yield from layout.rms(update)) / group["clip_threshold"]).clamp_(min=1.0))
         update.mul_(lr)
         if use_first_moment:
             exp_avg = _local(state["exp_avg"])
@@ -291,7 +347,7 @@ class AdafactorHF(_Sharded, _AdafactorHF):
             _local(p).copy_(p_data_fp32)
 
 
-def _came_update(optimizer: Any, group: dict[str, Any], p: Any, layout: _Layout) -> None:
+def _came_update(optimizer: Any, group: dict[str, Any], p: Any, layout: _Layout) -> Update:
     # pytorch_optimizer/optimizer/came.py::CAME.step (its per-parameter loop), on local shards.
     if p.grad.is_sparse or torch.is_complex(p):
         raise RuntimeError("CAME does not support sparse gradients or complex parameters")
@@ -310,7 +366,7 @@ def _came_update(optimizer: Any, group: dict[str, Any], p: Any, layout: _Layout)
         state["RMS"] = 0.0
     beta1, beta2, beta3 = group["betas"]
     optimizer.maximize_gradient(grad, maximize=optimizer.maximize)
-    state["RMS"] = layout.rms(param)
+    state["RMS"] = yield from layout.rms(param)
     optimizer.apply_weight_decay(
         p=param,
         grad=grad,
@@ -323,8 +379,8 @@ def _came_update(optimizer: Any, group: dict[str, Any], p: Any, layout: _Layout)
     if factored:
         row, col = _local(state["exp_avg_sq_row"]), _local(state["exp_avg_sq_col"])
         row.mul_(beta2).add_(update.mean(dim=-1), alpha=1.0 - beta2)
-        col.mul_(beta2).add_(layout.mean(update, -2), alpha=1.0 - beta2)
-        update = _approx_sq_grad(layout, row, col)
+        col.mul_(beta2).add_((yield from layout.mean(update, -2)), alpha=1.0 - beta2)
+        update = yield from _approx_sq_grad(layout, row, col)
     else:
         exp_avg_sq = _local(state["exp_avg_sq"])
         exp_avg_sq.mul_(beta2).add_(update, alpha=1.0 - beta2)
@@ -334,7 +390,7 @@ def _came_update(optimizer: Any, group: dict[str, Any], p: Any, layout: _Layout)
         torch.max(exp_avg_sq_hat, 1 / update, out=exp_avg_sq_hat)
         torch.rsqrt(exp_avg_sq_hat / beta2, out=update)
     update.mul_(grad)
-    update.div_((layout.rms(update) / optimizer.clip_threshold).clamp_(min=1.0))
+    update.div_(((yield from layout.rms(update)) / optimizer.clip_threshold).clamp_(min=1.0))
     exp_avg = _local(state["exp_avg"])
     exp_avg.lerp_(update, weight=1.0 - beta1)
     res = update - exp_avg
@@ -342,8 +398,8 @@ def _came_update(optimizer: Any, group: dict[str, Any], p: Any, layout: _Layout)
     if factored:
         res_row, res_col = _local(state["exp_avg_res_row"]), _local(state["exp_avg_res_col"])
         res_row.mul_(beta3).add_(res.mean(dim=-1), alpha=1.0 - beta3)
-        res_col.mul_(beta3).add_(layout.mean(res, -2), alpha=1.0 - beta3)
-        update = _approx_sq_grad(layout, res_row, res_col)
+        res_col.mul_(beta3).add_((yield from layout.mean(res, -2)), alpha=1.0 - beta3)
+        update = yield from _approx_sq_grad(layout, res_row, res_col)
         update.mul_(exp_avg)
     else:
         update = exp_avg
@@ -363,8 +419,8 @@ def _came_class() -> type[torch.optim.Optimizer]:
             group["step"] += 1
             super()._sharded_group(group)
 
-        def _sharded_param(self, group: dict[str, Any], p: Any, layout: _Layout) -> None:
-            _came_update(self, group, p, layout)
+        def _sharded_param(self, group: dict[str, Any], p: Any, layout: _Layout) -> Update:
+            return _came_update(self, group, p, layout)
 
     return CAME
 
