@@ -363,6 +363,28 @@ def test_fsdp2_per_device_splits_rows_and_keeps_column_factors_whole():
     assert per_device(result, 2, "zero3")["optimizer_state_bytes"] == 26  # plain halves
 
 
+@pytest.mark.parametrize(
+    ("optim", "per_rank"), [("adafactor", 1000), ("came", 2000), ("adamw", 25)]
+)
+def test_zero_partitions_unfactor_the_factored_optimizers(optim, per_rank):
+    """On ZeRO's flat partitions Adafactor keeps 4 bytes per parameter (CAME 8), split over the
+    ranks; AdamW's state is simply split."""
+    from effitrain.memory.estimate import per_device
+
+    result = {
+        "optimizer": optim,
+        "trainable_parameters": 1000,
+        "parameter_bytes": 4000,
+        "gradient_bytes": 4000,
+        "optimizer_state": {"bytes": 100},
+        "activation_bytes": 0,
+    }
+    share = per_device(result, 4, "zero2")
+    assert share["optimizer_state_bytes"] == per_rank
+    assert ("unfactored" in share["modeled"]) == (optim != "adamw")
+    assert per_device(result, 4, "ddp")["optimizer_state_bytes"] == 100
+
+
 def test_cli_per_device(train_cli):
     proc = train_cli("estimate", "--max-length", "16", "--batch-size", "2", "--num-processes", "2",
                "--sharding", "fsdp", "--json")  # fmt: skip

@@ -446,10 +446,13 @@ def per_device(
         "gradients": result["gradient_bytes"],
         "optimizer_state": result["optimizer_state"]["bytes"],
     }
+    flat = _flat_factored_state(result, sharding)
 
     def share(kind: str, value: int | None) -> int | None:
         if value is None or kind not in split:
             return value
+        if kind == "optimizer_state" and flat is not None and totals[kind]:
+            return -(-value * flat // (totals[kind] * n))  # the same parts, unfactored
         if fsdp2 is None or not totals.get(kind):
             return -(-value // n)
         # the measured bytes (gradients: as the tracker saw them) in the layout's proportions
@@ -470,8 +473,21 @@ def per_device(
             "FSDP2's split, tensor by tensor (rank 0's rows; replicated factors whole)"
             if fsdp2 is not None
             else "sharded parts divided by the number of processes"
+            + ("; flat partitions: a full second moment, unfactored" if flat is not None else "")
         ),
     }
+
+
+def _flat_factored_state(result: dict[str, Any], sharding: str) -> int | None:
+    """A factored optimizer's state on DeepSpeed ZeRO's flat 1-D partitions, where it cannot
+    factor: a full second moment, 4 bytes per trainable parameter (CAME: 8, with its exp_avg;
+    docs/distributed.md), as one process would hold it. None where it factors."""
+    from effitrain.distributed import FACTORED_OPTIMIZERS
+
+    if not sharding.startswith("zero") or result.get("optimizer") not in FACTORED_OPTIMIZERS:
+        return None
+    per_parameter = 8 if result["optimizer"] == "came" else 4
+    return int(result.get("trainable_parameters", 0)) * per_parameter
 
 
 def _measured(
