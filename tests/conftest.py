@@ -170,3 +170,35 @@ def saved_run(tmp_path_factory, data):
     proc = train_in_process(*train_args(data, out, *options))
     assert proc.returncode == 0, proc.stderr
     return SimpleNamespace(data=data, out=out, options=options, proc=proc)
+
+
+@pytest.fixture(scope="session")
+def fsdp_facts_dir(tmp_path_factory) -> Path:
+    """One launch of two CPU processes with torch's FSDP1 and FSDP2 over gloo
+    (``fsdp2_factored.py``, which runs ``fsdp_facts.py``'s checks too): the folder of each
+    rank's JSON facts. Its output is kept in ``launch.log`` for a failing test to show."""
+    import json
+
+    from tests.test_distributed import OFFLINE, free_port
+
+    out = tmp_path_factory.mktemp("fsdp-facts")
+    env = {**os.environ, **OFFLINE, "ACCELERATE_USE_CPU": "1", "FSDP_FACTS_DIR": str(out)}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            *("-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"),
+            *("--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"),
+            *("--main_process_port", str(free_port())),
+            str(Path(__file__).with_name("fsdp2_factored.py")),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    (out / "launch.json").write_text(
+        json.dumps(
+            {"returncode": proc.returncode, "tail": proc.stdout[-3000:] + proc.stderr[-3000:]}
+        )
+    )
+    return out

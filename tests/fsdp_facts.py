@@ -1,11 +1,12 @@
-"""Run by test_distributed.py under ``accelerate launch`` with two CPU processes (gloo).
+"""Run by ``fsdp2_factored.py`` (one launch for both) under ``accelerate launch`` with two CPU
+processes (gloo); test_distributed.py reads what it finds.
 
 Checks, on real FSDP1 and FSDP2 from torch (Accelerate itself only enables FSDP on GPUs), what
 effitrain's sharding rules say: FSDP2's DTensor parameters crash the libraries' Adafactors and
 CAME (effitrain replaces them there: fsdp2_factored.py) and bitsandbytes, but not AdamW; FSDP1 hands the optimizer flattened 1-D shards, so Adafactor keeps a full
 ``variance``; FSDP1 with ``use_orig_params=False`` leaves an optimizer built before wrapping
-holding parameters that never train. Each rank writes its facts as JSON to
-``$FSDP_FACTS_DIR/rank-<N>.json`` (not stdout: two ranks' lines can interleave in one pipe).
+holding parameters that never train. Each rank's facts go to ``$FSDP_FACTS_DIR/rank-<N>.json``
+(not stdout: two ranks' lines can interleave in one pipe).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from pathlib import Path
 
 import torch
 from accelerate import PartialState
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 
 warnings.filterwarnings("ignore")
@@ -121,9 +121,8 @@ def adam_mini_facts(mesh) -> dict:
     return facts
 
 
-def main() -> None:
-    state = PartialState(cpu=True)
-    mesh = init_device_mesh("cpu", (state.num_processes,))
+def gather(state: PartialState, mesh) -> dict:
+    """This rank's facts (``fsdp2_factored.py`` runs it in the same launch as its own)."""
     facts: dict = {"rank": state.process_index, "fsdp2": {}, "fsdp2_errors": {}, "fsdp1": {}}
     for name in (
         *("adamw", "adafactor", "adafactor-hf", "adamw-8bit"),
@@ -152,17 +151,9 @@ def main() -> None:
     train_steps(wrapped, optimizer)
     facts["fsdp1"]["orig_params_false_trains"] = checksum(wrapped) != before
     facts["adam-mini"] = adam_mini_facts(mesh)
-    write_and_finish(state, f"rank-{state.process_index}.json", facts)
+    return facts
 
 
-def write_and_finish(state: PartialState, file_name: str, facts: dict) -> None:
-    """This rank's facts as ``$FSDP_FACTS_DIR/<file_name>``; then leave the process group."""
+def write(file_name: str, facts: dict) -> None:
+    """This rank's facts as ``$FSDP_FACTS_DIR/<file_name>``."""
     (Path(os.environ["FSDP_FACTS_DIR"]) / file_name).write_text(json.dumps(facts))
-    # Leave no gloo thread running at exit: once (CI, 2026-12-04) a rank aborted there
-    # ("terminate called without an active exception", SIGABRT), most likely at exit.
-    state.wait_for_everyone()
-    state.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

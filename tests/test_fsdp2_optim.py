@@ -9,9 +9,6 @@ resume bit for bit.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -112,31 +109,11 @@ def test_which_state_fsdp2_replicates():
 # --------------------------------------------------------------------------------------------
 
 
-def launch_script(script: str, out_dir: Path, extra_env: dict | None = None):
-    from tests.test_distributed import OFFLINE, free_port
-
-    env = {**os.environ, **OFFLINE, "ACCELERATE_USE_CPU": "1", "FSDP_FACTS_DIR": str(out_dir)}
-    env.update(extra_env or {})
-    return subprocess.run(
-        [
-            sys.executable,
-            *("-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"),
-            *("--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"),
-            *("--main_process_port", str(free_port())),
-            str(Path(__file__).with_name(script)),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-
-
 @pytest.mark.slow
-def test_two_fsdp2_processes_equal_one_and_resume_exactly(tmp_path):
-    proc = launch_script("fsdp2_factored.py", tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ranks = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("factored-rank-*.json"))]
+def test_two_fsdp2_processes_equal_one_and_resume_exactly(fsdp_facts_dir):
+    launched = json.loads((fsdp_facts_dir / "launch.json").read_text())
+    assert launched["returncode"] == 0, launched["tail"]
+    ranks = [json.loads(p.read_text()) for p in sorted(fsdp_facts_dir.glob("factored-rank-*.json"))]
     assert len(ranks) == 2
     for name in FACTORED_OPTIMIZERS:
         facts = [rank["optimizers"][name] for rank in ranks]
