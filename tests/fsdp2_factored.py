@@ -231,7 +231,20 @@ def facts_for(name: str, mesh, state: PartialState) -> dict:
             kind: checkpoint_facts(name, mesh, state, kind)
             for kind in ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
         },
+        "hsdp_max_diff": {
+            f"{replicas}x{shards}": hsdp_max_diff(name, (replicas, shards), rank, n, ref_model)
+            for replicas, shards in ((1, n), (n, 1))
+        },
     }
+
+
+def hsdp_max_diff(name: str, shape: tuple[int, int], rank: int, n: int, reference) -> float:
+    """HSDP: a 2-D mesh (replicas x shards), FSDP2 sharding on its second dim; the largest
+    difference from the one-process reference after all steps."""
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    model = shard(make_model(), mesh)
+    train(model, build(name, model, sharded=True), range(STEPS), rank, n)
+    return max_diff(list(model.parameters()), [p.detach() for p in reference.parameters()])
 
 
 def main() -> None:

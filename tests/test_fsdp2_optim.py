@@ -128,6 +128,9 @@ def test_two_fsdp2_processes_equal_one_and_resume_exactly(fsdp_facts_dir):
             assert fact["rank_state_bytes"] == fact["expected_rank_state_bytes"], (name, rank)
             for kind, checkpoint in fact["checkpoint"].items():
                 assert checkpoint["bit_identical"], (name, kind, checkpoint)
+        # HSDP (a 2-D mesh: replicas x shards), sharded over 2 and replicated over 2.
+        for shape, diff in facts[0]["hsdp_max_diff"].items():
+            assert diff < 1e-6, (name, shape, diff)
         # effitrain estimate's FSDP2 split says rank 0's, the largest share, to the byte.
         assert facts[0]["estimated_rank0_state_bytes"] == facts[0]["rank_state_bytes"], name
         # Uneven and empty shards: 11 rows split 6 + 5, the one-row weight 1 + 0.
