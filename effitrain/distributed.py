@@ -299,9 +299,9 @@ def _check_launch(state: Any, sharding: Sharding) -> None:
 
 def _fsdp_rules(sharding: Sharding, state: Any, optim: str) -> list[str]:
     if sharding.kind == "fsdp2" and optim in DTENSOR_INCOMPATIBLE:
-        alternative = DTENSOR_ALTERNATIVE.get(optim, "--optim adamw")
+        instead = DTENSOR_ALTERNATIVE.get(optim, "--optim adamw")
         alternative = (
-            f"use {alternative} with FSDP2, {USE_DDP}, or FSDP1 with fsdp_use_orig_params: true"
+            f"use {instead} with FSDP2, {USE_DDP}, or FSDP1 with fsdp_use_orig_params: true"
         )
         raise EffitrainError(
             f"--optim {optim} cannot run under FSDP2: {DTENSOR_INCOMPATIBLE[optim]} crashes on "

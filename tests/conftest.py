@@ -176,24 +176,15 @@ def saved_run(tmp_path_factory, data):
 def fsdp_facts_dir(tmp_path_factory) -> Path:
     """One launch of two CPU processes with torch's FSDP1 and FSDP2 over gloo
     (``fsdp2_factored.py``, which runs ``fsdp_facts.py``'s checks too): the folder of each
-    rank's JSON facts. Its output is kept in ``launch.log`` for a failing test to show."""
+    rank's JSON facts, and ``launch.json``: the exit code and output tail, for a failing test."""
     import json
 
-    from tests.test_distributed import OFFLINE, free_port
+    from tests.test_distributed import launch
 
     out = tmp_path_factory.mktemp("fsdp-facts")
-    env = {**os.environ, **OFFLINE, "ACCELERATE_USE_CPU": "1", "FSDP_FACTS_DIR": str(out)}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            *("-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"),
-            *("--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"),
-            *("--main_process_port", str(free_port())),
-            str(Path(__file__).with_name("fsdp2_factored.py")),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
+    proc = launch(
+        script=Path(__file__).with_name("fsdp2_factored.py"),
+        extra_env={"FSDP_FACTS_DIR": str(out)},
         timeout=300,
     )
     (out / "launch.json").write_text(

@@ -50,12 +50,14 @@ def launch(
     timeout: int = 240,
     config: Path = CPU_CONFIG,
     script: Path | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """``accelerate launch`` two CPU processes running ``effitrain ARGS``.
 
     The config file is the shipped ``cpu-2proc.yaml`` unless ``config`` says otherwise; the
     port is a free one. ``no_python``: the console-script form (``--no_python effitrain …``)
-    instead of ``-m effitrain …``; ``script``: a Python file that runs effitrain's CLI.
+    instead of ``-m effitrain …``; ``script``: a Python file to run instead (effitrain's CLI
+    behind a harness, or a test script); ``extra_env``: more environment variables.
     ``use_cpu_env``: set ``ACCELERATE_USE_CPU=1``; without it, on a machine without GPUs,
     effitrain itself must put the processes on CPU (``distributed.cpu_for_launch``).
     """
@@ -68,6 +70,7 @@ def launch(
     if script is not None:
         target = [str(script)]
         env["PYTHONPATH"] = str(REPO)
+    env.update(extra_env or {})
     command = [
         sys.executable,
         "-m",

@@ -122,14 +122,13 @@ def _estimates(
     reasons for those that ``--optim all`` skipped."""
     from effitrain.build import checked_config
     from effitrain.errors import EffitrainError
-    from effitrain.memory.estimate import SHARDED, per_device
+    from effitrain.memory.estimate import check_sharding
     from effitrain.memory.estimate import estimate as run_estimate
     from effitrain.optim import OPTIMIZERS, get_spec
 
     if num_processes < 1:
         raise EffitrainError(f"--num-processes must be 1 or more (got {num_processes})")
-    if sharding not in SHARDED:
-        per_device({}, num_processes, sharding)  # the one-line error
+    check_sharding(sharding)
     fp32 = overrides.pop("fp32_embedding_state", None)  # see _for_optimizer
     from_file = checked_config(config_file, overrides)
     names = _names(optim or from_file.optim, OPTIMIZERS)

@@ -337,6 +337,18 @@ SHARDED = {
 """What each strategy splits across processes (``fsdp`` is FSDP2 full shard, like ZeRO-3)."""
 
 
+def check_sharding(sharding: str) -> None:
+    """Refuse an unknown ``--sharding`` in one line.
+
+    Raises:
+        EffitrainError: ``sharding`` is not one of :data:`SHARDED`.
+    """
+    if sharding not in SHARDED:
+        raise EffitrainError(
+            f"unknown --sharding '{sharding}'; choose one of: {', '.join(SHARDED)}"
+        )
+
+
 def sharding_notes(optim: str, num_processes: int, sharding: str) -> list[str]:
     """What ``effitrain train`` would say about ``optim`` under ``sharding`` over
     ``num_processes`` processes (``distributed.optimizer_notes`` on a stand-in of Accelerate's
@@ -349,10 +361,7 @@ def sharding_notes(optim: str, num_processes: int, sharding: str) -> list[str]:
 
     from effitrain.distributed import optimizer_notes
 
-    if sharding not in SHARDED:
-        raise EffitrainError(
-            f"unknown --sharding '{sharding}'; choose one of: {', '.join(SHARDED)}"
-        )
+    check_sharding(sharding)
     if sharding == "ddp":
         return []
     if sharding == "fsdp":
@@ -435,10 +444,7 @@ def per_device(
     Raises:
         EffitrainError: an unknown strategy.
     """
-    if sharding not in SHARDED:
-        raise EffitrainError(
-            f"unknown --sharding '{sharding}'; choose one of: {', '.join(SHARDED)}"
-        )
+    check_sharding(sharding)
     split = SHARDED[sharding]
     n = max(num_processes, 1)
     totals = {

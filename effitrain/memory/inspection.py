@@ -166,11 +166,10 @@ def _trainer_step(folder: Path) -> int | None:
 def _folder_source(folder: Path) -> Source | None:
     if (folder / METADATA_FILE).exists():
         meta = read_metadata(folder)  # checks every file's size: a truncated one is named
-        if not _accelerate_files(folder):
+        files = _accelerate_files(folder)
+        if not files:
             _refuse_sharded(folder)
-        return Source(
-            "effitrain checkpoint", _accelerate_files(folder), meta.get("global_step"), meta
-        )
+        return Source("effitrain checkpoint", files, meta.get("global_step"), meta)
     files = _accelerate_files(folder)
     if files:
         return Source("accelerate save_state folder", files)

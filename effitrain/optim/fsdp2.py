@@ -130,6 +130,12 @@ class _Layout:
 
     # -- state -------------------------------------------------------------------------------
 
+    def zeros(self, like: torch.Tensor, key: str, global_shape: Any, local_shape: Any) -> Any:
+        """Zero state ``key`` of ``global_shape``: whole on every rank where it is replicated,
+        else ``local_shape`` (the rank's rows)."""
+        local = global_shape if replicated(key, len(self.shape)) else local_shape
+        return self.state(like.new_zeros(local), key, global_shape)
+
     def state(self, local: torch.Tensor, key: str = "", global_shape: Any = None) -> torch.Tensor:
         """``local`` as this parameter's state: a DTensor sharded like it, or replicated."""
         if self.mesh is None:
@@ -237,13 +243,11 @@ class Adafactor(_Sharded, torch.optim.Adafactor):
         if len(state) == 0:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             if p.dim() > 1:
-                row_shape, col_shape = list(p.shape), list(p.shape)
-                row_shape[-1], col_shape[-2] = 1, 1
-                local_rows = [*grad.shape[:-1], 1]
-                # a 2-D weight's column factor spans every rank's rows: each rank holds it whole
-                local_cols = col_shape if p.dim() == 2 else [*grad.shape[:-2], 1, grad.shape[-1]]
-                state["row_var"] = layout.state(grad.new_zeros(local_rows), "row_var", row_shape)
-                state["col_var"] = layout.state(grad.new_zeros(local_cols), "col_var", col_shape)
+                shape, local = p.shape, grad.shape
+                state["row_var"] = layout.zeros(grad, "row_var", [*shape[:-1], 1], [*local[:-1], 1])
+                state["col_var"] = layout.zeros(
+                    grad, "col_var", [*shape[:-2], 1, shape[-1]], [*local[:-2], 1, local[-1]]
+                )
             else:
                 state["variance"] = layout.state(torch.zeros_like(grad))
         eps1, eps2 = group["eps"]
@@ -287,13 +291,10 @@ def _approx_sq_grad(layout: _Layout, row: torch.Tensor, col: torch.Tensor) -> Re
 def _factor_zeros(layout: _Layout, grad: torch.Tensor, key: str) -> torch.Tensor:
     """A zero row (``..._row``: shape[:-1]) or column (``..._col``: shape[:-2] + shape[-1:])
     factor for ``grad``'s local shard, as state."""
-    shape = layout.shape
+    shape, local = layout.shape, grad.shape
     if key.endswith("_row"):
-        return layout.state(grad.new_zeros(grad.shape[:-1]), key, shape[:-1])
-    local = grad.shape[:-2] + grad.shape[-1:]
-    if replicated(key, len(shape)):
-        local = shape[-1:]
-    return layout.state(grad.new_zeros(local), key, shape[:-2] + shape[-1:])
+        return layout.zeros(grad, key, shape[:-1], local[:-1])
+    return layout.zeros(grad, key, shape[:-2] + shape[-1:], local[:-2] + local[-1:])
 
 
 class AdafactorHF(_Sharded, _AdafactorHF):
