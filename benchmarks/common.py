@@ -1,5 +1,5 @@
 """What every benchmark shares: where and when a run happened (provenance), its results file,
-running effitrain configurations through ``effitrain.compare``, and the Markdown tables of its
+running effitrain configurations through ``effitrain.comparison``, and the Markdown tables of its
 README, rendered from the results file alone.
 
 A topic is a folder ``benchmarks/<topic>/`` with ``run.py`` (``python -m benchmarks.<topic>.run``),
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from effitrain.compare import Comparison, Configuration
+    from effitrain.comparison import Comparison, Configuration
 
 REPO = Path(__file__).resolve().parent.parent
 BEGIN = (
@@ -447,7 +447,7 @@ def main(
 
 
 # --------------------------------------------------------------------------------------------
-# Running configurations through effitrain.compare
+# Running configurations through effitrain.comparison
 # --------------------------------------------------------------------------------------------
 
 
@@ -458,9 +458,9 @@ def run_configurations(
     repeats: int = 1,
     **options: Any,
 ) -> Comparison:
-    """``effitrain.compare.compare`` with progress on stderr and each run's files under
+    """``effitrain.comparison.compare`` with progress on stderr and each run's files under
     ``work_dir`` (a fresh process per run, repeats in turn, medians)."""
-    from effitrain.compare import compare
+    from effitrain.comparison import compare
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

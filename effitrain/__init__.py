@@ -13,9 +13,9 @@ def __getattr__(name: str) -> Any:
     """The public Python API, imported on first use (PEP 562), so that ``import effitrain``
     (and with it ``effitrain --help``) loads no torch, transformers or rich."""
     if name in ("OptimizerMemory", "optimizer_memory"):
-        from effitrain import api
+        from effitrain import python_api
 
-        value = getattr(api, name)
+        value = getattr(python_api, name)
         globals()[name] = value  # later lookups skip this hook
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,7 +24,7 @@ from effitrain.optim import Hyperparameters, OptimizerSpec, bf16
 from effitrain.results import RunInfo
 from effitrain.tasks.base import ModelLoss
 from effitrain.tasks.sources import steps_per_epoch
-from effitrain.wrapped import base_model
+from effitrain.models import base_model
 
 if TYPE_CHECKING:
     from accelerate import Accelerator

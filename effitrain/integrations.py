@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
 
-from effitrain.api import OptimizerMemory, optimizer_memory
+from effitrain.python_api import OptimizerMemory, optimizer_memory
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -281,7 +281,7 @@ def original_parameters(model: Any) -> Any:
     """The parameters the model had before any lever added some (LoRA's adapters and head
     copies): what "the same model trained whole" trains."""
     from effitrain.lora import original_parameters
-    from effitrain.wrapped import is_lora
+    from effitrain.models import is_lora
 
     return original_parameters(model) if is_lora(model) else model
 

@@ -1,7 +1,7 @@
-"""The training loop, top to bottom: :func:`train_step` is the course's loop body, :func:`fit`
+"""The training loop, top to bottom: :func:`train_step` is the loop body, :func:`fit`
 runs it over epochs, :func:`evaluate` measures after each epoch.
 
-One optimizer step, as on the course slide::
+One optimizer step, as in Accelerate's own examples::
 
     with accelerator.accumulate(model):
         loss = model(**batch).loss  # or a sum over tokens, weighed by the step's tokens

@@ -49,7 +49,7 @@ def head_modules(model: Any) -> list[str]:
     """The classification head: the top-level modules with parameters outside the base model,
     and the base model's ``pooler`` where the head reads it (BERT: ``bert.pooler``). A causal
     LM has none that trains in full: its ``lm_head`` is pretrained (often the embeddings)."""
-    from effitrain.wrapped import is_causal_lm
+    from effitrain.models import is_causal_lm
 
     if is_causal_lm(model):
         return []
@@ -164,7 +164,7 @@ def apply(model: Any, config: TrainConfig) -> Any:
 
     head = head_modules(model)
     targets = resolve_targets(model, config.lora_target_modules, head)
-    from effitrain.wrapped import is_causal_lm
+    from effitrain.models import is_causal_lm
 
     lora_config = LoraConfig(
         task_type=TaskType.CAUSAL_LM if is_causal_lm(model) else TaskType.SEQ_CLS,

@@ -320,3 +320,21 @@ def _for_training(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
     model.config.use_cache = False
     tokenizer.padding_side = "right"
     return model
+
+
+# What a lever's wrapper hides (LoRA's peft model): the registry and the levers look through it.
+def is_lora(model: Any) -> bool:
+    """Whether ``model`` (unwrapped) is a peft model."""
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def base_model(model: Any) -> Any:
+    """The transformers model under a lever's wrapper (LoRA's peft model), else ``model``."""
+    return model.get_base_model() if is_lora(model) else model
+
+
+def is_causal_lm(model: Any) -> bool:
+    """Whether ``model`` (unwrapped, under LoRA or not) is a transformers causal LM."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return type(base_model(model)).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())

@@ -220,7 +220,7 @@ def describe(model: Any, config: TrainConfig) -> str:
     import bitsandbytes as bnb
 
     from effitrain.memory.ledger import format_bytes
-    from effitrain.wrapped import base_model
+    from effitrain.models import base_model
 
     base = base_model(model)
     names = [n for n, m in base.named_modules() if isinstance(m, bnb.nn.Linear4bit)]

@@ -19,7 +19,7 @@ from effitrain.tasks import get_task
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from effitrain.memory.inspection import StateReport
+    from effitrain.inspection import StateReport
     from effitrain.memory.ledger import OptimizerStateLedger
     from effitrain.results import RunInfo, StepLog, TrainResult
 
@@ -695,7 +695,7 @@ def comparison_table(rows: list[dict[str, Any]]) -> Any:
     ratios to the first."""
     from rich.table import Table
 
-    from effitrain.compare import COLUMNS
+    from effitrain.comparison import COLUMNS
 
     base = rows[0]
     table = Table(

@@ -141,7 +141,7 @@ def expected_rank_bytes(reference, ref_model, rank: int, n: int) -> int:
 
 
 def estimated_rank0_bytes(reference, ref_model, n: int) -> int:
-    from effitrain.memory.estimate import fsdp2_layout, per_device
+    from effitrain.estimation import fsdp2_layout, per_device
 
     result = {
         "parameter_bytes": 0,

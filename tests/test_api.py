@@ -1,4 +1,4 @@
-"""The Python API (`effitrain.optimizer_memory`) and the Trainer callback.
+"""The Python API (`effitrain.python_api`) and the Trainer callback.
 
 Expected numbers are counted here by hand from each optimizer's own ``state_dict()`` (every
 tensor's ``numel() × element_size()``, a tensor held by several parameters once, a Python

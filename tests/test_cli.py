@@ -261,7 +261,7 @@ def test_debug_env_shows_traceback(train_cli, monkeypatch):
 def test_unexpected_error_is_one_line_with_the_debug_hint(capsys, monkeypatch):
     import typer
 
-    from effitrain.cli.errors import user_errors
+    from effitrain.cli.error_handling import user_errors
 
     monkeypatch.delenv("EFFITRAIN_DEBUG", raising=False)
     for exc, line in [

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from effitrain.compare import PARTS, child_error, configurations, parse_variant, plot
+from effitrain.comparison import PARTS, child_error, configurations, parse_variant, plot
 from effitrain.errors import EffitrainError
 from tests.conftest import assert_clean_error
 
@@ -21,7 +21,7 @@ def test_variants_become_train_options():
             parse_variant(bad)
 
 
-def test_default_is_the_course_comparison():
+def test_default_is_adamw_against_adafactor_and_8bit():
     assert [row.label for row in configurations([], [])] == ["adamw", "adafactor", "adamw-8bit"]
     with pytest.raises(EffitrainError, match="unknown optimizer 'nope'"):
         configurations(["nope"], [])
@@ -66,29 +66,29 @@ def test_shared_arguments_default_and_given():
 
 
 def test_the_default_comparison_trains_stably():
-    """With no options, the course's three run at learning rates that keep the random-init
+    """With no options, the default three run at learning rates that keep the random-init
     distilbert-base shape from diverging, warming up over half the steps; --help says which.
     Other optimizers, another model or --lr: the optimizers' own defaults."""
-    from effitrain.cli.compare import COURSE_LR, _configurations, _is_course, shared_arguments
+    from effitrain.cli.compare import DEFAULT_COMPARISON_LR, _configurations, _is_default_comparison, shared_arguments
     from effitrain.cli.optimizers import short_number
 
-    assert _is_course(None, None, {}) and _is_course(None, None, {"max_steps": 20})
+    assert _is_default_comparison(None, None, {}) and _is_default_comparison(None, None, {"max_steps": 20})
     for optim, variants, given in [
         ("adamw", None, {}),
         (None, ["adamw"], {}),
         (None, None, {"model": "tiny"}),
         (None, None, {"lr": 1e-4}),
     ]:
-        assert not _is_course(optim, variants, given)  # fmt: skip
-    common = shared_arguments({}, course=True)
+        assert not _is_default_comparison(optim, variants, given)  # fmt: skip
+    common = shared_arguments({}, default=True)
     assert common[-4:] == ["--warmup-ratio", "0.5", "--log-every", "1"]
-    assert "--warmup-ratio" not in shared_arguments({"warmup_steps": 2}, course=True)
-    rows = _configurations(None, None, common, 1, course=True)
+    assert "--warmup-ratio" not in shared_arguments({"warmup_steps": 2}, default=True)
+    rows = _configurations(None, None, common, 1, default=True)
     assert {row.label: row.args for row in rows} == {
-        name: ["--optim", name, "--lr", short_number(lr)] for name, lr in COURSE_LR.items()
+        name: ["--optim", name, "--lr", short_number(lr)] for name, lr in DEFAULT_COMPARISON_LR.items()
     }
     text = " ".join(_compare_help().split())
-    assert all(f"{name} {short_number(lr)}" in text for name, lr in COURSE_LR.items()), text
+    assert all(f"{name} {short_number(lr)}" in text for name, lr in DEFAULT_COMPARISON_LR.items()), text
 
 
 def _compare_help() -> str:

@@ -51,7 +51,7 @@ def long_data(tmp_path_factory) -> list[str]:
 
 def compare(train_cli, tmp_path: Path, args: list[str]) -> tuple[dict, dict]:
     from effitrain.cli.compare import train_config
-    from effitrain.memory.estimate import estimate
+    from effitrain.estimation import estimate
 
     metrics = tmp_path / "metrics.json"
     proc = train_cli("train", "--quiet", "--max-steps", "2", *args, "--metrics-json", str(metrics))
@@ -163,7 +163,7 @@ def test_estimate_of_a_pretrained_folder_reads_no_weights(
         if item.suffix != ".safetensors":  # the estimate needs the config and tokenizer only
             (tmp_path / "copy" / item.name).write_bytes(item.read_bytes())
     from effitrain.cli.compare import train_config
-    from effitrain.memory.estimate import estimate
+    from effitrain.estimation import estimate
 
     args = [*long_data, "--batch-size", "8", "--max-length", "32"]
     without_weights = estimate(train_config([*args, "--model", str(tmp_path / "copy")]))
@@ -299,7 +299,7 @@ def test_report_renders_columns_rows_and_errors():
 
 
 def test_per_device_splits_what_each_strategy_shards():
-    from effitrain.memory.estimate import per_device
+    from effitrain.estimation import per_device
 
     result = {
         "parameter_bytes": 400,
@@ -341,7 +341,7 @@ def test_fsdp2_per_device_splits_rows_and_keeps_column_factors_whole():
     factor; and each step count (a 0-d tensor)."""
     import torch
 
-    from effitrain.memory.estimate import fsdp2_layout, per_device
+    from effitrain.estimation import fsdp2_layout, per_device
 
     model = torch.nn.Linear(5, 3)
     optimizer = torch.optim.Adafactor(model.parameters())
@@ -369,7 +369,7 @@ def test_fsdp2_per_device_splits_rows_and_keeps_column_factors_whole():
 def test_zero_partitions_unfactor_the_factored_optimizers(optim, per_rank):
     """On ZeRO's flat partitions Adafactor keeps 4 bytes per parameter (CAME 8), split over the
     ranks; AdamW's state is simply split."""
-    from effitrain.memory.estimate import per_device
+    from effitrain.estimation import per_device
 
     result = {
         "optimizer": optim,
@@ -406,7 +406,7 @@ def test_torchao_state_from_its_own_allocation(train_cli, tmp_path, long_data, o
     it (its own state allocation). The state still equals a real run's to the byte (a real run
     does not measure torchao's step by kind, so there is no peak to compare)."""
     from effitrain.cli.compare import train_config
-    from effitrain.memory.estimate import estimate
+    from effitrain.estimation import estimate
 
     args = [*long_data, "--batch-size", "4", "--max-length", "32", "--optim", optim]
     metrics = tmp_path / "metrics.json"
@@ -429,7 +429,7 @@ def test_torchao_estimate_leaves_its_quantization_maps_real(optim):
     from torchao.optim import quant_utils, subclass_4bit, subclass_8bit
 
     from effitrain.build import checked_config
-    from effitrain.memory.estimate import estimate
+    from effitrain.estimation import estimate
 
     for module in (subclass_8bit, subclass_4bit):
         module.get_qmap_signed.cache_clear()

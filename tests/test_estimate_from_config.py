@@ -17,7 +17,7 @@ COMPARED = ("parameter_bytes", "gradient_bytes", "activation_bytes", "peak_tenso
 
 def _estimate(**options) -> dict:
     from effitrain.build import checked_config
-    from effitrain.memory.estimate import estimate
+    from effitrain.estimation import estimate
 
     return estimate(checked_config(None, options))
 

@@ -167,7 +167,7 @@ def test_effitrain_trains_adafactor_under_fsdp2_and_resumes_bit_for_bit(tmp_path
     import shutil
 
     from effitrain.cli.compare import train_config
-    from effitrain.memory.estimate import estimate
+    from effitrain.estimation import estimate
     from tests.test_distributed import REPO, launch, load_parameters
 
     config = REPO / "configs" / "accelerate" / "fsdp2-full-shard.yaml"

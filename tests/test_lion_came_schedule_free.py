@@ -280,7 +280,7 @@ def test_came_confidence_average_is_short_enough_for_fine_tuning():
 def test_came_is_told_apart_from_transformers_adafactor():
     from transformers.optimization import Adafactor
 
-    from effitrain.memory.inspection import infer_optimizer, infer_parameter
+    from effitrain.inspection import infer_optimizer, infer_parameter
 
     model = small_model()
     hf = Adafactor(model.parameters(), lr=1e-3, relative_step=False, scale_parameter=False)

@@ -149,7 +149,7 @@ def parameters(model):
 # --------------------------------------------------------------------------------------------
 
 
-def test_train_step_is_the_course_loop():
+def test_train_step_is_accelerates_example_loop():
     """One step equals forward, backward, clip, optimizer.step, scheduler.step, zero_grad."""
     import copy
 
@@ -403,7 +403,7 @@ def fit_tiny(run, stop=None):
     """``train()``'s middle on a tiny run: resume if asked, then fit."""
     from effitrain.loop import fit
     from effitrain.signals import StopRequest
-    from effitrain.train import make_checkpointer, resume
+    from effitrain.training import make_checkpointer, resume
 
     reporter, stream = recording_reporter()
     progress = TrainingProgress.for_accelerator(run.accelerator)

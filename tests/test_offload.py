@@ -268,7 +268,7 @@ def test_activation_offload_keeps_gradients_and_counts_what_moved(pretend_accele
 
 
 def test_estimate_models_activation_offload_on_fake_tensors():
-    from effitrain.memory.estimate import estimate
+    from effitrain.estimation import estimate
 
     options = {"task": "causal-lm", "model": "tiny-llama", "batch_size": 2, "max_length": 64}
     plain = estimate(checked_config(None, options))
@@ -282,7 +282,7 @@ def test_estimate_models_activation_offload_on_fake_tensors():
 
 
 def test_estimate_counts_optimizer_offload_state_on_the_host():
-    from effitrain.memory.estimate import estimate
+    from effitrain.estimation import estimate
 
     options = {"task": "causal-lm", "model": "tiny-llama", "batch_size": 2, "max_length": 64}
     plain = estimate(checked_config(None, options))

@@ -144,7 +144,7 @@ def test_ledger_counts_torchao_state_to_the_byte(class_name, uncompiled):
 
 @pytest.mark.parametrize("class_name", list(LAYOUT))
 def test_state_dict_round_trip_through_weights_only_load(class_name, tmp_path, uncompiled):
-    from effitrain.memory.inspection import safe_load
+    from effitrain.inspection import safe_load
     from effitrain.optim.low_bit import build
 
     model, optimizer = stepped(class_name, steps=2)
@@ -199,7 +199,7 @@ def test_inspect_state_names_torchao_and_shapes_in_a_fresh_process(tmp_path, unc
 
 def test_inspect_state_without_torchao_is_one_install_line(tmp_path, monkeypatch):
     import effitrain.optim.low_bit as optim_ao
-    from effitrain.memory.inspection import safe_load
+    from effitrain.inspection import safe_load
 
     path = tmp_path / "optimizer.bin"
     torch.save({"state": {}, "param_groups": []}, path)  # what it would import is faked below
@@ -214,7 +214,7 @@ def test_inspect_state_without_torchao_is_one_install_line(tmp_path, monkeypatch
 
 
 def test_other_classes_stay_refused_with_torchao_installed(tmp_path, monkeypatch):
-    from effitrain.memory.inspection import safe_load
+    from effitrain.inspection import safe_load
 
     path = tmp_path / "optimizer.bin"
     torch.save({"state": {}, "param_groups": []}, path)

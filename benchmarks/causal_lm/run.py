@@ -11,7 +11,7 @@ causal LM. One question per ``--what``:
 - ``smollm2``: SmolLM2-135M-Instruct (pretrained, benchmarks/checkpoints.py) fine-tuned for a few
   steps on the built-in corpus with each optimizer's default lr: validation perplexity, sample.
 
-Training runs are fresh ``effitrain train`` processes through effitrain.compare.
+Training runs are fresh ``effitrain train`` processes through effitrain.comparison.
 
     python -m benchmarks.causal_lm.run --what demo
     python -m benchmarks.causal_lm.run --what packing --lengths 128 512
@@ -96,7 +96,7 @@ def _train(args, device, configurations, shared) -> list[common.Row]:
 
 
 def demo(args: argparse.Namespace, device: str) -> common.Run:
-    from effitrain.compare import Configuration
+    from effitrain.comparison import Configuration
 
     (row,) = _train(args, device, [Configuration(label="demo")], ["--task", "causal-lm"])
     metrics = row["metrics"]
@@ -123,7 +123,7 @@ def demo(args: argparse.Namespace, device: str) -> common.Run:
 
 
 def packing(args: argparse.Namespace, device: str) -> common.Run:
-    from effitrain.compare import Configuration
+    from effitrain.comparison import Configuration
 
     shared = ["--task", "causal-lm", "--epochs", "1", "--batch-size", str(args.batch_size)]
     shared += ["--max-length", str(args.max_length)]
@@ -224,7 +224,7 @@ def check_architecture(model_type: str) -> common.Row:
 
 def smollm2(args: argparse.Namespace, device: str) -> common.Run:
     from benchmarks.checkpoints import model_folder
-    from effitrain.compare import Configuration
+    from effitrain.comparison import Configuration
 
     folder = model_folder("smollm2")
     shared = ["--task", "causal-lm", "--model", str(folder), "--dataset", "demo", "--batch-size",

@@ -5,7 +5,7 @@ optimizers: accelerate's "Training using Adam" figure (its own functions, on the
 model: accelerate's command itself needs the Hub), effitrain's estimate (fake tensors, no
 weights), and what ``effitrain train --max-steps 2`` measures (peak tensor memory of one
 optimizer step; CUDA's max_memory_allocated over it on a GPU), on texts long enough that every
-batch is full. Each measured run is a fresh process through effitrain.compare.
+batch is full. Each measured run is a fresh process through effitrain.comparison.
 
     python -m benchmarks.estimate.run
     python -m benchmarks.estimate.run --settings 8x128 32x128 --optims adamw adafactor adamw-8bit
@@ -39,8 +39,8 @@ def accelerate_answer(model_name: str) -> int:
 
 def measure(args: argparse.Namespace, device: str) -> common.Run:
     from effitrain.build import checked_config
-    from effitrain.compare import Configuration
-    from effitrain.memory.estimate import estimate
+    from effitrain.comparison import Configuration
+    from effitrain.estimation import estimate
 
     adam = accelerate_answer(args.model)
     train, validation = common.write_long_texts(args.work_dir / "data", rows=64)

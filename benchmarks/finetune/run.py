@@ -33,7 +33,7 @@ SMOKE_ARGS += ["--optims", "adamw", "--epochs", "1", "--", "--max-steps", "2"]
 
 def measure(args: argparse.Namespace, device: str) -> common.Run:
     from benchmarks.checkpoints import model_folder
-    from effitrain.compare import Configuration
+    from effitrain.comparison import Configuration
     from effitrain.optim import OPTIMIZERS
 
     optims = args.optims or [name for name, spec in OPTIMIZERS.items() if spec.is_available()]

@@ -21,7 +21,7 @@ from benchmarks import common
 
 TOPIC = common.Topic.of(__file__)
 SMOKE_ARGS = ["--model", "tiny", "--runs", "1"]
-BARE_IMPORT = "import torch, effitrain.memory.inspection, effitrain.cli, rich"
+BARE_IMPORT = "import torch, effitrain.inspection, effitrain.cli, rich"
 
 
 def build_checkpoint(folder: Path, model_name: str) -> Path:
@@ -45,7 +45,7 @@ def build_checkpoint(folder: Path, model_name: str) -> Path:
 
 
 def measure(args: argparse.Namespace, device: str) -> common.Run:
-    from effitrain.compare import run_process
+    from effitrain.comparison import run_process
 
     folder = args.work_dir / "checkpoint"
     folder.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 
 These were slow tests; they are benchmarks now, with the same thresholds (the test suite keeps a
 fast in-process check per optimizer that its loss falls). Each check is ``effitrain train`` in a
-fresh process (effitrain.compare) and a bar on what it measured: eval accuracy on the demo or on
+fresh process (effitrain.comparison) and a bar on what it measured: eval accuracy on the demo or on
 a real checkpoint, perplexity of the causal-LM demo, the loss of a pretrained causal LM
 fine-tuned on a new answer style. The banner lines that say which defaults were chosen are
 checked as well. Exits non-zero when any check misses its bar or does not run.
@@ -172,7 +172,7 @@ def judge(check: Check, metrics: dict) -> tuple[float, list[str]]:
 
 
 def measure(args: argparse.Namespace, device: str) -> common.Run:
-    from effitrain.compare import Configuration
+    from effitrain.comparison import Configuration
 
     chosen = [c for c in CHECKS if not args.only or c.name in args.only]
     rows, configurations = [], []

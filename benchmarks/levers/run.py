@@ -4,7 +4,7 @@ The distilbert-base preset's shape (65.8M parameters, random init), batch 8 x 12
 synthetic texts long enough to fill 128 tokens. Rows: fp32 AdamW with no levers (the baseline),
 each lever alone, then all levers together with adafactor-hf (torch's adafactor cannot train
 LoRA's zero-initialised adapters and is refused with LoRA). Every run is a fresh ``effitrain
-train`` process (effitrain.compare); with --repeats N the rows run in turn, N times. Per row:
+train`` process (effitrain.comparison); with --repeats N the rows run in turn, N times. Per row:
 each memory part of one optimizer step (parameters, gradients at their peak, optimizer state,
 activations at their peak, peak tensor memory), the process's peak RSS (median), median seconds
 per step (first step excluded; median over repeats), each as a ratio to the baseline.
@@ -52,7 +52,7 @@ PARTS = (
 
 
 def measure(args: argparse.Namespace, device: str) -> common.Run:
-    from effitrain.compare import Configuration
+    from effitrain.comparison import Configuration
 
     names = [list(ROWS)[ROW_NAMES[name]] for name in args.rows]
     env = common.device_env(device)

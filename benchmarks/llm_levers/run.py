@@ -5,7 +5,7 @@ The qwen2.5-0.5b preset (Qwen2.5-0.5B's exact architecture: 494M parameters, a 1
 vocabulary; random init) at 1 x 2048 tokens, causal-LM training on packed synthetic text. Rows:
 fp32 AdamW with the full logits (the plain run), each new lever that runs on this device alone,
 then all of them together, once for full fine-tuning and once for QLoRA. Every run is a fresh
-``effitrain train`` process (effitrain.compare); beside each, ``effitrain estimate`` of the same
+``effitrain train`` process (effitrain.comparison); beside each, ``effitrain estimate`` of the same
 options (in this process, fake tensors). Per row: each memory part of one optimizer step, the
 process's peak RSS, seconds per step (the first excluded), and the estimate's error on the peak.
 
@@ -79,8 +79,8 @@ def write_texts(folder: Path, documents: int, length: int) -> tuple[Path, Path]:
 
 def measure(args: argparse.Namespace, device: str) -> common.Run:
     from effitrain.cli.compare import train_config
-    from effitrain.compare import Configuration
-    from effitrain.memory.estimate import estimate
+    from effitrain.comparison import Configuration
+    from effitrain.estimation import estimate
 
     names = [list(ROWS)[ROW_NAMES[name]] for name in args.rows]
     env = common.device_env(device)

@@ -2,7 +2,7 @@
 
 Same model (the tiny preset's DistilBERT config), same demo data, tokenization, batch size,
 optimizer, lr, schedule and clipping as ``effitrain train``; none of effitrain's loop, reporting
-or accounting. This is the loop of the course: forward, backward, step, schedule, zero_grad,
+or accounting. This is Accelerate's example loop: forward, backward, step, schedule, zero_grad,
 evaluate each epoch. It takes the options the benchmark gives ``effitrain train`` and writes
 ``seconds_per_step`` (median, first step excluded), ``peak_memory_bytes`` and ``eval`` to
 ``--metrics-json``.

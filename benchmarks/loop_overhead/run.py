@@ -1,7 +1,7 @@
 """effitrain's loop against a minimal plain Accelerate loop (plain_loop.py): time and memory.
 
 Both train the same model on the same data with the same batch size, optimizer, lr and schedule,
-each run in a fresh process through effitrain.compare, the two in turn (A B, B A, ...) so machine
+each run in a fresh process through effitrain.comparison, the two in turn (A B, B A, ...) so machine
 noise hits both alike. Reported: the median over runs of each run's median time per optimizer
 step (first step excluded), the median of each process's peak RSS as the kernel counted it, and
 the ratios effitrain / plain. Targets: time ratio <= 1.03, peak-memory ratio <= 1.05.
@@ -24,7 +24,7 @@ SMOKE_ARGS = ["--repeats", "1", "--max-steps", "2"]
 
 
 def measure(args: argparse.Namespace, device: str) -> common.Run:
-    from effitrain.compare import Configuration
+    from effitrain.comparison import Configuration
     from effitrain.optim import get_spec
 
     lr = args.lr if args.lr is not None else get_spec(args.optim).scratch.lr

@@ -5,7 +5,7 @@ The qwen2.5-0.5b preset (Qwen2.5-0.5B's shape, random init), batch 1 x 2048 toke
 causal-LM demo corpus, fp32 AdamW, no clipping in any row (the optimizer offload cannot clip).
 Rows: no offload, ``--activation-offload``, ``--gradient-checkpointing`` without and with it,
 ``--optimizer-offload state`` and ``state+grads``, then all together. Every run is a fresh
-``effitrain train`` process (effitrain.compare); its estimate is made in this process on fake
+``effitrain train`` process (effitrain.comparison); its estimate is made in this process on fake
 tensors. Per row: the run's CUDA peak (``max_memory_allocated``, whole run), the measured step's
 peak reserved by the caching allocator, its peak tensor memory beside the estimate's and the
 error, the host bytes each offload used (measured; estimated), median seconds per step.
@@ -50,7 +50,7 @@ SMOKE_ARGS = ["--rows", "baseline", "--steps", "2", "--model", "tiny-llama", "--
 def estimate_row(args: argparse.Namespace, options: list[str]) -> dict:
     """``effitrain estimate`` of one row, with the run's options."""
     from effitrain.build import checked_config
-    from effitrain.memory.estimate import estimate
+    from effitrain.estimation import estimate
 
     overrides = {
         "task": "causal-lm", "model": args.model, "batch_size": 1,
@@ -64,7 +64,7 @@ def estimate_row(args: argparse.Namespace, options: list[str]) -> dict:
 
 
 def measure(args: argparse.Namespace, device: str) -> common.Run:
-    from effitrain.compare import Configuration
+    from effitrain.comparison import Configuration
 
     names = [ROW_NAMES[name] for name in args.rows]
     env = common.device_env(device)

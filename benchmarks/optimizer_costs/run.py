@@ -2,7 +2,7 @@
 
 The distilbert-base preset's shape (65.8M parameters, random init), batch 8 x 128 tokens of
 synthetic text that fills every batch. Every run is a fresh ``effitrain train`` process
-(effitrain.compare); with --repeats N the optimizers run in turn, N times. Per optimizer: the
+(effitrain.comparison); with --repeats N the optimizers run in turn, N times. Per optimizer: the
 state's bytes and elements (effitrain's true-storage ledger), bytes per trained parameter, the
 state as a fraction of fp32 AdamW's, peak tensor memory of the measured step, peak RSS, the
 median seconds per step and its ratio to AdamW's in the same run. The README's table joins each
@@ -31,7 +31,7 @@ SMOKE_ARGS = ["--optims", "adamw", "adafactor", "--steps", "2", "--model", "tiny
 
 
 def measure(args: argparse.Namespace, device: str) -> common.Run:
-    from effitrain.compare import Configuration
+    from effitrain.comparison import Configuration
     from effitrain.optim import OPTIMIZERS
 
     names = args.optims or [n for n, spec in OPTIMIZERS.items() if spec.is_available()]

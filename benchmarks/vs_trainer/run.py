@@ -3,7 +3,7 @@
 For each optimizer pair (Trainer ``optim`` : effitrain ``--optim``), both train the same
 checkpoint on the same csv files with the same lr, schedule, warmup steps, weight decay,
 clipping, batch size, epochs, max length and seed, each in a fresh process through
-effitrain.compare, in turn with the order reversed every other repeat so machine drift hits both
+effitrain.comparison, in turn with the order reversed every other repeat so machine drift hits both
 alike. effitrain runs as ``effitrain train --quiet`` (effitrain_child.py adds its thread counts);
 the Trainer as trainer.py. Reported per pair: eval accuracy and loss, the median over runs of
 each run's median time per optimizer step (first step and evaluation excluded), the median peak
@@ -80,7 +80,7 @@ def pair_settings(text: str, args: argparse.Namespace) -> dict:
 
 def configurations(pairs: list[dict], device: str) -> list:
     """Two configurations per pair: effitrain's side, then the Trainer's."""
-    from effitrain.compare import Configuration
+    from effitrain.comparison import Configuration
 
     env = common.device_env(device)
     rows = []

@@ -16,7 +16,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from effitrain.cli import compare, estimate, inspect_state, optimizers, train
-from effitrain.cli.errors import usage_errors
+from effitrain.cli.error_handling import usage_errors
 
 
 class _Plain:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from effitrain.cli.errors import user_errors
+from effitrain.cli.error_handling import user_errors
 from effitrain.cli.optimizers import short_number
 from effitrain.cli.options import (
     PANELS,
@@ -20,16 +20,17 @@ from effitrain.cli.options import (
 from effitrain.cli.quiet import quiet_libraries
 
 if TYPE_CHECKING:
-    from effitrain.compare import Comparison, Configuration
+    from effitrain.comparison import Comparison, Configuration
 
 RUNS = "Runs"
 
 DEFAULTS: dict[str, Any] = {"model": "distilbert-base", "batch_size": 8, "max_steps": 10}
-"""compare's own defaults: the course's model shape, and runs short enough to compare several."""
+"""compare's own defaults: distilbert-base's shape (real-size memory), and runs short enough to
+compare several."""
 
-COURSE_LR = {"adamw": 3e-5, "adafactor": 3e-4, "adamw-8bit": 3e-5}
-"""The default comparison's learning rates, with half its steps warming up: the course's three
-optimizers train the random-init distilbert-base shape stably at these. Their defaults for
+DEFAULT_COMPARISON_LR = {"adamw": 3e-5, "adafactor": 3e-4, "adamw-8bit": 3e-5}
+"""The default comparison's learning rates, with half its steps warming up: its three optimizers
+train the random-init distilbert-base shape stably at these. Their defaults for
 training from scratch suit the small presets; at this size the first full step diverges."""
 
 NOT_SHARED = ("optim", "log_every", "sample_prompt", "lora_merge", *PANELS["Output"])
@@ -42,7 +43,7 @@ Optims = Annotated[
     typer.Option(
         "--optim",
         help="Optimizers to compare, comma-separated (default, with no --variant: adamw, "
-        "adafactor, adamw-8bit: the course's comparison).",
+        "adafactor, adamw-8bit).",
         metavar="NAME[,NAME]",
         rich_help_panel=RUNS,
     ),
@@ -97,7 +98,7 @@ def compare(
     the table shows each memory part, the peaks, the time per step and the losses, and
     compare.png draws the memory bars and the loss curves.
 
-    With no options: the course's comparison (AdamW, Adafactor, 8-bit AdamW) on the
+    With no options: AdamW, Adafactor and 8-bit AdamW on the
     distilbert-base shape (65.8M parameters, random init), batch 8, 10 steps, at learning rates
     that train it stably from scratch (adamw 3e-5, adafactor 3e-4, adamw-8bit 3e-5; half the
     steps warm up); a few minutes on a laptop CPU, offline. Other optimizers, another model or
@@ -105,12 +106,12 @@ def compare(
     """
     with user_errors():
         quiet_libraries()  # checking the configurations imports what they use
-        from effitrain.compare import write_files
+        from effitrain.comparison import write_files
         from effitrain.report import print_comparison
 
-        course = _is_course(optim, variant, overrides)
-        common = shared_arguments(overrides, course)
-        rows = _configurations(optim, variant, common, repeats, course)
+        default = _is_default_comparison(optim, variant, overrides)
+        common = shared_arguments(overrides, default)
+        rows = _configurations(optim, variant, common, repeats, default)
         comparison = _run(rows, common, output_dir, repeats, _model(overrides))
         written = write_files(comparison, output_dir, common)
         print_comparison(comparison.rows, written, comparison.failed)
@@ -118,8 +119,10 @@ def compare(
             raise typer.Exit(1)
 
 
-def _is_course(optim: str | None, variants: list[str] | None, overrides: dict[str, Any]) -> bool:
-    """Whether this is the default comparison, which runs at :data:`COURSE_LR`: the course's
+def _is_default_comparison(
+    optim: str | None, variants: list[str] | None, overrides: dict[str, Any]
+) -> bool:
+    """Whether this is the default comparison, which runs at :data:`DEFAULT_COMPARISON_LR`: its
     optimizers on the default model, no learning rate given."""
     return (
         not optim
@@ -134,19 +137,19 @@ def _configurations(
     variants: list[str] | None,
     common: list[str],
     repeats: int,
-    course: bool = False,
+    default: bool = False,
 ) -> list[Configuration]:
-    """The rows to run (at :data:`COURSE_LR` for the default comparison), each checked before
+    """The rows to run (at :data:`DEFAULT_COMPARISON_LR` for the default comparison), each checked before
     any runs."""
-    from effitrain.compare import Configuration, configurations
+    from effitrain.comparison import Configuration, configurations
     from effitrain.errors import EffitrainError
 
     if repeats < 1:
         raise EffitrainError(f"--repeats must be 1 or more (got {repeats})")
     names = [name.strip() for name in (optim or "").split(",") if name.strip()]
     rows = configurations(names, variants or [])
-    if course:
-        lrs = {name: short_number(lr) for name, lr in COURSE_LR.items()}
+    if default:
+        lrs = {name: short_number(lr) for name, lr in DEFAULT_COMPARISON_LR.items()}
         rows = [Configuration(row.label, [*row.args, "--lr", lrs[row.label]]) for row in rows]
     for row in rows:
         check_configuration(row, common)
@@ -159,7 +162,7 @@ def _run(
     """Every run, with progress lines on stderr; at least one configuration must run."""
     from rich.console import Console
 
-    from effitrain.compare import compare as run_compare
+    from effitrain.comparison import compare as run_compare
     from effitrain.errors import EffitrainError
 
     console = Console(highlight=False, stderr=True)
@@ -182,15 +185,15 @@ def _model(overrides: dict[str, Any]) -> str:
     return overrides.get("model", DEFAULTS["model"])
 
 
-def shared_arguments(overrides: dict[str, Any], course: bool = False) -> list[str]:
+def shared_arguments(overrides: dict[str, Any], default: bool = False) -> list[str]:
     """The ``effitrain train`` arguments every run shares: compare's defaults, then the options
     given (``--epochs`` without ``--max-steps`` replaces the default step count), and a loss
-    point at every step for the curves. ``course``: the default comparison, which warms up
+    point at every step for the curves. ``default``: the default comparison, which warms up
     over half its steps unless told otherwise."""
     values = {**DEFAULTS, **overrides}
     if "epochs" in overrides and "max_steps" not in overrides:
         del values["max_steps"]
-    if course and not {"warmup_ratio", "warmup_steps"} & set(overrides):
+    if default and not {"warmup_ratio", "warmup_steps"} & set(overrides):
         values["warmup_ratio"] = 0.5
     return [*train_arguments(values), "--log-every", "1"]
 
@@ -204,7 +207,7 @@ def train_config(arguments: list[str]) -> Any:
         EffitrainError: an option does not parse (click's message) or is refused.
     """
     from effitrain.build import checked_config
-    from effitrain.cli.errors import click_exception, usage_message
+    from effitrain.cli.error_handling import click_exception, usage_message
     from effitrain.cli.train import train
     from effitrain.errors import EffitrainError
 

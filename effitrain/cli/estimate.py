@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from effitrain.cli.errors import user_errors
+from effitrain.cli.error_handling import user_errors
 from effitrain.cli.options import (
     CONFIG_FILE,
     LOOP,
@@ -122,8 +122,8 @@ def _estimates(
     reasons for those that ``--optim all`` skipped."""
     from effitrain.build import checked_config
     from effitrain.errors import EffitrainError
-    from effitrain.memory.estimate import check_sharding
-    from effitrain.memory.estimate import estimate as run_estimate
+    from effitrain.estimation import check_sharding
+    from effitrain.estimation import estimate as run_estimate
     from effitrain.optim import OPTIMIZERS, get_spec
 
     if num_processes < 1:

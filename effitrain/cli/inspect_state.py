@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from effitrain.cli.errors import user_errors
+from effitrain.cli.error_handling import user_errors
 
 
 def inspect_state(
@@ -35,7 +35,7 @@ def inspect_state(
     """
     with user_errors():
         from effitrain.errors import EffitrainError
-        from effitrain.memory.inspection import inspect_state as read_state
+        from effitrain.inspection import inspect_state as read_state
 
         if top < 1:
             raise EffitrainError(f"--top must be 1 or more (got {top})")

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from effitrain.cli.errors import user_errors
+from effitrain.cli.error_handling import user_errors
 from effitrain.cli.options import CONFIG_FILE, PRESETS_HELP, config_options
 from effitrain.cli.quiet import quiet_libraries
 
@@ -37,7 +37,7 @@ def run(config: TrainConfig) -> None:
     """Train with the run's one reporter, print the results, write the metrics JSON."""
     from effitrain.report import Reporter, write_metrics_json
     from effitrain.signals import TrainingStopped
-    from effitrain.train import train
+    from effitrain.training import train
 
     reporter = Reporter(quiet=config.quiet)
     try:

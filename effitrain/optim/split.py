@@ -43,7 +43,7 @@ ParamGroups = list[dict[str, Any]]
 
 
 def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
-    from effitrain.wrapped import base_model
+    from effitrain.models import base_model
 
     return base_model(model)
 
@@ -299,7 +299,7 @@ def keep_projectors_in_state_dict(
 
 
 def _refuse_lora(model: torch.nn.Module, name: str) -> None:
-    from effitrain.wrapped import is_lora
+    from effitrain.models import is_lora
 
     if is_lora(model):
         raise EffitrainError(

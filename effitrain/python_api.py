@@ -7,9 +7,9 @@
     print(optimizer_memory(optimizer))          # a live optimizer (after its first step)
     print(optimizer_memory("out/checkpoint-6"))  # or a state_dict, a saved file or folder
 
-This is the course's ``compute_optimizer_size`` done right: storages counted once, dtypes as
+The usual hand-written ``sum(t.numel() * t.element_size() for state ...)`` done right: storages counted once, dtypes as
 they are, and the comparison with fp32 AdamW for the same parameters. Accounting is
-:mod:`effitrain.memory.ledger`'s, files are read by :mod:`effitrain.memory.inspection`, the table is
+:mod:`effitrain.memory.ledger`'s, files are read by :mod:`effitrain.inspection`, the table is
 :mod:`effitrain.report`'s; this module only puts them together. ``torch`` is imported by those,
 inside their functions, when a measurement is made.
 """
@@ -183,7 +183,7 @@ def optimizer_memory(obj: Any) -> OptimizerMemory:
             - a path (``str`` or ``os.PathLike``) to anything ``effitrain inspect-state``
               reads: a ``torch.save`` file, an effitrain, Accelerate or Trainer checkpoint
               folder, or an output folder with ``checkpoint-*`` folders. Read safely
-              (weights-only, memory-mapped); see :func:`effitrain.memory.inspection.inspect_state`.
+              (weights-only, memory-mapped); see :func:`effitrain.inspection.inspect_state`.
 
     Returns:
         The ledger and the AdamW comparison. Before the first ``optimizer.step()`` a torch
@@ -222,7 +222,7 @@ def _from_optimizer(obj: Any) -> OptimizerMemory:
 
 
 def _from_state_dict(obj: Mapping[str, Any]) -> OptimizerMemory:
-    from effitrain.memory.inspection import infer_optimizer, infer_parameter
+    from effitrain.inspection import infer_optimizer, infer_parameter
 
     state = obj.get("state") if "param_groups" in obj else obj
     if not isinstance(state, Mapping) or not all(isinstance(v, Mapping) for v in state.values()):
@@ -245,7 +245,7 @@ def _from_state_dict(obj: Mapping[str, Any]) -> OptimizerMemory:
 
 
 def _from_path(path: str | os.PathLike[str]) -> OptimizerMemory:
-    from effitrain.memory.inspection import inspect_state
+    from effitrain.inspection import inspect_state
 
     report = inspect_state(path)
     return OptimizerMemory(

@@ -505,7 +505,7 @@ def _measured(
     step_memory: dict[str, Any],
 ) -> dict[str, Any]:
     """What a run's metrics JSON would say (the same fields, computed the same way as
-    ``effitrain.train`` does), from the fake model and optimizer after the measured step."""
+    ``effitrain.training`` does), from the fake model and optimizer after the measured step."""
     import effitrain.levers as levers
 
     kind_peaks = step_memory.get("kind_peaks", {})

@@ -33,7 +33,7 @@ from typing import Any
 from effitrain.errors import EffitrainError
 
 DEFAULT_OPTIMIZERS = ("adamw", "adafactor", "adamw-8bit")
-"""The course's comparison: AdamW, Adafactor and 8-bit AdamW."""
+"""The default comparison: AdamW against its two memory-saving rivals, Adafactor and 8-bit AdamW."""
 
 PARTS = (
     ("parameters", "parameter_bytes"),
@@ -102,7 +102,7 @@ def parse_variant(text: str) -> Configuration:
 
 
 def configurations(optims: list[str], variants: list[str]) -> list[Configuration]:
-    """The rows, in order: each optimizer, then each variant; the course's three by default
+    """The rows, in order: each optimizer, then each variant; :data:`DEFAULT_OPTIMIZERS` by default
     (8-bit AdamW only where bitsandbytes is installed)."""
     from effitrain.optim import get_spec
 
