@@ -114,6 +114,40 @@ def test_the_sharding_table_in_the_docs_is_the_rendered_one():
     assert run.render_docs(check=True) == 0, "python -m benchmarks.sharding.run --render"
 
 
+def test_the_optimizer_state_figures_are_the_rendered_ones():
+    """effitrain/optim/state_bytes.json, which `effitrain optimizers` reads: the bytes/param of
+    benchmarks/optimizer_costs' distilbert-base runs, written by the same --render."""
+    from benchmarks.optimizer_costs import run
+
+    assert run.render_state_bytes(check=True) == 0, (
+        "python -m benchmarks.optimizer_costs.run --render"
+    )
+
+
+def test_optimizer_state_figures_come_from_the_registry_settings_and_must_agree():
+    from benchmarks.optimizer_costs import run
+
+    def costs(name, settings, row):
+        return {"name": name, "provenance": {"date": "d"}, "settings": settings, "rows": [row]}
+
+    base = {"model": "distilbert-base"}
+    measured = {"optimizer": "sgd", "optimizer_state_bytes": 400, "trainable_parameters": 100}
+    published = {"optimizer": "sgd", "bytes_per_param": "4.00"}
+    other_model = costs("qwen", {"model": "qwen2.5-0.5b", "task": "causal-lm"}, published)
+    data = {"runs": [costs("cpu", base, published), costs("gpu", base, measured), other_model]}
+    figures = run.state_bytes(data)
+    assert figures["bytes_per_param"] == {"sgd": 4.0}
+    assert [each["name"] for each in figures["runs"]] == ["cpu", "gpu"]
+    stale = {
+        "runs": [
+            costs("cpu", base, published),
+            costs("gpu", base, measured | {"optimizer_state_bytes": 800}),
+        ]
+    }
+    with pytest.raises(SystemExit, match="disagree on sgd"):
+        run.state_bytes(stale)
+
+
 def test_importing_the_benchmarks_is_light():
     """gpu.py reads each run.py's GPU_ARGS and SMOKE_ARGS: importing them must not import torch."""
     import subprocess

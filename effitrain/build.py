@@ -1,106 +1,39 @@
-"""Build a run's components in order: checks → accelerator → data → model → plan → optimizer →
-scheduler → ``accelerator.prepare``. The result, a :class:`Run`, is everything the loop needs.
+"""Build a run's components in order, in one pass: checks → accelerator → launch checks → data →
+model (loaded, levers applied) → loss → dataloaders → plan → optimizer → scheduler →
+``accelerator.prepare``. The result, a :class:`~effitrain.run.Run`, is everything the loop needs.
+
+``effitrain estimate`` builds the same run from the same functions (:func:`check_launch`,
+:func:`resolve_task`, :func:`build_model`, :func:`build_loss`, :func:`resolve_optimizer_spec`,
+:func:`assemble`), on fake tensors, with stand-ins for what only a real launch has: the data and
+the processes.
 
 Nothing here trains or prints: notes for the user go through the reporter that the CLI made.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import effitrain.checkpoint as checkpoint
-import effitrain.distributed as distributed
 import effitrain.levers as levers
 import effitrain.optim as optim
 import effitrain.tasks as tasks
 from effitrain.config import TrainConfig
+from effitrain.distributed import Launch, configure_deepspeed, cpu_for_launch
 from effitrain.errors import EffitrainError
 from effitrain.memory import ledger
-from effitrain.models import load_tokenizer
-from effitrain.optim import Hyperparameters, OptimizerSpec, bf16
+from effitrain.models import LoadOptions, base_model, load_tokenizer
 from effitrain.results import RunInfo
-from effitrain.tasks.base import ModelLoss
-from effitrain.tasks.sources import steps_per_epoch
-from effitrain.models import base_model
+from effitrain.run import Plan, Run
+from effitrain.tracking import Trackers
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
-    from torch.utils.data import DataLoader
 
+    from effitrain.optim import Hyperparameters, OptimizerSpec
     from effitrain.report import Reporter
-
-
-@dataclass(frozen=True)
-class Plan:
-    """How long the run is, in optimizer steps on each process."""
-
-    steps_per_epoch: int
-    total_steps: int
-    epochs: int
-    warmup_steps: int
-
-    @classmethod
-    def from_config(cls, config: TrainConfig, num_batches: int, warmup_ratio: float) -> Plan:
-        """``num_batches``: micro-batches per epoch on this process; ``warmup_ratio``: the
-        resolved one (the optimizer's default where not given), used without --warmup-steps.
-
-        Raises:
-            EffitrainError: the training set yields no optimizer step.
-        """
-        per_epoch = steps_per_epoch(num_batches, config.grad_accum)
-        if per_epoch == 0:
-            raise EffitrainError(
-                "the training set yields no batches; check --batch-size and the data"
-            )
-        total = config.max_steps or per_epoch * config.epochs
-        warmup = (
-            config.warmup_steps
-            if config.warmup_steps is not None
-            else math.ceil(total * warmup_ratio)
-        )
-        return cls(per_epoch, total, math.ceil(total / per_epoch), warmup)
-
-    @property
-    def measured_step(self) -> int:
-        """The optimizer step (0-based) whose memory is broken down by kind: the last, or the one
-        before it where the last ends an epoch (its batch can be the epoch's short remainder)
-        and the epoch has another, but never the first step of a longer run: optimizers create
-        their state in their first step, so its backward runs without it and under-states every
-        later step. Why late in the run: ``effitrain.loop._measure_now``."""
-        last = self.total_steps - 1
-        if self.total_steps % self.steps_per_epoch == 0 and self.steps_per_epoch > 1 and last > 1:
-            return last - 1
-        return last
-
-
-@dataclass
-class Run:
-    """The prepared components of one run, and what describes it."""
-
-    config: TrainConfig
-    accelerator: Accelerator
-    model: Any
-    optimizer: Any
-    lr_scheduler: Any
-    train_loader: DataLoader
-    eval_loader: DataLoader
-    plan: Plan
-    task: tasks.Task
-    data: Any
-    """The task's raw data (``classification.LoadedData`` or ``lm_data.LMData``)."""
-    hyper: Hyperparameters
-    spec: OptimizerSpec
-    tokenizer: Any = None
-    loss: Any = field(default_factory=ModelLoss)
-    """How a micro-batch's loss is computed (the task's ``loss_function``)."""
-    info: RunInfo | None = None
-    sharding: distributed.Sharding | None = None
-    activation_offload: Any = None
-    """--activation-offload: the context around forward and backward (``host_bytes`` counts
-    what it moved); None without the lever."""
+    from effitrain.tasks.base import Loss, Task
 
 
 def checked_config(
@@ -125,6 +58,9 @@ def check_config(config: TrainConfig) -> TrainConfig:
         EffitrainError: one line naming the option.
     """
     tasks.check_options(config)
+    task = tasks.known_task(config)
+    if task is not None:  # else once the model or the data tells (resolve_task)
+        levers.check_task(config, task)
     optim.check_options(config)
     levers.check_options(config)
     return config
@@ -149,6 +85,17 @@ def check_outputs(config: TrainConfig) -> None:
             )
 
 
+def check_launch(config: TrainConfig, launch: Launch) -> list[str]:
+    """Refuse what the launch rules out (the levers', the optimizer's under its sharding)
+    before any data or model is loaded; return the notes on what it changes.
+
+    Raises:
+        EffitrainError: one line naming the option and the launch.
+    """
+    levers.check_launch(config, launch)
+    return launch.optimizer_notes(config.optim)
+
+
 def accumulation_plugin(grad_accum: int) -> Any:
     """Accelerate's accumulation settings for the loop: ``grad_accum`` micro-batches per step,
     grouped by the loop itself (:func:`effitrain.loop.step_batches` reads a step's batches
@@ -158,14 +105,16 @@ def accumulation_plugin(grad_accum: int) -> Any:
     return GradientAccumulationPlugin(num_steps=grad_accum, sync_with_dataloader=False)
 
 
-def build_accelerator(config: TrainConfig) -> Accelerator:
+def build_accelerator(config: TrainConfig, cpu: bool | None = None) -> Accelerator:
+    """The run's Accelerator. ``cpu``: force the CPU (an estimate's fake tensors); None: as the
+    launch says (several launched processes and no GPU: CPU processes over gloo)."""
     import time
 
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
 
     tracking: dict[str, Any] = {}
-    if config.trackers:
+    if config.trackers and cpu is None:
         # --report-to: Accelerate's trackers; the ones that write files locally write here.
         logging_dir = (
             Path(config.output_dir, "runs")
@@ -178,8 +127,7 @@ def build_accelerator(config: TrainConfig) -> Accelerator:
         }
     try:
         return Accelerator(
-            # Several launched processes and no GPU: CPU processes over gloo (see distributed.py).
-            cpu=distributed.cpu_for_launch(),
+            cpu=cpu_for_launch() if cpu is None else cpu,
             mixed_precision=config.mixed_precision,
             gradient_accumulation_plugin=accumulation_plugin(config.grad_accum),
             # A seedable sampler makes data order depend only on (seed, epoch), on every rank.
@@ -190,6 +138,128 @@ def build_accelerator(config: TrainConfig) -> Accelerator:
         raise EffitrainError(
             f"--mixed-precision {config.mixed_precision} is not available here: {exc}"
         ) from exc
+
+
+def resolve_task(config: TrainConfig) -> Task:
+    """The run's task, with the options that belong to another task refused (the levers'
+    included).
+
+    Raises:
+        EffitrainError: the model's config or the data cannot be read, or an option does not fit.
+    """
+    task = tasks.resolve_task(config)
+    levers.check_task(config, task.name)
+    return task
+
+
+def build_model(
+    config: TrainConfig, task: Task, data: Any, tokenizer: Any, device: Any, loaded: bool = True
+) -> Any:
+    """The model to train, levers applied: loaded from the checkpoint as the levers say
+    (``loaded``), or built from its config alone (an estimate's, under the meta device).
+
+    Raises:
+        EffitrainError: the model cannot be loaded or cannot take a lever.
+    """
+    if loaded:
+        model = task.load_model(config, data, tokenizer, levers.load_options(config, LoadOptions()))
+        task.check_model(config, data, model)
+    else:
+        model = task.model_from_config(config, data, tokenizer)
+    return levers.apply_to_model(model, config, device)
+
+
+def build_loss(config: TrainConfig, task: Task, model: Any, launch: Launch, device: Any) -> Loss:
+    """The task's loss for the model (unwrapped, levers applied), on this launch and device."""
+    sharded = launch.sharding.description if launch.sharding.sharded else None
+    return task.loss_function(model, device, sharded, levers.loss_options(config))
+
+
+def resolve_hyperparameters(config: TrainConfig) -> Hyperparameters:
+    """The lr and schedule: the options', else the optimizer's defaults for this run."""
+    return optim.resolve_hyperparameters(config, adapters=levers.trains_adapters(config))
+
+
+def resolve_optimizer_spec(config: TrainConfig, launch: Launch) -> OptimizerSpec:
+    """The registry's spec for ``--optim``, with the levers' variant (bf16 weights) and the
+    sharding's (FSDP2's factored optimizers) in its place, resolved once."""
+    spec = levers.optimizer_spec(optim.get_spec(config.optim), config)
+    return optim.for_sharding(spec, launch.sharding.dtensor_params)
+
+
+def build_optimizer(
+    config: TrainConfig, model: Any, spec: OptimizerSpec, lr: float, estimating: bool = False
+) -> Any:
+    """``spec``'s optimizer over ``model``'s trainable parameters with the run's lr and weight
+    decay, built by the lever that builds it where one does."""
+    return optim.build_optimizer(
+        model,
+        spec,
+        lr,
+        config.weight_decay,
+        fp32_embedding_state=config.fp32_embedding_state,
+        builder=levers.optimizer_builder(config, estimating),
+    )
+
+
+def assemble(
+    *,
+    config: TrainConfig,
+    accelerator: Accelerator,
+    launch: Launch,
+    task: Task,
+    data: Any,
+    tokenizer: Any,
+    model: Any,
+    loss: Loss,
+    train_loader: Any,
+    eval_loader: Any,
+    plan: Plan,
+    trackers: Trackers,
+    estimating: bool = False,
+) -> Run:
+    """The optimizer, scheduler and the levers' step contexts for a model and its data, prepared
+    by Accelerate, put together as the :class:`Run` (a run's, and an estimate's on fake
+    tensors, whose model is already where it trains)."""
+    hyperparameters = resolve_hyperparameters(config)
+    spec = resolve_optimizer_spec(config, launch)
+    optimizer = build_optimizer(config, model, spec, hyperparameters.lr, estimating)
+    # Accelerate's prepared scheduler steps once per process on every optimizer step, so its
+    # lengths are counted in process-steps.
+    n = accelerator.num_processes
+    lr_scheduler = optim.build_scheduler(
+        optimizer, hyperparameters.scheduler, plan.total_steps * n, plan.warmup_steps * n
+    )
+    # Fake parameters are already where they train, and cannot be moved (DeepSpeed refuses any
+    # placement list: only an estimate passes one).
+    placement = [False, False, False] if estimating else None
+    model, optimizer, lr_scheduler = accelerator.prepare(
+        model, optimizer, lr_scheduler, device_placement=placement
+    )
+    run = Run(
+        config=config,
+        accelerator=accelerator,
+        launch=launch,
+        task=task,
+        data=data,
+        tokenizer=tokenizer,
+        model=model,
+        loss=loss,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        train_loader=train_loader,
+        eval_loader=eval_loader,
+        plan=plan,
+        hyperparameters=hyperparameters,
+        optimizer_spec=spec,
+        max_grad_norm=levers.max_grad_norm(config),
+        trackers=trackers,
+        lever_contexts=levers.step_contexts(
+            config, accelerator.unwrap_model(model), estimating=estimating
+        ),
+    )
+    levers.after_prepare(run)
+    return run
 
 
 def build_run(config: TrainConfig, reporter: Reporter) -> Run:
@@ -209,127 +279,72 @@ def build_run(config: TrainConfig, reporter: Reporter) -> Run:
             f"{torch.cuda.device_count()} GPUs are visible but this run uses one; to use them all: "
             "accelerate launch --multi_gpu -m effitrain train ..."
         )
-    levers.check_launch(config, accelerator.state)
-    # What FSDP/DeepSpeed would do to this optimizer: refuse or note it before any data or
-    # model is loaded.
-    for note in distributed.optimizer_notes(accelerator.state, bf16.optimizer_spec(config).name):
+    launch = Launch.of(accelerator.state)
+    for note in check_launch(config, launch):  # before any data or model is loaded
         reporter.note(note)
-    run = build_task(config, accelerator, reporter)
-    run.sharding = distributed.detect_sharding(accelerator.state)
-    if run.sharding.kind == "deepspeed":
-        distributed.configure_deepspeed(accelerator.state, config.batch_size, config.grad_accum)
-
-    run.spec = optim.for_sharding(run.spec, run.sharding.dtensor_params)
-    optimizer = configured_optimizer(config, run.model, run.spec, run.hyper.lr)
-    # Accelerate's prepared scheduler steps once per process on every optimizer step, so its
-    # lengths are counted in process-steps.
-    n = accelerator.num_processes
-    lr_scheduler = optim.build_scheduler(
-        optimizer, run.hyper.scheduler, run.plan.total_steps * n, run.plan.warmup_steps * n
-    )
-    run.model, run.optimizer, run.lr_scheduler = accelerator.prepare(
-        run.model, optimizer, lr_scheduler
-    )
-    if config.optimizer_in_backward:
-        run.optimizer.optimizer.check_hooked(accelerator.unwrap_model(run.model))
-    run.activation_offload = levers.activation_offload(config, accelerator.unwrap_model(run.model))
-    run.info = describe(run)
-    return run
-
-
-def build_task(config: TrainConfig, accelerator: Accelerator, reporter: Reporter) -> Run:
-    """The task's data, tokenizer, model (with its levers) and prepared dataloaders, and the
-    plan and hyperparameters that follow from them; no optimizer yet."""
+    if launch.sharding.kind == "deepspeed":
+        configure_deepspeed(accelerator.state, config.batch_size, config.grad_accum)
     # The main process goes first so it alone fills the datasets cache.
     with accelerator.main_process_first():
-        task = tasks.resolve_task(config)
+        task = resolve_task(config)
         data = task.load_data(config)
     tokenizer = load_tokenizer(config.model)
-    model = task.load_model(config, data, tokenizer)
-    task.check_model(config, data, model)
-    model = levers.apply_to_model(model, config, accelerator.device)
-    sharding = distributed.detect_sharding(accelerator.state)
-    sharded = sharding.description if sharding.sharded else None
-    loss = task.loss_function(config, model, accelerator.device, sharded)
+    model = build_model(config, task, data, tokenizer, accelerator.device)
+    loss = build_loss(config, task, model, launch, accelerator.device)
     with accelerator.main_process_first():
         pad_to_multiple_of = 8 if config.mixed_precision != "no" else None
         train_loader, eval_loader = task.dataloaders(config, data, tokenizer, pad_to_multiple_of)
     for note in getattr(data, "notes", []):
         reporter.note(note)
     train_loader, eval_loader = accelerator.prepare(train_loader, eval_loader)
-    hyper = optim.resolve_hyperparameters(config)
-    return Run(
+    warmup_ratio = resolve_hyperparameters(config).warmup_ratio
+    return assemble(
         config=config,
         accelerator=accelerator,
-        model=model,
-        optimizer=None,
-        lr_scheduler=None,
-        train_loader=train_loader,
-        eval_loader=eval_loader,
-        plan=Plan.from_config(config, len(train_loader), hyper.warmup_ratio),
+        launch=launch,
         task=task,
         data=data,
-        hyper=hyper,
-        spec=bf16.optimizer_spec(config),  # the registry's, or its bf16 variant
         tokenizer=tokenizer,
+        model=model,
         loss=loss,
-    )
-
-
-def configured_optimizer(config: TrainConfig, model: Any, spec: OptimizerSpec, lr: float) -> Any:
-    """``spec``'s optimizer over ``model`` with the run's lr, weight decay and lever
-    (``effitrain estimate`` builds the same one)."""
-    return optim.build_optimizer(
-        model,
-        spec.name,
-        lr,
-        config.weight_decay,
-        spec=spec,
-        in_backward=config.optimizer_in_backward,
-        fp32_embedding_state=config.fp32_embedding_state,
-        offload=config.optimizer_offload,
+        train_loader=train_loader,
+        eval_loader=eval_loader,
+        plan=Plan.from_config(config, len(train_loader), warmup_ratio),
+        trackers=Trackers(accelerator, config),
     )
 
 
 def describe(run: Run) -> RunInfo:
     """What the run is about to do, for the banner."""
-    config, accelerator, data, plan, hyper = (
-        run.config,
-        run.accelerator,
-        run.data,
-        run.plan,
-        run.hyper,
-    )
-    n = accelerator.num_processes
+    config, accelerator, data, plan = run.config, run.accelerator, run.data, run.plan
+    hyperparameters = run.hyperparameters
+    unwrapped = accelerator.unwrap_model(run.model)
+    inner = getattr(run.optimizer, "optimizer", run.optimizer)
     return RunInfo(
         task=run.task.name,
+        speed_unit=run.task.speed_unit,
         model=config.model,
-        model_class=type(base_model(accelerator.unwrap_model(run.model))).__name__,
+        model_class=type(base_model(unwrapped)).__name__,
         parameters=ledger.trainable_parameter_count(run.model),
         dataset=data.source,
         train_examples=len(data.train),
         validation_examples=len(data.validation),
         validation_source=data.validation_source,
         data_line=run.task.data_line(data, run.train_loader),
-        optimizer=run.spec.name,
-        optimizer_class=run.spec.class_path,
-        lr=hyper.lr,
-        lr_note=hyper.lr_note,
-        scheduler=hyper.scheduler,
+        optimizer=run.optimizer_spec.name,
+        optimizer_class=run.optimizer_spec.class_path,
+        lr=hyperparameters.lr,
+        lr_note=hyperparameters.lr_note,
+        scheduler=hyperparameters.scheduler,
         warmup_steps=plan.warmup_steps,
-        schedule_note=hyper.schedule_note,
+        schedule_note=hyperparameters.schedule_note,
         total_steps=plan.total_steps,
         epochs=plan.epochs,
         steps_per_epoch=plan.steps_per_epoch,
-        global_batch_size=config.batch_size * config.grad_accum * n,
+        global_batch_size=config.batch_size * config.grad_accum * accelerator.num_processes,
         device=str(accelerator.device),
-        num_processes=n,
+        num_processes=accelerator.num_processes,
         mixed_precision=accelerator.mixed_precision,
-        levers=[
-            *levers.describe(config, accelerator.unwrap_model(run.model)),
-            *run.loss.describe(),
-        ],
-        optimizer_split=getattr(
-            getattr(run.optimizer, "optimizer", run.optimizer), "split_description", ""
-        ),
+        levers=[*levers.banner_lines(config, unwrapped), *run.loss.describe()],
+        optimizer_split=getattr(inner, "split_description", ""),
     )

@@ -33,6 +33,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -382,20 +383,17 @@ def _check_hyperparameters(
                 )
 
 
-def config_differences(meta: dict[str, Any], config: TrainConfig) -> list[str]:
-    """Options that differ from the checkpoint's run (resume is exact only without any)."""
-    from effitrain.config import effective_max_grad_norm, option
+def config_differences(
+    meta: dict[str, Any],
+    config: TrainConfig,
+    used: Callable[[dict[str, Any]], dict[str, Any]] = lambda values: values,
+) -> list[str]:
+    """Options that differ from the checkpoint's run (resume is exact only without any),
+    compared as ``used`` says a run uses them (an unset --max-grad-norm: its default)."""
+    from effitrain.config import option
 
-    saved = dict(meta.get("config", {}))
-    current = config.to_dict()
-    # Compared as used: an unset --max-grad-norm means 1.0 (0 with --optimizer-in-backward).
-    for values in (saved, current):
-        if "max_grad_norm" in values:
-            values["max_grad_norm"] = effective_max_grad_norm(
-                values["max_grad_norm"],
-                bool(values.get("optimizer_in_backward"))
-                or values.get("optimizer_offload", "off") != "off",
-            )
+    saved = used(dict(meta.get("config", {})))
+    current = used(config.to_dict())
 
     return [
         f"{option(key)[2:]} {saved.get(key)!r} -> {value!r}"
@@ -482,14 +480,19 @@ def _all_ok(accelerator: Accelerator, ok: bool) -> bool:
 
 
 def save_checkpoint(
-    accelerator: Accelerator, output_dir: str | Path, metadata: dict[str, Any], keep: int | None
+    accelerator: Accelerator,
+    output_dir: str | Path,
+    metadata: dict[str, Any],
+    keep: int | None,
+    extra: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write a complete checkpoint ``output_dir/checkpoint-<step>`` or nothing at all.
 
     Called by every process. Steps: the main process prepares ``.tmp-checkpoint-<step>``;
     everyone writes into it with ``accelerator.save_state``; the main process writes
     ``effitrain.json`` (with every file's size), fsyncs, renames the folder into place, and
-    only then deletes the oldest checkpoints beyond ``keep``.
+    only then deletes the oldest checkpoints beyond ``keep``. ``extra(folder)`` writes what
+    the levers keep besides Accelerate's state (every process, into the temporary folder).
 
     Raises:
         EffitrainError: the save failed (full disk, permissions); the previous checkpoints are
@@ -511,6 +514,8 @@ def save_checkpoint(
     if error is None and tmp.is_dir():
         try:
             accelerator.save_state(str(tmp))
+            if extra is not None:
+                extra(tmp)
         except OSError as exc:
             error = exc
     if _all_ok(accelerator, error is None) and accelerator.is_main_process:
@@ -540,7 +545,7 @@ def save_checkpoint(
 
 def load_checkpoint(accelerator: Accelerator, checkpoint: Path, strict: bool = True) -> None:
     """``accelerator.load_state`` with failures turned into one line (call after validating;
-    ``strict=False`` only where the keys were checked, :func:`effitrain.quantize.check_checkpoint_base`)."""
+    ``strict=False`` only where the keys were checked, the levers' own, ``effitrain.levers.check_checkpoint``)."""
     try:
         accelerator.load_state(str(checkpoint), strict=strict)
     except Exception as exc:
@@ -649,6 +654,7 @@ class Checkpointer:
         optimizer_class: str,
         param_names: list[str],
         parameter_shapes: dict[str, list[int]],
+        save_extra: Callable[[Path], None] | None = None,
     ) -> None:
         self.accelerator = accelerator
         self.config = config
@@ -658,6 +664,8 @@ class Checkpointer:
         self.optimizer_class = optimizer_class
         self.param_names = param_names
         self.parameter_shapes = parameter_shapes
+        self.save_extra = save_extra
+        """Writes what the levers keep in a checkpoint besides Accelerate's state."""
         self.last_saved_step = -1
         """A resumed run starts with its checkpoint's step: that one is not written again."""
         self.last_path: Path | None = None
@@ -680,7 +688,11 @@ class Checkpointer:
             mixed_precision=self.accelerator.mixed_precision,
         )
         path = save_checkpoint(
-            self.accelerator, self.config.output_dir, metadata, self.config.save_total_limit
+            self.accelerator,
+            self.config.output_dir,
+            metadata,
+            self.config.save_total_limit,
+            self.save_extra,
         )
         self.last_saved_step, self.last_path = progress.global_step, path
         return path
@@ -701,25 +713,22 @@ class Checkpointer:
 
 
 def resume_command(config: TrainConfig, num_processes: int) -> str:
-    """The command that continues this run: the same non-default options plus ``--resume latest``."""
+    """The command that continues this run: the same non-default options, spelled as
+    ``effitrain train`` takes them (:func:`effitrain.config.to_arguments`), plus ``--resume
+    latest``; under ``accelerate launch`` (``num_processes`` > 1) its launch options are the
+    user's to repeat."""
     import dataclasses
     import shlex
 
-    from effitrain.config import TrainConfig, option
+    from effitrain.config import TrainConfig, to_arguments
 
     defaults = TrainConfig()
-    words = []
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if f.name == "resume" or value == getattr(defaults, f.name):
-            continue
-        if isinstance(value, bool):
-            words.append(option(f.name) if value else "--no-" + option(f.name)[2:])
-        elif isinstance(value, list):
-            words += [option(f.name), ",".join(value)]
-        else:
-            words += [option(f.name), str(value)]
-    words += ["--resume", "latest"]
+    changed = {
+        f.name: getattr(config, f.name)
+        for f in dataclasses.fields(config)
+        if f.name != "resume" and getattr(config, f.name) != getattr(defaults, f.name)
+    }
+    words = [*to_arguments(changed), "--resume", "latest"]
     launcher = (
         "accelerate launch <same launch options> -m effitrain" if num_processes > 1 else "effitrain"
     )

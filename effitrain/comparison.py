@@ -31,28 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from effitrain.errors import EffitrainError
+from effitrain.report import COLUMNS, PARTS
 
 DEFAULT_OPTIMIZERS = ("adamw", "adafactor", "adamw-8bit")
 """The default comparison: AdamW against its two memory-saving rivals, Adafactor and 8-bit AdamW."""
-
-PARTS = (
-    ("parameters", "parameter_bytes"),
-    ("gradients", "gradient_bytes"),
-    ("optimizer state", "optimizer_state_bytes"),
-    ("activations", "activation_bytes"),
-)
-"""The stacked parts of the memory bars (metrics JSON fields; optimizer state flattened)."""
-
-COLUMNS = (
-    *PARTS,
-    ("peak tensors", "peak_tensor_bytes"),
-    ("peak RSS", "peak_memory_bytes"),
-    ("s/step", "seconds_per_step"),
-    ("final loss", "final_loss"),
-    ("eval accuracy", "eval_accuracy"),
-    ("eval perplexity", "eval_perplexity"),
-)
-"""The table's and the CSV's numeric columns."""
 
 
 @dataclass

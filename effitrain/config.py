@@ -5,6 +5,11 @@ One flat dataclass keeps the mapping between CLI options, YAML keys and code obv
 A YAML file only overrides defaults; explicit CLI options override the YAML file. Unknown keys and
 values of the wrong type are errors that name the key.
 
+Each field declares its option once, beside it (``_opt``): help, help panel, the off flag of an
+on/off setting, metavar, allowed values and the default --help shows. :data:`OPTIONS` holds them
+by field; the CLI builds its options from them, :meth:`TrainConfig.validate` checks the allowed
+values, and :func:`to_arguments` spells values back as ``effitrain train`` arguments.
+
 A leaf: it imports nothing of effitrain but its error type, so that every other module may read
 a config. Checks that need the presets, the optimizer registry or the levers run where the run
 is built (:func:`effitrain.build.check_config`).
@@ -15,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,21 +49,94 @@ TRACKERS = (
     "swanlab",
 )
 """Accelerate's experiment trackers (``accelerate.utils.LoggerType``), for ``--report-to``."""
+REPORT_TO = ("none", "all", *TRACKERS)
+"""``--report-to``'s names: no tracker, every installed one, or one of :data:`TRACKERS`."""
+
+HELP_PANELS = ("Model and data", "Optimizer", "Loop", "Memory levers", "Output")
+"""The panels of ``effitrain train --help``, in order; every field names its own."""
+MODEL_AND_DATA, OPTIMIZER, LOOP, MEMORY_LEVERS, OUTPUT = HELP_PANELS
+PER_OPTIMIZER = "per optimizer, see effitrain optimizers"
+"""The default --help shows for options whose default depends on the optimizer and on
+fine-tuning versus training from scratch."""
 
 
-def _opt(default: Any, help: str) -> Any:
-    """A config field with its one-line doc, which is also the CLI option's help text."""
-    return field(default=default, metadata={"help": help})
+@dataclass(frozen=True)
+class Option:
+    """How a config field is spelled on the command line, declared beside the field (``_opt``).
+
+    The flag is the field's name (``batch_size`` -> ``--batch-size``); an on/off setting also
+    has a flag that turns it off (``--no-packing``, ``--full-loss``).
+    """
+
+    name: str
+    help: str
+    panel: str
+    off: str | None = None
+    """The flag that sets an on/off field to False, where False is not simply its default."""
+    metavar: str | None = None
+    choices: tuple[str, ...] = ()
+    """The values it takes (each item, for a list); none: any value of its type."""
+    default_text: str | None = None
+    """What --help shows as the default, where the value alone misleads."""
+
+    def __post_init__(self) -> None:
+        assert self.panel in HELP_PANELS, f"{self.name}: unknown help panel {self.panel!r}"
+
+    @property
+    def flag(self) -> str:
+        return option(self.name)
+
+    @property
+    def declaration(self) -> str:
+        """The flag, with its off flag where it has one: ``--packing/--no-packing``."""
+        return f"{self.flag}/{self.off}" if self.off else self.flag
+
+    @property
+    def value_text(self) -> str | None:
+        """What a value looks like: the declared metavar, else the choices (``a|b|c``)."""
+        return self.metavar or ("|".join(self.choices) if self.choices else None)
+
+    def check_choice(self, value: Any) -> None:
+        """Refuse a value (or a list's item) that is not one of the choices; None is the default.
+
+        Raises:
+            EffitrainError: ``unknown --scheduler 'x'; choose one of: linear, cosine, constant``.
+        """
+        if not self.choices or value is None:
+            return
+        for item in value if isinstance(value, list) else [value]:
+            if item not in self.choices:
+                raise EffitrainError(
+                    f"unknown {self.flag} '{item}'; choose one of: {', '.join(self.choices)}"
+                )
+
+
+def _opt(
+    default: Any,
+    help: str,
+    *,
+    panel: str,
+    off: str | None = None,
+    metavar: str | None = None,
+    choices: tuple[str, ...] = (),
+    default_text: str | None = None,
+) -> Any:
+    """A config field with its option: the keyword arguments of :class:`Option` but its name.
+    ``help`` is the field's one-line doc and the option's help text."""
+    option_fields = {
+        "help": help,
+        "panel": panel,
+        "off": off,
+        "metavar": metavar,
+        "choices": choices,
+        "default_text": default_text,
+    }
+    return field(default=default, metadata=option_fields)
 
 
 def default_for(name: str) -> Any:
     """The default value of a config field."""
     return next(f.default for f in dataclasses.fields(TrainConfig) if f.name == name)
-
-
-def help_for(name: str) -> str:
-    """The help text of a config field (shown by ``effitrain train --help``)."""
-    return next(f.metadata["help"] for f in dataclasses.fields(TrainConfig) if f.name == name)
 
 
 @dataclass
@@ -69,173 +148,279 @@ class TrainConfig:
         None,
         "sequence-classification or causal-lm. Default: causal-lm for a causal-LM preset, or a "
         "*ForCausalLM model with no label column in the data; else sequence-classification.",
+        panel=MODEL_AND_DATA,
+        metavar="NAME",
     )
     model: str = _opt(
-        "tiny", "Built-in preset name, a hub id, or a local folder saved with save_pretrained."
+        "tiny",
+        "Built-in preset name, a hub id, or a local folder saved with save_pretrained.",
+        panel=MODEL_AND_DATA,
+        metavar="NAME|DIR",
     )
     dataset: str = _opt(
         "demo",
         "'demo' (built-in, offline), a hub dataset id, or a local file/folder (csv, json, jsonl, parquet).",
+        panel=MODEL_AND_DATA,
+        metavar="NAME|PATH",
     )
-    dataset_config: str | None = _opt(None, "Hub dataset configuration name, e.g. 'mrpc' for glue.")
+    dataset_config: str | None = _opt(
+        None,
+        "Hub dataset configuration name, e.g. 'mrpc' for glue.",
+        panel=MODEL_AND_DATA,
+        metavar="NAME",
+    )
     train_file: str | None = _opt(
-        None, "Local training file (csv/json/jsonl/parquet); used instead of --dataset."
+        None,
+        "Local training file (csv/json/jsonl/parquet); used instead of --dataset.",
+        panel=MODEL_AND_DATA,
+        metavar="FILE",
     )
     validation_file: str | None = _opt(
         None,
         "Local validation file; without it the dataset's validation split (or 10% of train) is used.",
+        panel=MODEL_AND_DATA,
+        metavar="FILE",
     )
     text_columns: list[str] | None = _opt(
-        None, "One or two text columns; auto-detected when not given."
+        None,
+        "One or two text columns; auto-detected when not given. Comma-separated: "
+        "sentence1,sentence2.",
+        panel=MODEL_AND_DATA,
+        metavar="COL[,COL]",
     )
-    label_column: str | None = _opt(None, "Label column; auto-detected when not given.")
+    label_column: str | None = _opt(
+        None, "Label column; auto-detected when not given.", panel=MODEL_AND_DATA, metavar="COL"
+    )
     max_length: int = _opt(
-        128, "Truncate inputs to this many tokens (causal-lm: the length of packed blocks)."
+        128,
+        "Truncate inputs to this many tokens (causal-lm: the length of packed blocks).",
+        panel=MODEL_AND_DATA,
     )
     packing: bool | None = _opt(
         None,
         "causal-lm: concatenate examples into --max-length blocks (attention kept inside each "
         "example) instead of padding each one. Default: on for plain text, off for "
         "instruction and chat data.",
+        panel=MODEL_AND_DATA,
+        off="--no-packing",
+        default_text="per data format",
     )
     completion_only_loss: bool | None = _opt(
         None,
         "causal-lm: compute the loss on completions (assistant turns) only, not on prompts. "
         "Default: on for prompt/completion, instruction and chat data.",
+        panel=MODEL_AND_DATA,
+        off="--full-loss",
+        default_text="per data format",
     )
     sample_prompt: str | None = _opt(
         None,
         "causal-lm: after each evaluation, print a short greedy continuation of this prompt.",
+        panel=MODEL_AND_DATA,
+        metavar="TEXT",
     )
 
     # --- optimizer and schedule ---
-    optim: str = _opt("adamw", "Optimizer name from `effitrain optimizers`.")
+    optim: str = _opt(
+        "adamw", "Optimizer name from `effitrain optimizers`.", panel=OPTIMIZER, metavar="NAME"
+    )
     lr: float | None = _opt(
         None,
         "Learning rate. Default: the optimizer's, for fine-tuning (a hub id or folder) or for "
         "training a preset from scratch (see `effitrain optimizers`).",
+        panel=OPTIMIZER,
+        metavar="LR",
+        default_text=PER_OPTIMIZER,
     )
     weight_decay: float = _opt(
-        0.01, "Decoupled weight decay for >=2-D weights (biases and norms get none)."
+        0.01,
+        "Decoupled weight decay for >=2-D weights (biases and norms get none).",
+        panel=OPTIMIZER,
+        metavar="RATE",
     )
     scheduler: str | None = _opt(
         None,
         "Learning-rate schedule after warmup: linear, cosine or constant. Default: the "
         "optimizer's, like --lr.",
+        panel=OPTIMIZER,
+        choices=SCHEDULERS,
+        default_text=PER_OPTIMIZER,
     )
     warmup_ratio: float | None = _opt(
         None,
         "Fraction of optimizer steps spent warming up (ignored if warmup_steps is set). "
         "Default: the optimizer's, like --lr.",
+        panel=OPTIMIZER,
+        metavar="FRACTION",
+        default_text=PER_OPTIMIZER,
     )
-    warmup_steps: int | None = _opt(None, "Number of warmup steps (overrides warmup_ratio).")
+    warmup_steps: int | None = _opt(
+        None, "Number of warmup steps (overrides warmup_ratio).", panel=OPTIMIZER
+    )
     max_grad_norm: float | None = _opt(
         None,
         "Clip the global gradient norm to this value; 0 disables clipping.",
+        panel=OPTIMIZER,
+        metavar="NORM",
+        default_text="1.0; 0 with --optimizer-in-backward or --optimizer-offload",
     )
     fp32_embedding_state: bool = _opt(
         False,
         "adamw-8bit, lion-8bit: keep 32-bit optimizer state for embedding weights, as the "
         "Trainer does (4x their 8-bit state; bitsandbytes advises it for stability).",
+        panel=OPTIMIZER,
     )
 
     # --- loop ---
-    epochs: int = _opt(5, "Number of passes over the training set.")
-    max_steps: int | None = _opt(None, "Stop after this many optimizer steps (overrides epochs).")
-    batch_size: int = _opt(16, "Training micro-batch size per process.")
-    eval_batch_size: int | None = _opt(
-        None, "Evaluation batch size per process (default: 2 x batch size)."
+    epochs: int = _opt(5, "Number of passes over the training set.", panel=LOOP)
+    max_steps: int | None = _opt(
+        None, "Stop after this many optimizer steps (overrides epochs).", panel=LOOP
     )
-    grad_accum: int = _opt(1, "Micro-batches per optimizer step (gradient accumulation).")
-    mixed_precision: str = _opt("no", "Passed to Accelerator: no, fp16 or bf16.")
-    seed: int = _opt(42, "Seed for model init, data order and dropout.")
-    log_every: int = _opt(10, "Update the shown loss every this many optimizer steps.")
+    batch_size: int = _opt(16, "Training micro-batch size per process.", panel=LOOP)
+    eval_batch_size: int | None = _opt(
+        None, "Evaluation batch size per process (default: 2 x batch size).", panel=LOOP
+    )
+    grad_accum: int = _opt(
+        1, "Micro-batches per optimizer step (gradient accumulation).", panel=LOOP
+    )
+    mixed_precision: str = _opt(
+        "no", "Passed to Accelerator: no, fp16 or bf16.", panel=LOOP, choices=MIXED_PRECISION
+    )
+    seed: int = _opt(42, "Seed for model init, data order and dropout.", panel=LOOP)
+    log_every: int = _opt(10, "Update the shown loss every this many optimizer steps.", panel=LOOP)
 
     # --- memory levers (effitrain.levers) ---
     gradient_checkpointing: bool = _opt(
         False,
         "Recompute activations in backward instead of keeping them (the model's own "
         "activation checkpointing, non-reentrant).",
+        panel=MEMORY_LEVERS,
     )
     optimizer_in_backward: bool = _opt(
         False,
         "Update each parameter as soon as its gradient is ready and free that gradient, so the "
         "full set of gradients never exists.",
+        panel=MEMORY_LEVERS,
     )
     weights_dtype: str = _opt(
         "fp32",
         "fp32 or bf16: keep the weights (and gradients, and the optimizer state where it can) "
         "in this dtype. Not autocast: see --mixed-precision.",
+        panel=MEMORY_LEVERS,
+        choices=WEIGHTS_DTYPES,
     )
     chunked_loss: str | None = _opt(
         None,
         "causal-lm: compute the loss from the last hidden states chunk by chunk, never holding "
         "the full logits: auto (default: liger-kernel or cut-cross-entropy on CUDA where "
         "installed, else torch), torch, liger, cce, or off.",
+        panel=MEMORY_LEVERS,
+        choices=CHUNKED_LOSS,
+        default_text="auto",
     )
     activation_offload: bool = _opt(
         False,
         "CUDA: keep the tensors saved for backward in pinned host memory, copied back for "
         "backward on a side stream (with --gradient-checkpointing: only the checkpoints).",
+        panel=MEMORY_LEVERS,
     )
     optimizer_offload: str = _opt(
         "off",
         "CUDA: off, state (the optimizer state and its step on the host, torchao's "
         "CPUOffloadOptimizer) or state+grads (also each gradient, once backward made it).",
+        panel=MEMORY_LEVERS,
+        choices=OPTIMIZER_OFFLOAD,
     )
     lora_rank: int | None = _opt(
-        None, "Train LoRA adapters of this rank (peft) instead of the whole model."
+        None,
+        "Train LoRA adapters of this rank (peft) instead of the whole model.",
+        panel=MEMORY_LEVERS,
     )
-    lora_alpha: float | None = _opt(None, "LoRA scaling alpha (default: 2 x rank).")
-    lora_dropout: float | None = _opt(None, "Dropout on the LoRA adapters' inputs (default: 0.05).")
+    lora_alpha: float | None = _opt(
+        None, "LoRA scaling alpha (default: 2 x rank).", panel=MEMORY_LEVERS, metavar="ALPHA"
+    )
+    lora_dropout: float | None = _opt(
+        None,
+        "Dropout on the LoRA adapters' inputs (default: 0.05).",
+        panel=MEMORY_LEVERS,
+        metavar="P",
+    )
     lora_target_modules: list[str] | None = _opt(
         None,
         "Modules that get adapters, by name, or all-linear (the default: every Linear layer "
-        "outside the classification head).",
+        "outside the classification head). Comma-separated: query,value.",
+        panel=MEMORY_LEVERS,
+        metavar="NAME[,NAME]",
     )
     lora_merge: bool = _opt(
-        False, "The final save also writes the base model with the adapters merged in."
+        False,
+        "The final save also writes the base model with the adapters merged in.",
+        panel=MEMORY_LEVERS,
     )
     load_in_4bit: bool = _opt(
         False,
         "QLoRA: store the frozen base model's Linear weights in 4-bit NF4 (bitsandbytes) under "
         "the LoRA adapters; needs --lora-rank.",
+        panel=MEMORY_LEVERS,
     )
 
     # --- outputs ---
     output_dir: str | None = _opt(
-        None, "Folder for checkpoints (checkpoint-<step>/) and the final model (final/)."
+        None,
+        "Folder for checkpoints (checkpoint-<step>/) and the final model (final/).",
+        panel=OUTPUT,
+        metavar="DIR",
     )
     save_every: int | None = _opt(
-        None, "Save a checkpoint every this many optimizer steps (needs --output-dir)."
+        None,
+        "Save a checkpoint every this many optimizer steps (needs --output-dir).",
+        panel=OUTPUT,
     )
     save_strategy: str = _opt(
         "steps",
         "'steps': checkpoints every --save-every steps; 'epoch': also after each epoch's "
         "evaluation; 'no': none (a stop by signal still saves one).",
+        panel=OUTPUT,
+        choices=SAVE_STRATEGIES,
     )
     save_total_limit: int | None = _opt(
-        None, "Keep at most this many checkpoints; the oldest are deleted after a save succeeds."
+        None,
+        "Keep at most this many checkpoints; the oldest are deleted after a save succeeds.",
+        panel=OUTPUT,
     )
     resume: str | None = _opt(
         None,
         "Continue from 'latest' (newest complete checkpoint in --output-dir) or a checkpoint folder.",
+        panel=OUTPUT,
+        metavar="latest|DIR",
     )
     metrics_json: str | None = _opt(
-        None, "Write the run's metrics as one JSON object to this file."
+        None,
+        "Write the run's metrics as one JSON object to this file.",
+        panel=OUTPUT,
+        metavar="FILE",
     )
     report_to: list[str] | None = _opt(
         None,
         "Experiment trackers to log to, through Accelerate: none, all (every installed one), or "
-        f"{', '.join(TRACKERS)}. TensorBoard writes to --output-dir/runs (else ./runs/<time>).",
+        f"{', '.join(TRACKERS)}. TensorBoard writes to --output-dir/runs (else ./runs/<time>). "
+        "Comma-separated: tensorboard,wandb.",
+        panel=OUTPUT,
+        metavar="NAME[,NAME]",
+        choices=REPORT_TO,
     )
     memory_breakdown: bool = _opt(
         True,
         "Measure one optimizer step's memory by kind (activations, gradients, state, peak "
         "tensors). That step (one of the last two) runs several times slower and is left out "
         "of the time per step; --no-memory-breakdown skips it.",
+        panel=OUTPUT,
+        off="--no-memory-breakdown",
+        default_text="on",
     )
-    quiet: bool = _opt(False, "Only print the final results (no progress, no per-epoch lines).")
+    quiet: bool = _opt(
+        False, "Only print the final results (no progress, no per-epoch lines).", panel=OUTPUT
+    )
 
     def validate(self) -> TrainConfig:
         """Check values that types alone cannot; raise EffitrainError naming the option."""
@@ -261,155 +446,18 @@ class TrainConfig:
             raise EffitrainError(f"--warmup-steps must be 0 or more (got {self.warmup_steps})")
         if self.warmup_ratio is not None and self.warmup_ratio >= 1:
             raise EffitrainError(f"--warmup-ratio must be below 1 (got {self.warmup_ratio})")
-        if self.scheduler is not None and self.scheduler not in SCHEDULERS:
-            raise EffitrainError(
-                f"unknown --scheduler '{self.scheduler}'; choose one of: {', '.join(SCHEDULERS)}"
-            )
-        if self.mixed_precision not in MIXED_PRECISION:
-            raise EffitrainError(
-                f"unknown --mixed-precision '{self.mixed_precision}'; "
-                f"choose one of: {', '.join(MIXED_PRECISION)}"
-            )
+        for spec in OPTIONS.values():
+            spec.check_choice(getattr(self, spec.name))
         if self.text_columns is not None and not 1 <= len(self.text_columns) <= 2:
             raise EffitrainError(
                 f"--text-columns takes one or two column names (got {len(self.text_columns)})"
             )
         self._validate_checkpointing()
         self._validate_report_to()
-        self._validate_levers()
         return self
-
-    def _validate_levers(self) -> None:
-        """The memory levers' values, and the combinations that cannot work (effitrain.levers)."""
-        if self.weights_dtype not in WEIGHTS_DTYPES:
-            raise EffitrainError(
-                f"unknown --weights-dtype '{self.weights_dtype}'; "
-                f"choose one of: {', '.join(WEIGHTS_DTYPES)}"
-            )
-        if self.chunked_loss is not None and self.chunked_loss not in CHUNKED_LOSS:
-            raise EffitrainError(
-                f"unknown --chunked-loss '{self.chunked_loss}'; "
-                f"choose one of: {', '.join(CHUNKED_LOSS)}"
-            )
-        if self.optimizer_in_backward:
-            self._validate_optimizer_in_backward()
-        self._validate_optimizer_offload()
-        self._validate_lora()
-        if self.load_in_4bit:
-            self._validate_load_in_4bit()
-
-    def _validate_load_in_4bit(self) -> None:
-        """QLoRA: 4-bit frozen base weights under LoRA adapters (effitrain.quantize)."""
-        if self.lora_rank is None:
-            raise EffitrainError(
-                "--load-in-4bit needs --lora-rank R: 4-bit weights are frozen, only LoRA "
-                "adapters can train over them; add --lora-rank 8"
-            )
-        if self.weights_dtype == "bf16":
-            raise EffitrainError(
-                "--load-in-4bit cannot combine with --weights-dtype bf16: casting the model "
-                "would turn the packed 4-bit codes into numbers; drop --weights-dtype (the "
-                "adapters train in fp32 either way) and use --mixed-precision bf16 for bf16 compute"
-            )
-        if self.lora_merge:
-            raise EffitrainError(
-                "--load-in-4bit cannot combine with --lora-merge: merging into 4-bit weights "
-                "re-quantizes them (lossy); keep final/'s adapters and merge them into the "
-                "original weights (peft's merge_and_unload on the fp32 model)"
-            )
-
-    def _validate_lora(self) -> None:
-        """LoRA options: only with --lora-rank, and values peft can use."""
-        lora_options = {
-            "lora_alpha": self.lora_alpha is not None,
-            "lora_dropout": self.lora_dropout is not None,
-            "lora_target_modules": self.lora_target_modules is not None,
-            "lora_merge": self.lora_merge,
-        }
-        if self.lora_rank is None:
-            given = [option(name) for name, on in lora_options.items() if on]
-            if given:
-                raise EffitrainError(
-                    f"{given[0]} needs --lora-rank R (LoRA is off without it); add --lora-rank 8, "
-                    f"or drop {given[0]}"
-                )
-            return
-        if self.lora_rank <= 0:
-            raise EffitrainError(f"--lora-rank must be greater than 0 (got {self.lora_rank})")
-        if self.lora_alpha is not None and not self.lora_alpha > 0:
-            raise EffitrainError(f"--lora-alpha must be greater than 0 (got {self.lora_alpha})")
-        if self.lora_dropout is not None and not 0 <= self.lora_dropout < 1:
-            raise EffitrainError(
-                f"--lora-dropout must be at least 0 and below 1 (got {self.lora_dropout})"
-            )
-        if self.lora_target_modules is not None and not self.lora_target_modules:
-            raise EffitrainError(
-                "--lora-target-modules needs at least one module name (or all-linear)"
-            )
-
-    def _validate_optimizer_in_backward(self) -> None:
-        """Each parameter is updated inside backward, as soon as its own gradient is ready
-        (the optimizers it cannot run: :func:`effitrain.levers.check_options`)."""
-        if self.max_grad_norm is not None and self.max_grad_norm > 0:
-            raise EffitrainError(
-                f"--max-grad-norm {self.max_grad_norm:g} clips the global gradient norm, which "
-                "needs every gradient at once, but --optimizer-in-backward updates each "
-                "parameter as soon as its own is ready; use --max-grad-norm 0 (or leave it out)"
-            )
-        if self.grad_accum > 1:
-            raise EffitrainError(
-                f"--grad-accum {self.grad_accum} cannot combine with --optimizer-in-backward, "
-                "which updates each parameter in every backward pass (after every "
-                "micro-batch); use --grad-accum 1 and a larger --batch-size"
-            )
-        if self.mixed_precision == "fp16":
-            raise EffitrainError(
-                "--mixed-precision fp16 cannot combine with --optimizer-in-backward: its loss "
-                "scaler must see every gradient before any update (to unscale them and skip "
-                "steps that overflow); use --mixed-precision bf16 or no"
-            )
-
-    def _validate_optimizer_offload(self) -> None:
-        """The optimizer step runs on the host, from gradient copies made inside backward (the
-        optimizers it cannot wrap and the launches it cannot run on: :mod:`effitrain.levers`)."""
-        if self.optimizer_offload not in OPTIMIZER_OFFLOAD:
-            raise EffitrainError(
-                f"unknown --optimizer-offload '{self.optimizer_offload}'; "
-                f"choose one of: {', '.join(OPTIMIZER_OFFLOAD)}"
-            )
-        if self.optimizer_offload == "off":
-            return
-        if self.optimizer_in_backward:
-            raise EffitrainError(
-                "--optimizer-offload cannot combine with --optimizer-in-backward: both run the "
-                "update from a hook on each gradient; choose one"
-            )
-        if self.max_grad_norm is not None and self.max_grad_norm > 0:
-            raise EffitrainError(
-                f"--max-grad-norm {self.max_grad_norm:g} cannot combine with --optimizer-offload: "
-                "each gradient is copied to the host inside backward, before clipping could "
-                "scale it; use --max-grad-norm 0 (or leave it out)"
-            )
-        if self.mixed_precision == "fp16":
-            raise EffitrainError(
-                "--mixed-precision fp16 cannot combine with --optimizer-offload: the host "
-                "copies of the gradients are made before the loss scaler unscales them; use "
-                "--mixed-precision bf16 or no"
-            )
-        if self.optimizer_offload == "state+grads" and self.grad_accum > 1:
-            raise EffitrainError(
-                f"--grad-accum {self.grad_accum} cannot combine with --optimizer-offload "
-                "state+grads, which frees each gradient on the GPU after every backward pass; "
-                "use --optimizer-offload state, or --grad-accum 1 and a larger --batch-size"
-            )
 
     def _validate_report_to(self) -> None:
         names = self.report_to or []
-        for name in names:
-            if name not in ("none", "all", *TRACKERS):
-                raise EffitrainError(
-                    f"unknown --report-to '{name}'; choose from: none, all, {', '.join(TRACKERS)}"
-                )
         if "none" in names and len(names) > 1:
             raise EffitrainError(
                 f"--report-to none contradicts {','.join(n for n in names if n != 'none')}; "
@@ -417,11 +465,6 @@ class TrainConfig:
             )
 
     def _validate_checkpointing(self) -> None:
-        if self.save_strategy not in SAVE_STRATEGIES:
-            raise EffitrainError(
-                f"unknown --save-strategy '{self.save_strategy}'; "
-                f"choose one of: {', '.join(SAVE_STRATEGIES)}"
-            )
         for name in ("save_every", "save_total_limit"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -455,40 +498,46 @@ class TrainConfig:
         """The trackers ``--report-to`` names, for Accelerate's ``log_with`` ([] for none)."""
         return [name for name in self.report_to or [] if name != "none"]
 
-    @property
-    def effective_max_grad_norm(self) -> float:
-        """The clipping threshold actually used: the explicit one, else 1.0 (0, no clipping,
-        with --optimizer-in-backward or --optimizer-offload)."""
-        return effective_max_grad_norm(
-            self.max_grad_norm, self.optimizer_in_backward or self.optimizer_offload != "off"
-        )
-
-    @property
-    def effective_lora_alpha(self) -> float:
-        """LoRA's alpha: the given one, else 2 x rank."""
-        if self.lora_alpha is not None:
-            return self.lora_alpha
-        return 2.0 * (self.lora_rank or 0)
-
-    @property
-    def effective_lora_dropout(self) -> float:
-        return self.lora_dropout if self.lora_dropout is not None else 0.05
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def effective_max_grad_norm(max_grad_norm: float | None, unclippable: bool) -> float:
-    """``--max-grad-norm`` as used: the value given, else 1.0 (0 where the update cannot wait
-    for clipping: ``unclippable``, with --optimizer-in-backward or --optimizer-offload)."""
-    if max_grad_norm is not None:
-        return max_grad_norm
-    return 0.0 if unclippable else 1.0
 
 
 def option(field_name: str) -> str:
     """The CLI spelling of a config field: ``batch_size`` -> ``--batch-size``."""
     return "--" + field_name.replace("_", "-")
+
+
+OPTIONS: dict[str, Option] = {
+    f.name: Option(f.name, **f.metadata) for f in dataclasses.fields(TrainConfig)
+}
+"""Every field's option, by field name, in declaration order."""
+
+
+def to_arguments(values: Mapping[str, Any]) -> list[str]:
+    """The ``effitrain train`` arguments that give these config values: the inverse of parsing.
+
+    ``{"batch_size": 8, "packing": False, "text_columns": ["a", "b"]}`` -> ``--batch-size 8
+    --no-packing --text-columns a,b``. None is left out (it is the default, or stands for it),
+    as is False for an option without an off flag (off is its default).
+
+    Raises:
+        KeyError: a name that is not a config field.
+    """
+    arguments: list[str] = []
+    for name, value in values.items():
+        spec = OPTIONS[name]
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            if value:
+                arguments.append(spec.flag)
+            elif spec.off:
+                arguments.append(spec.off)
+            continue
+        if isinstance(value, (list, tuple)):
+            value = ",".join(str(item) for item in value)
+        arguments += [spec.flag, str(value)]
+    return arguments
 
 
 def _field_types() -> dict[str, Any]:
@@ -603,4 +652,13 @@ def build_config(
     return TrainConfig(**values).validate()
 
 
-__all__ = ["TrainConfig", "build_config", "help_for", "load_yaml", "merge", "option"]
+__all__ = [
+    "OPTIONS",
+    "Option",
+    "TrainConfig",
+    "build_config",
+    "load_yaml",
+    "merge",
+    "option",
+    "to_arguments",
+]

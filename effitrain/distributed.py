@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from effitrain.errors import EffitrainError
@@ -143,6 +144,97 @@ class Sharding:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+"""How ``effitrain estimate --sharding`` names a launch's strategy (``fsdp``: FSDP2)."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How a run is launched: its processes and their sharding (:class:`Sharding`), the device
+    type it trains on, and Accelerate's state that said so. A run reads it from Accelerate
+    (:meth:`of`); ``effitrain estimate`` describes the launch it is told about
+    (:meth:`described`), not the machine it runs on. The levers' and the optimizers' launch
+    checks read it, so both refuse the same launches."""
+
+    sharding: Sharding
+    device_type: str
+    """``cpu``, ``cuda``, …"""
+    state: Any = field(repr=False, compare=False)
+    """Accelerate's ``AcceleratorState``, or a stand-in with the attributes the rules read."""
+
+    @classmethod
+    def of(cls, state: Any) -> Launch:
+        """The launch Accelerate's ``state`` describes."""
+        device = getattr(state, "device", None)
+        return cls(detect_sharding(state), str(getattr(device, "type", device or "cpu")), state)
+
+    @classmethod
+    def described(cls, num_processes: int, strategy: str, device_type: str) -> Launch:
+        """``num_processes`` processes splitting the model by ``strategy`` (one of
+        :data:`STRATEGIES`) on ``device_type``.
+
+        Raises:
+            EffitrainError: an unknown strategy or device, or fewer than one process.
+        """
+        if strategy not in STRATEGIES:
+            raise EffitrainError(
+                f"unknown --sharding '{strategy}'; choose one of: {', '.join(STRATEGIES)}"
+            )
+        if num_processes < 1:
+            raise EffitrainError(f"--num-processes must be 1 or more (got {num_processes})")
+        if device_type not in DEVICE_TYPES:
+            raise EffitrainError(
+                f"unknown --device '{device_type}'; choose one of: {', '.join(DEVICE_TYPES)}"
+            )
+        n = num_processes
+        if n == 1:
+            state = SimpleNamespace(distributed_type="NO", num_processes=1)
+        elif strategy == "ddp":
+            state = SimpleNamespace(
+                distributed_type=f"MULTI_{device_type.upper()}", num_processes=n
+            )
+        elif strategy == "fsdp":
+            plugin = SimpleNamespace(fsdp_version=2, reshard_after_forward=True)
+            state = SimpleNamespace(distributed_type="FSDP", num_processes=n, fsdp_plugin=plugin)
+        else:
+            plugin = SimpleNamespace(zero_stage=int(strategy[-1]), deepspeed_config={})
+            state = SimpleNamespace(
+                distributed_type="DEEPSPEED", num_processes=n, deepspeed_plugin=plugin
+            )
+        return cls(detect_sharding(state), device_type, state)
+
+    @property
+    def num_processes(self) -> int:
+        return self.sharding.num_processes
+
+    @property
+    def single_process(self) -> bool:
+        """One process, unsharded: what the levers that update from a gradient hook need."""
+        return self.sharding.kind == "single" and self.sharding.num_processes == 1
+
+    @property
+    def strategy(self) -> str:
+        """What the processes split, in :data:`STRATEGIES`' words (FSDP1 counts as ``fsdp``)."""
+        if self.sharding.kind in ("fsdp1", "fsdp2"):
+            return "fsdp"
+        if self.sharding.kind == "deepspeed" and self.sharding.zero_stage:
+            return f"zero{self.sharding.zero_stage}"
+        return "ddp"
+
+    @property
+    def device_words(self) -> str:
+        """The device in a sentence: ``the CPU``, ``cuda``."""
+        return "the CPU" if self.device_type == "cpu" else self.device_type
+
+    def optimizer_notes(self, optim: str) -> list[str]:
+        """What this launch does to optimizer ``optim`` (:func:`optimizer_notes`)."""
+        return optimizer_notes(self.state, optim)
+
+
+DEVICE_TYPES = ("cpu", "cuda")
+"""The devices ``effitrain estimate --device`` describes."""
 
 
 @dataclass

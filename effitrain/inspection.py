@@ -22,7 +22,7 @@ import pickle
 import re
 import zipfile
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from effitrain.checkpoint import (
 )
 from effitrain.errors import EffitrainError, first_line
 from effitrain.memory import ledger
+from effitrain.results import ParamState, StateReport
 
 ZIP_MAGIC = b"PK\x03\x04"
 PICKLE_PROTO = b"\x80"
@@ -259,30 +260,6 @@ def extract_state_dict(obj: Any, path: Path) -> tuple[dict[str, Any], str | None
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass
-class ParamState:
-    """One parameter's optimizer state."""
-
-    parameter: str
-    """Its name when the checkpoint records it, else ``#<index in the state dict>``."""
-    shape: list[int] | None
-    """The parameter's shape, inferred from the state (see :func:`infer_parameter`)."""
-    elements: int | None
-    bytes: int
-    keys: list[str]
-    second_moment: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "parameter": self.parameter,
-            "shape": self.shape,
-            "elements": self.elements,
-            "bytes": self.bytes,
-            "keys": self.keys,
-            "second_moment": self.second_moment,
-        }
-
-
 def _flat_entry(entry: Mapping[str, Any]) -> dict[str, Any]:
     """A parameter's state with bitsandbytes' nested quantization state lifted to the top."""
     flat = {}
@@ -454,46 +431,6 @@ def _step_of(state_dict: Mapping[str, Any]) -> int | None:
 # --------------------------------------------------------------------------------------------
 # The whole report
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class StateReport:
-    """What ``effitrain inspect-state`` shows; ``to_dict`` is its ``--json`` object."""
-
-    path: str
-    format: str
-    files: list[str]
-    optimizer_name: str | None
-    optimizer_class: str
-    optimizer_inferred: bool
-    step: int | None
-    param_groups: list[dict[str, Any]]
-    ledger: ledger.OptimizerStateLedger
-    params: list[ParamState] = field(default_factory=list)
-    """Every parameter's state, largest first."""
-    adamw_equivalent_elements: int = 0
-    adamw_equivalent_bytes: int = 0
-    params_without_shape: int = 0
-    """Parameters whose shape could not be inferred (left out of the AdamW equivalent)."""
-
-    def to_dict(self, top: int | None = None) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "format": self.format,
-            "files": self.files,
-            "optimizer": {
-                "name": self.optimizer_name,
-                "class": self.optimizer_class,
-                "inferred": self.optimizer_inferred,
-            },
-            "step": self.step,
-            "param_groups": self.param_groups,
-            "optimizer_state": self.ledger.to_dict(),
-            "adamw_equivalent_bytes": self.adamw_equivalent_bytes,
-            "adamw_equivalent_elements": self.adamw_equivalent_elements,
-            "params_without_shape": self.params_without_shape,
-            "largest": [p.to_dict() for p in self.params[:top]],
-        }
 
 
 def _param_states(

@@ -22,11 +22,10 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Iterator
-from contextlib import nullcontext
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import effitrain.checkpoint as checkpoint
-import effitrain.tracking as tracking
 from effitrain.errors import EffitrainError
 from effitrain.memory.step import StepMemoryProbe
 from effitrain.optim import set_train_mode
@@ -37,8 +36,8 @@ from effitrain.signals import StopRequest, TrainingStopped
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from effitrain.build import Run
     from effitrain.report import Reporter
+    from effitrain.run import Run
 
 
 class StepOutcome(NamedTuple):
@@ -79,8 +78,8 @@ def train_step(
     optimizer, lr_scheduler = run.optimizer, run.lr_scheduler
     stop = False
     with accelerator.accumulate(model):
-        # --activation-offload: what forward saves for backward waits in host memory.
-        with run.activation_offload or nullcontext():
+        # The levers' contexts (--activation-offload: what forward saves waits in host memory).
+        with lever_contexts(run):
             loss = logged = run.loss(model, batch)  # the task's: model(**batch).loss by default
             if weights is not None:  # a sum over tokens: weighed by the step's tokens
                 loss, logged = loss * weights.backward, loss.detach() * weights.logged
@@ -90,15 +89,22 @@ def train_step(
         if accelerator.sync_gradients:
             progress.measure_gradients(model)  # once, at the first step
             grad_norm = None
-            max_grad_norm = run.config.effective_max_grad_norm
-            if max_grad_norm > 0:
-                grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+            if run.max_grad_norm > 0:
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), run.max_grad_norm)
             # Before the update: one host sync; a non-finite loss or gradient raises here.
             stop = guard.check(loss, grad_norm, progress)
         optimizer.step()
         lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     return StepOutcome(accelerator.sync_gradients, stop)
+
+
+def lever_contexts(run: Run) -> ExitStack:
+    """Every lever's context around a micro-batch's forward and backward, entered in order."""
+    stack = ExitStack()
+    for context in run.lever_contexts.values():
+        stack.enter_context(context)
+    return stack
 
 
 def batch_tokens(batch: dict[str, Any]) -> Any:
@@ -184,6 +190,42 @@ class StepGuard:
         )
 
 
+class StepDone(NamedTuple):
+    stop: bool
+    """Every process agreed to stop after this step (a signal arrived)."""
+    measured: bool
+    """This step's memory was broken down by kind (it ran slower: leave it out of the times)."""
+
+
+def train_steps(
+    run: Run,
+    batches: Iterable[dict[str, Any]],
+    progress: TrainingProgress,
+    guard: StepGuard,
+    probe: StepMemoryProbe,
+) -> Iterator[StepDone]:
+    """The micro-batches through :func:`train_step`, one optimizer step's worth at a time, with
+    the step the plan names measured by ``probe`` (into ``progress.step_memory``); yields after
+    each optimizer step, once ``progress`` counts it. ``effitrain estimate`` runs its fake
+    steps through this too."""
+    group_start = True  # the next micro-batch starts an optimizer step
+    for batch, weights in step_batches(run, batches):
+        if group_start and measure_now(run, progress, probe):
+            probe.start()
+        elif probe.running:
+            probe.next_micro_batch()
+        outcome = train_step(run, batch, progress, guard, weights)
+        group_start = outcome.stepped
+        if not outcome.stepped:
+            continue
+        measured = probe.running
+        if measured:
+            step_memory = probe.stop()
+            progress.step_memory = step_memory.to_dict() if step_memory else {}
+        progress.step_done()
+        yield StepDone(outcome.stop, measured)
+
+
 def fit(
     run: Run,
     progress: TrainingProgress,
@@ -200,38 +242,23 @@ def fit(
         EffitrainError: a non-finite loss or gradient (see :class:`StepGuard`).
     """
     plan, config = run.plan, run.config
-    guard = StepGuard(
-        run.accelerator, stop, config.output_dir, updated_in_backward=config.optimizer_in_backward
-    )
+    guard = StepGuard(run.accelerator, stop, config.output_dir, updates_in_backward(run))
     timer = Stopwatch()
     reporter.progress_started(plan.total_steps, completed=progress.global_step)
     run.model.train()
     set_train_mode(run.optimizer, True)  # schedule-free: steps only in train mode
-    # One optimizer step is measured by kind (effitrain.memory.step), late (see _measure_now).
+    # One optimizer step is measured by kind (effitrain.memory.step), late (see measure_now).
     probe = StepMemoryProbe(run.model, run.optimizer, run.accelerator.device)
-    group_start = True  # the next micro-batch starts an optimizer step
     with probe:  # an error mid-step leaves no tracker behind
         while progress.global_step < plan.total_steps:
-            for batch, weights in step_batches(run, epoch_batches(run, progress)):
-                if group_start and _measure_now(run, progress, probe):
-                    probe.start()
-                elif probe.running:
-                    probe.next_micro_batch()
-                outcome = train_step(run, batch, progress, guard, weights)
-                group_start = outcome.stepped
-                if not outcome.stepped:
-                    continue
-                measured = probe.running
-                if measured:
-                    progress.step_memory = probe.stop()
-                progress.step_done()
+            for done in train_steps(run, epoch_batches(run, progress), progress, guard, probe):
                 timer.lap()
-                if measured:
+                if done.measured:
                     timer.leave_out_last()
                 reporter.step_done(progress.global_step)
                 if progress.global_step % config.log_every == 0 or _finished(run, progress):
                     reporter.logged(log_line(run, progress, timer))
-                if outcome.stop:
+                if done.stop:
                     _stop(run, progress, checkpointer, reporter, stop)
                 with timer.paused():
                     _report_saved(reporter, checkpointer.after_step(progress), progress)
@@ -248,7 +275,14 @@ def fit(
     return timer
 
 
-def _measure_now(run: Run, progress: TrainingProgress, probe: StepMemoryProbe) -> bool:
+def updates_in_backward(run: Run) -> bool:
+    """Whether the optimizer updates inside backward, before the guard could stop it
+    (``--optimizer-in-backward``'s)."""
+    optimizer = getattr(run.optimizer, "optimizer", run.optimizer)
+    return bool(getattr(optimizer, "updates_in_backward", False))
+
+
+def measure_now(run: Run, progress: TrainingProgress, probe: StepMemoryProbe) -> bool:
     """Whether the optimizer step about to start is the one to measure by kind: one of the run's
     last two (``Plan.measured_step``).
 
@@ -321,7 +355,7 @@ def log_line(run: Run, progress: TrainingProgress, timer: Stopwatch) -> StepLog:
         tokens_per_second=progress.window_tokens / elapsed if elapsed > 0 else 0.0,
     )
     progress.loss_history.append({"step": log.step, "loss": log.loss})
-    tracking.log_train(run, log)
+    run.trackers.log_train(log)
     return log
 
 
@@ -335,7 +369,7 @@ def end_epoch(
     metrics = evaluate(run)
     epoch_complete = progress.step_in_epoch >= run.plan.steps_per_epoch
     reporter.evaluated(progress.epoch_number, metrics, final=not epoch_complete)
-    tracking.log_evaluation(run, metrics, progress.global_step)
+    run.trackers.log_evaluation(metrics, progress.global_step)
     progress.record_evaluation(metrics, epoch_complete)
     _report_saved(reporter, checkpointer.after_evaluation(progress), progress)
 

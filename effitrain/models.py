@@ -9,6 +9,7 @@ read by ``--help``.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -75,6 +76,27 @@ CAUSAL_PRESETS: dict[str, tuple[str, str, dict[str, Any]]] = {
         },
     ),
 }
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How a checkpoint's weights are read (``from_pretrained``'s arguments); the levers say
+    what they change (``effitrain.levers.load_options``)."""
+
+    dtype: str = "float32"
+    """The dtype the weights are read in, whatever the checkpoint's."""
+    quantization_config: Any = None
+    """transformers' quantization config, to quantize while reading (None: read as they are)."""
+    device_map: Any = None
+    """Where the weights go as they are read (None: the host)."""
+
+    def from_pretrained_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"dtype": self.dtype}
+        if self.quantization_config is not None:
+            kwargs["quantization_config"] = self.quantization_config
+        if self.device_map is not None:
+            kwargs["device_map"] = self.device_map
+        return kwargs
 
 
 def is_preset(name: str) -> bool:
@@ -165,9 +187,13 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
 
 
 def load_model(
-    name: str, label_names: list[str], tokenizer: PreTrainedTokenizerBase
+    name: str,
+    label_names: list[str],
+    tokenizer: PreTrainedTokenizerBase,
+    options: LoadOptions | None = None,
 ) -> PreTrainedModel:
-    """Build a preset or load a pretrained model with a classification head for these labels.
+    """Build a preset or load a pretrained model with a classification head for these labels,
+    read as ``options`` say (default: fp32).
 
     A pretrained head with a different number of labels is replaced (``ignore_mismatched_sizes``);
     the head is then freshly initialised, as in the Trainer.
@@ -191,10 +217,13 @@ def load_model(
     if getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = tokenizer.pad_token_id
     try:
-        # fp32, whatever the checkpoint's dtype (transformers 5 keeps it by default): the
-        # weights' dtype is --weights-dtype's choice (effitrain.levers casts for bf16).
+        # In the options' dtype (fp32 by default), whatever the checkpoint's (transformers 5
+        # keeps it by default): the weights' dtype is the levers' choice.
         model = AutoModelForSequenceClassification.from_pretrained(
-            name, config=config, ignore_mismatched_sizes=True, dtype="float32"
+            name,
+            config=config,
+            ignore_mismatched_sizes=True,
+            **(options or LoadOptions()).from_pretrained_kwargs(),
         )
     except (OSError, ValueError, KeyError) as exc:
         raise cannot_load("model", name, exc) from exc
@@ -281,8 +310,11 @@ def _label_fields(label_names: list[str]) -> dict[str, Any]:
     }
 
 
-def load_causal_lm(name: str, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
-    """Build a causal-LM preset (random init) or load a pretrained ``AutoModelForCausalLM``.
+def load_causal_lm(
+    name: str, tokenizer: PreTrainedTokenizerBase, options: LoadOptions | None = None
+) -> PreTrainedModel:
+    """Build a causal-LM preset (random init) or load a pretrained ``AutoModelForCausalLM``,
+    read as ``options`` say (default: fp32).
 
     Raises:
         EffitrainError: the model cannot be loaded, or has no causal-LM head.
@@ -297,8 +329,10 @@ def load_causal_lm(name: str, tokenizer: PreTrainedTokenizerBase) -> PreTrainedM
         config = getattr(transformers, CAUSAL_PRESETS[name][1])(**settings)
         return _for_training(transformers.AutoModelForCausalLM.from_config(config), tokenizer)
     try:
-        # fp32 whatever the checkpoint's dtype, as load_model.
-        model = transformers.AutoModelForCausalLM.from_pretrained(name, dtype="float32")
+        # In the options' dtype whatever the checkpoint's, as load_model.
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            name, **(options or LoadOptions()).from_pretrained_kwargs()
+        )
     except ValueError as exc:
         if "Unrecognized configuration class" in str(exc):
             raise EffitrainError(

@@ -14,14 +14,19 @@ from typing import TYPE_CHECKING, Any
 
 from effitrain.errors import EffitrainError
 from effitrain.memory.ledger import format_bytes
-from effitrain.tasks import get_task
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from effitrain.inspection import StateReport
     from effitrain.memory.ledger import OptimizerStateLedger
-    from effitrain.results import RunInfo, StepLog, TrainResult
+    from effitrain.results import (
+        Estimate,
+        MemoryRecord,
+        RunInfo,
+        StateReport,
+        StepLog,
+        TrainResult,
+    )
 
 
 def _duration(seconds: float) -> str:
@@ -73,7 +78,7 @@ class Reporter:
             self._line(f"[yellow]note:[/] {message}")
 
     def run_started(self, info: RunInfo) -> None:
-        self._speed_unit = get_task(info.task).speed_unit
+        self._speed_unit = info.speed_unit
         if not self._chatty:
             return
         self._line(
@@ -172,14 +177,14 @@ class Reporter:
         self.progress_finished()
         c = self.console
         ev = result.eval
-        speed = _speed(result, get_task(result.task).speed_unit)
+        speed = _speed(result, result.speed_unit)
         self._line(
             f"[bold green]done[/] · {result.global_steps} steps in {result.train_seconds:.1f} s "
             f"({result.seconds_per_step * 1000:.1f} ms/step, {speed}) · "
             f"train loss {result.train_loss:.4f} · eval {_eval_text(ev)}"
         )
         c.print(optimizer_state_table(result))
-        c.print(memory_table(result))
+        c.print(memory_table(result.memory, result.optimizer, result))
         if len(result.ranks) > 1 or result.sharding.get("kind", "single") != "single":
             c.print(ranks_table(result))
 
@@ -225,7 +230,8 @@ class Reporter:
 def optimizer_state_table(result: TrainResult) -> Any:
     """Per state key: tensors, elements, bytes, dtypes; then the total."""
     return ledger_table(
-        result.optimizer_state, f"Optimizer state: {result.optimizer} ({result.optimizer_class})"
+        result.memory.optimizer_state,
+        f"Optimizer state: {result.optimizer} ({result.optimizer_class})",
     )
 
 
@@ -258,119 +264,94 @@ def ledger_table(ledger: OptimizerStateLedger, title: str) -> Any:
     return table
 
 
-def memory_table(result: TrainResult) -> Any:
+def memory_table(memory: MemoryRecord, optimizer: str, run: TrainResult | None = None) -> Any:
     """The memory breakdown of this process. Per part: its own peak in one optimizer step, its
     share of the step's peak tensor memory, and what the same model would hold trained whole in
-    fp32 with fp32 AdamW and no levers. Then the peaks."""
+    fp32 with fp32 AdamW and no levers; the levers' own rows (host memory apart). Then the
+    peaks (``run``: a run's whole-process peak)."""
     from rich.table import Table
 
-    step = result.step_memory
-    at_peak = step.get("at_peak", {})
-    base = result.baseline
-    table = Table(title=f"Memory ({', '.join(result.levers) or 'no levers'})", title_justify="left")
+    step = memory.step_memory
+    at_peak = step.at_peak if step else {}
+    kind_peaks = step.kind_peaks if step else {}
+    base = memory.baseline
+    table = Table(title=f"Memory ({', '.join(memory.levers) or 'no levers'})", title_justify="left")
     table.add_column("what")
     table.add_column("measured", justify="right")
     table.add_column("at peak", justify="right")
     table.add_column("fp32 AdamW, no levers", justify="right")
-    state = result.optimizer_state.bytes
     rows = [
-        ("parameters", result.parameter_bytes, "parameters", "parameter_bytes"),
-        ("gradients", result.gradient_bytes, "gradients", "gradient_bytes"),
+        ("parameters", memory.parameter_bytes, "parameters", base.parameter_bytes),
+        ("gradients", memory.gradient_bytes, "gradients", base.gradient_bytes),
         (
-            f"optimizer state ({result.optimizer})",
-            state,
+            f"optimizer state ({optimizer})",
+            memory.optimizer_state.bytes,
             "optimizer_state",
-            "optimizer_state_bytes",
+            base.optimizer_state_bytes,
         ),
-        ("activations", result.activation_bytes, "activations", None),
-        (
-            "backward temporaries",
-            step.get("kind_peaks", {}).get("temporaries"),
-            "temporaries",
-            None,
-        ),
+        ("activations", memory.activation_bytes, "activations", None),
+        ("backward temporaries", kind_peaks.get("temporaries"), "temporaries", None),
         (
             "optimizer step temporaries",
-            step.get("kind_peaks", {}).get("optimizer_temporaries"),
+            kind_peaks.get("optimizer_temporaries"),
             "optimizer_temporaries",
             None,
         ),
     ]
-    for label, measured, kind, base_key in rows:
+    for label, measured, kind, baseline in rows:
         if measured is None and not at_peak:
             continue
         table.add_row(
             label,
             format_bytes(measured) if measured is not None else "—",
             format_bytes(at_peak[kind]) if kind in at_peak else "—",
-            _versus(measured, base.get(base_key)) if base_key else "—",
+            _versus(measured, baseline) if baseline is not None else "—",
         )
-    quantized = result.quantized_weights
-    if quantized:
-        table.add_row(
-            f"  4-bit NF4: packed {format_bytes(quantized['packed_bytes'])} + quant state "
-            f"{format_bytes(quantized['quant_state_bytes'])}",
-            format_bytes(quantized["bytes"]),
-            "",
-            "",
-        )
+        for row in memory.lever_rows:
+            if row.part_of == kind:
+                table.add_row(row.label, format_bytes(row.measured), "", "")
     other = at_peak.get("buffers", 0) + at_peak.get("other", 0)
     if other:
         table.add_row("buffers, other", "", format_bytes(other), "")
-    _offload_rows(table, result)
+    host = [row for row in memory.lever_rows if row.part_of is None]
+    if host:
+        table.add_section()
+    for row in host:  # the offload levers' host memory: not in the device's peak
+        table.add_row(row.label, format_bytes(row.measured), "—", "—")
     table.add_section()
-    if result.peak_tensor_bytes is not None:
+    if memory.peak_tensor_bytes is not None:
         table.add_row(
             "[bold]peak tensor memory[/]",
             "",
-            f"[bold]{format_bytes(result.peak_tensor_bytes)}[/]",
+            f"[bold]{format_bytes(memory.peak_tensor_bytes)}[/]",
             "—",
         )
-    if step.get("cuda_max_allocated"):
+    if step and step.cuda_max_allocated:
         table.add_row("tracked tensors", "", format_bytes(sum(at_peak.values())), "")
-    peak_label = {"cuda_peak_allocated": "CUDA peak (run)", "peak_rss": "peak RSS"}.get(
-        result.peak_memory_kind, result.peak_memory_kind
-    )
-    table.add_row(peak_label, format_bytes(result.peak_memory_bytes), "", "")
-    table.caption = _memory_caption(result)
+    if run is not None:
+        peak_label = {"cuda_peak_allocated": "CUDA peak (run)", "peak_rss": "peak RSS"}.get(
+            run.peak_memory_kind, run.peak_memory_kind
+        )
+        table.add_row(peak_label, format_bytes(run.peak_memory_bytes), "", "")
+    table.caption = _memory_caption(memory)
     table.caption_justify = "left"
     return table
 
 
-def _offload_rows(table: Any, result: TrainResult) -> None:
-    """The offload levers' host memory, apart from the device's parts (not in its peak)."""
-    rows = []
-    if result.activation_offload_host_bytes is not None:
-        rows.append(
-            ("offloaded activations (host, most at once)", result.activation_offload_host_bytes)
-        )
-    where = result.optimizer_offload
-    if where:
-        rows += [
-            ("optimizer state on the GPU (tensors < 4096 elements)", where["device_state_bytes"]),
-            ("optimizer state on the host", where["host_state_bytes"]),
-            ("host copies of parameters and gradients", where["host_copy_bytes"]),
-        ]
-    if rows:
-        table.add_section()
-    for label, value in rows:
-        table.add_row(label, format_bytes(value), "—", "—")
-
-
-def _memory_caption(result: TrainResult) -> str:
-    frozen = result.parameter_bytes - result.trainable_parameter_bytes
-    lines = [f"{result.trainable_parameters:,} trainable parameters"]
+def _memory_caption(memory: MemoryRecord) -> str:
+    frozen = memory.parameter_bytes - memory.trainable_parameter_bytes
+    lines = [f"{memory.trainable_parameters:,} trainable parameters"]
     if frozen > 0:
         lines[0] += (
-            f" ({format_bytes(result.trainable_parameter_bytes)}); frozen {format_bytes(frozen)}"
+            f" ({format_bytes(memory.trainable_parameter_bytes)}); frozen {format_bytes(frozen)}"
         )
-    adamw = result.adamw_equivalent_bytes
+    adamw = memory.adamw_equivalent_bytes
     if adamw:
         lines.append(
-            f"optimizer state: {result.optimizer_state.bytes / adamw:.1%} of fp32 AdamW's "
+            f"optimizer state: {memory.optimizer_state.bytes / adamw:.1%} of fp32 AdamW's "
             f"{format_bytes(adamw)} on the same parameters"
         )
-    if result.step_memory:
+    if memory.step_memory:
         lines.append(
             "measured: each part's own peak in one optimizer step; at peak: the parts when that "
             "step's live tensors peaked (they add up to it; on CUDA the peak is "
@@ -521,13 +502,6 @@ ESTIMATE_FIELDS = (
 )
 """The parts an estimate gives: a label and the metrics JSON's field (dotted: nested)."""
 
-HOST_FIELDS = (
-    ("host: offloaded activations", "activation_offload_host_bytes"),
-    ("host: optimizer state", "optimizer_offload.host_state_bytes"),
-    ("host: parameter and gradient copies", "optimizer_offload.host_copy_bytes"),
-)
-"""The offload levers' host memory (not in the device's peak), shown where an estimate has it."""
-
 PER_DEVICE_FIELDS = (
     ("parameters", "parameter_bytes"),
     ("gradients", "gradient_bytes"),
@@ -545,14 +519,15 @@ def metrics_field(data: dict[str, Any], key: str) -> Any:
 
 
 def print_estimates(
-    results: list[dict[str, Any]],
+    results: list[Estimate],
     against: dict[str, Any] | None = None,
     skipped: list[str] | None = None,
     console: Console | None = None,
 ) -> None:
     """``effitrain estimate``: the estimates side by side (one row each when there are many),
-    each process's share, the notes; with ``against`` (a measured run, its errors and
-    mismatches), the measured column and the error of the estimate of the same optimizer."""
+    each process's share, the notes; with ``against`` (a measured run's metrics JSON, its
+    errors and mismatches), the measured column and the error of the estimate of the same
+    optimizer."""
     from rich.console import Console
 
     console = console or Console(highlight=False)
@@ -560,7 +535,7 @@ def print_estimates(
         console.print(estimates_by_row(results))
     else:
         console.print(estimates_table(results, against))
-    if "per_device" in results[0]:
+    if results[0].per_device is not None:
         console.print(per_device_table(results))
         console.print(
             "Not included: FSDP's all-gathered layer (one layer's full parameters at a time) and "
@@ -571,34 +546,38 @@ def print_estimates(
         "run's memory table); a process holds more (libraries, the CUDA context, allocator "
         "caching). Every example is assumed --max-length tokens long."
     )
-    notes = [*dict.fromkeys(n for r in results for n in r["notes"])]
+    notes = [*dict.fromkeys(n for r in results for n in r.notes)]
     notes += (against or {}).get("mismatches", []) + (skipped or [])
     for note in notes:
         console.print(f"note: {note}")
 
 
-def _estimate_title(first: dict[str, Any]) -> str:
-    micro = f", {first['grad_accum']} micro-batches" if first["grad_accum"] > 1 else ""
+def _estimate_title(first: Estimate) -> str:
+    settings = first.settings
+    micro = f", {settings.grad_accum} micro-batches" if settings.grad_accum > 1 else ""
     return (
-        f"Estimate: {first['model']}, batch {first['batch_size']} x {first['max_length']} "
+        f"Estimate: {settings.model}, batch {settings.batch_size} x {settings.max_length} "
         f"tokens{micro}"
     )
 
 
-def estimates_table(results: list[dict[str, Any]], against: dict[str, Any] | None = None) -> Any:
-    """One column per estimate; with ``against``, the measured run and the estimate's error."""
+def estimates_table(results: list[Estimate], against: dict[str, Any] | None = None) -> Any:
+    """One column per estimate; with ``against``, the measured run and the estimate's error.
+    The rows are the metrics JSON's fields (the measured run's are read by those names), then
+    the levers' rows."""
     from rich.table import Table
 
-    table = Table(title=_estimate_title(results[0]["estimate"]), title_justify="left")
+    table = Table(title=_estimate_title(results[0]), title_justify="left")
     table.add_column("what")
     for result in results:
-        levers = f" + {', '.join(result['levers'])}" if result["levers"] else ""
-        table.add_column(result["optimizer"] + levers, justify="right")
+        levers = f" + {', '.join(result.memory.levers)}" if result.memory.levers else ""
+        table.add_column(result.optimizer + levers, justify="right")
     if against is not None:
         table.add_column("measured", justify="right")
         table.add_column(f"error ({against['optimizer']})", justify="right")
+    fields = [result.to_dict() for result in results]
     for label, key in ESTIMATE_FIELDS:
-        cells = [format_bytes(metrics_field(r, key) or 0) for r in results]
+        cells = [format_bytes(metrics_field(f, key) or 0) for f in fields]
         if against is not None:
             truth = metrics_field(against["measured"], key)
             error = against["errors"][key]
@@ -607,27 +586,28 @@ def estimates_table(results: list[dict[str, Any]], against: dict[str, Any] | Non
                 f"{error:+.1%}" if error is not None else "-",
             ]
         table.add_row(label, *cells)
-        if key == "trainable_parameter_bytes" and any(r.get("quantized_weights") for r in results):
-            table.add_row(
-                "  4-bit weights",
-                *[
-                    format_bytes((r.get("quantized_weights") or {}).get("bytes", 0))
-                    for r in results
-                ],
-                *(["", ""] if against is not None else []),
-            )
-    for label, key in HOST_FIELDS:
-        values = [metrics_field(r, key) for r in results]
-        if any(value is not None for value in values):
-            cells = [format_bytes(v) if v is not None else "-" for v in values]
-            if against is not None:
-                truth = metrics_field(against["measured"], key)
-                cells += [format_bytes(truth) if truth is not None else "-", "-"]
-            table.add_row(label, *cells)
+        part = {"trainable_parameter_bytes": "parameters"}.get(key)
+        for row_label in _lever_row_labels(results, part) if part else []:
+            table.add_row(row_label, *_lever_cells(results, row_label, against))
+    for row_label in _lever_row_labels(results, None):  # host memory, not in the device's peak
+        table.add_row(f"host: {row_label}", *_lever_cells(results, row_label, against))
     return table
 
 
-def estimates_by_row(results: list[dict[str, Any]]) -> Any:
+def _lever_row_labels(results: list[Estimate], part: str | None) -> list[str]:
+    labels = (row.label for r in results for row in r.memory.lever_rows if row.part_of == part)
+    return list(dict.fromkeys(labels))
+
+
+def _lever_cells(results: list[Estimate], label: str, against: dict[str, Any] | None) -> list[str]:
+    cells = []
+    for result in results:
+        values = [row.measured for row in result.memory.lever_rows if row.label == label]
+        cells.append(format_bytes(values[0]) if values else "-")
+    return cells + (["", ""] if against is not None else [])
+
+
+def estimates_by_row(results: list[Estimate]) -> Any:
     """Many estimates (``--optim all``): one row each, the parts as columns."""
     from rich.table import Table
 
@@ -636,38 +616,61 @@ def estimates_by_row(results: list[dict[str, Any]]) -> Any:
     columns = [
         (short.get(label, label), key) for label, key in ESTIMATE_FIELDS[:1] + ESTIMATE_FIELDS[2:]
     ]
-    table = Table(title=_estimate_title(results[0]["estimate"]), title_justify="left")
+    table = Table(title=_estimate_title(results[0]), title_justify="left")
     table.add_column("optimizer")
     for label, _ in columns:
         table.add_column(label, justify="right")
     for result in results:
+        fields = result.to_dict()
         table.add_row(
-            result["optimizer"], *(format_bytes(metrics_field(result, k) or 0) for _, k in columns)
+            result.optimizer, *(format_bytes(metrics_field(fields, k) or 0) for _, k in columns)
         )
     return table
 
 
-def per_device_table(results: list[dict[str, Any]]) -> Any:
+def per_device_table(results: list[Estimate]) -> Any:
     """Each process's share of every estimate (``--num-processes``, ``--sharding``)."""
     from rich.table import Table
 
-    first = results[0]["per_device"]
+    first = results[0].per_device
+    assert first is not None
     table = Table(
-        title=f"Per process: {first['num_processes']} processes, {first['sharding']} "
-        f"({first['modeled']})",
+        title=f"Per process: {first.num_processes} processes, {first.sharding} ({first.modeled})",
         title_justify="left",
     )
     table.add_column("what")
     for result in results:
-        table.add_column(result["optimizer"], justify="right")
+        table.add_column(result.optimizer, justify="right")
     for label, key in PER_DEVICE_FIELDS:
-        table.add_row(label, *(format_bytes(r["per_device"][key] or 0) for r in results))
+        table.add_row(
+            label,
+            *(format_bytes(getattr(r.per_device, key, None) or 0) for r in results),
+        )
     return table
 
 
 # --------------------------------------------------------------------------------------------
 # effitrain compare
 # --------------------------------------------------------------------------------------------
+
+PARTS = (
+    ("parameters", "parameter_bytes"),
+    ("gradients", "gradient_bytes"),
+    ("optimizer state", "optimizer_state_bytes"),
+    ("activations", "activation_bytes"),
+)
+"""The stacked parts of the memory bars (metrics JSON fields; optimizer state flattened)."""
+
+COLUMNS = (
+    *PARTS,
+    ("peak tensors", "peak_tensor_bytes"),
+    ("peak RSS", "peak_memory_bytes"),
+    ("s/step", "seconds_per_step"),
+    ("final loss", "final_loss"),
+    ("eval accuracy", "eval_accuracy"),
+    ("eval perplexity", "eval_perplexity"),
+)
+"""The table's and the CSV's numeric columns."""
 
 
 def print_comparison(
@@ -694,8 +697,6 @@ def comparison_table(rows: list[dict[str, Any]]) -> Any:
     """One column per configuration (the usual three fit 80 columns), memory and time also as
     ratios to the first."""
     from rich.table import Table
-
-    from effitrain.comparison import COLUMNS
 
     base = rows[0]
     table = Table(

@@ -1,15 +1,20 @@
-"""The records a run produces: what it is about to do, each log line, and what it measured.
+"""The records the commands produce: what a run is about to do, each log line, what a step held
+in memory, what a run measured, what an estimate predicts, what a checkpoint's optimizer state
+holds.
 
-A leaf module: plain dataclasses that training fills in and :mod:`effitrain.report` renders.
+A leaf of plain dataclasses: training, ``effitrain estimate`` and ``inspect-state`` fill them in,
+:mod:`effitrain.report` renders them, and each one's ``to_dict`` is its JSON (the metrics JSON's
+field names, flat, as they have always been).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from effitrain.memory.ledger import OptimizerStateLedger
+    from effitrain.memory.step import StepMemory
 
 
 @dataclass
@@ -41,8 +46,10 @@ class RunInfo:
     num_processes: int
     mixed_precision: str
     levers: list[str] = field(default_factory=list)
-    """One banner line per memory lever that is on (``effitrain.levers.describe``)."""
+    """One banner line per memory lever that is on, and the loss's lines."""
     task: str = "sequence-classification"
+    speed_unit: str = "samples"
+    """What throughput counts: ``samples`` or ``tokens`` (the task's)."""
     optimizer_split: str = ""
     """How the optimizer splits the parameters (Muon, GaLore, APOLLO: hidden matrices vs the
     rest, ``effitrain.optim.split``); empty for one update rule everywhere."""
@@ -62,6 +69,85 @@ class StepLog:
     tokens_per_second: float = 0.0
 
 
+@dataclass(frozen=True)
+class MemoryRow:
+    """A lever's row of the memory table (``effitrain.levers.spec.Lever.memory_rows``)."""
+
+    label: str
+    measured: int
+    part_of: str | None = None
+    """Listed under this part of the step (``parameters``); None: host memory, in a section of
+    its own, not in the device's peak."""
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The same model trained whole in fp32 with fp32 AdamW and no levers."""
+
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass
+class MemoryRecord:
+    """What a training step holds, by part, measured from storage: a run's (real tensors) and
+    an estimate's (fake tensors) alike, by the same function (``effitrain.measure``)."""
+
+    optimizer_state: OptimizerStateLedger
+    parameter_bytes: int
+    trainable_parameters: int
+    trainable_parameter_bytes: int
+    """Bytes of the parameters that train; ``parameter_bytes`` minus this is frozen (LoRA)."""
+    gradient_bytes: int
+    adamw_equivalent_bytes: int
+    adamw_equivalent_elements: int
+    baseline: Baseline
+    levers: list[str] = field(default_factory=list)
+    """The memory levers in use (``effitrain.levers.in_use``)."""
+    loss: dict[str, Any] = field(default_factory=dict)
+    """How the loss was computed: ``implementation`` (model, torch, liger, cce or off: full
+    logits), ``weighting`` (tokens or micro-batch mean), and ``why`` a chunked loss was not."""
+    step_memory: StepMemory | None = None
+    """The measured step's tensor memory by kind (None: not measured)."""
+    lever_fields: dict[str, Any] = field(default_factory=dict)
+    """The levers' own metrics fields (the 4-bit weights' bytes, where the offloaded state
+    lives …), each written and read by its lever (``Lever.metrics``, ``Lever.memory_rows``)."""
+    lever_rows: list[MemoryRow] = field(default_factory=list)
+    """The levers' rows of the memory table."""
+
+    @property
+    def activation_bytes(self) -> int | None:
+        """Peak bytes of what forward allocated and kept, in the measured step."""
+        return self.step_memory.kind_peaks.get("activations") if self.step_memory else None
+
+    @property
+    def peak_tensor_bytes(self) -> int | None:
+        """Most live tensor bytes at once in the measured step (None: not measured)."""
+        return self.step_memory.peak_tensor_bytes if self.step_memory else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "optimizer_state": self.optimizer_state.to_dict(),
+            "parameter_bytes": self.parameter_bytes,
+            "trainable_parameters": self.trainable_parameters,
+            "trainable_parameter_bytes": self.trainable_parameter_bytes,
+            "gradient_bytes": self.gradient_bytes,
+            "adamw_equivalent_bytes": self.adamw_equivalent_bytes,
+            "adamw_equivalent_elements": self.adamw_equivalent_elements,
+            "activation_bytes": self.activation_bytes,
+            "peak_tensor_bytes": self.peak_tensor_bytes,
+            "step_memory": self.step_memory.to_dict() if self.step_memory else {},
+            "levers": list(self.levers),
+            "loss": dict(self.loss),
+            "baseline": self.baseline.to_dict(),
+            **self.lever_fields,
+        }
+
+
 @dataclass
 class TrainResult:
     """What a run measured; ``to_dict`` is the ``--metrics-json`` object."""
@@ -74,12 +160,7 @@ class TrainResult:
     train_loss: float
     eval: dict[str, float]
     eval_history: list[dict[str, float]]
-    optimizer_state: OptimizerStateLedger
-    parameter_bytes: int
-    trainable_parameters: int
-    gradient_bytes: int
-    adamw_equivalent_bytes: int
-    adamw_equivalent_elements: int
+    memory: MemoryRecord
     peak_memory_bytes: int
     peak_memory_kind: str
     seconds_per_step: float
@@ -90,6 +171,7 @@ class TrainResult:
     device: str
     config: dict[str, Any] = field(default_factory=dict)
     task: str = "sequence-classification"
+    speed_unit: str = "samples"
     tokens_per_second: float = 0.0
     """Non-padding input tokens per second of training, all processes."""
     last_checkpoint: str | None = None
@@ -102,34 +184,122 @@ class TrainResult:
     """Per process: rank, optimizer_state_bytes, parameter_bytes, peak memory, checksum."""
     ranks_total: dict[str, int] = field(default_factory=dict)
     """The per-rank byte counts summed over all processes."""
-    trainable_parameter_bytes: int = 0
-    """Bytes of the parameters that train; ``parameter_bytes`` minus this is frozen (LoRA)."""
-    activation_bytes: int | None = None
-    """Peak bytes of what forward allocated and kept (saved for backward), in the measured step."""
-    peak_tensor_bytes: int | None = None
-    """Most live tensor bytes at once in the measured step (None: not measured, see step_memory)."""
-    step_memory: dict[str, Any] = field(default_factory=dict)
-    """The measured step's tensor memory by kind (``effitrain.memory.step.StepMemory``)."""
-    levers: list[str] = field(default_factory=list)
-    """The memory levers that were on (``effitrain.levers.active``, and ``chunked-loss``)."""
-    loss: dict[str, Any] = field(default_factory=dict)
-    """How the loss was computed: ``implementation`` (model, torch, liger, cce or off: full
-    logits), ``weighting`` (tokens or micro-batch mean), and ``why`` a chunked loss was not."""
     loss_history: list[dict[str, float]] = field(default_factory=list)
     """The training loss at every log line: ``{"step", "loss"}`` (``--log-every``)."""
-    quantized_weights: dict[str, int] | None = None
-    """--load-in-4bit: the 4-bit base weights (``effitrain.quantize.QuantizedStorage``: weights,
-    elements, packed_bytes, quant_state_bytes, bytes), part of ``parameter_bytes``."""
-    baseline: dict[str, int] = field(default_factory=dict)
-    """The same model trained whole in fp32 with fp32 AdamW and no levers (parameters,
-    gradients, optimizer state), for the savings column."""
-    activation_offload_host_bytes: int | None = None
-    """--activation-offload: the most pinned host bytes its offloaded activations held at once."""
-    optimizer_offload: dict[str, int] = field(default_factory=dict)
-    """--optimizer-offload: where the optimizer's memory lives (``device_state_bytes``,
-    ``host_state_bytes``, ``host_copy_bytes``: :func:`effitrain.optim.offload.offload_ledger`)."""
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["optimizer_state"] = self.optimizer_state.to_dict()
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        del data["memory"], data["speed_unit"]
+        return {**data, **self.memory.to_dict()}
+
+
+@dataclass(frozen=True)
+class EstimateSettings:
+    """How an estimate was made: the batch it assumed and the step it measured."""
+
+    model: str
+    batch_size: int
+    max_length: int
+    grad_accum: int
+    mixed_precision: str
+    measured_step: int
+    method: str = "fake tensors (torch FakeTensorMode) through the real training step"
+
+
+@dataclass(frozen=True)
+class PerDevice:
+    """Each process's share of an estimate under a launch's sharding."""
+
+    num_processes: int
+    sharding: str
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+    activation_bytes: int | None
+    peak_tensor_bytes: int | None
+    modeled: str
+    """How the split was modeled."""
+
+
+@dataclass
+class Estimate:
+    """What ``effitrain estimate`` predicts ``effitrain train`` would measure; ``to_dict`` has
+    the metrics JSON's field names, plus ``estimate`` (how), ``per_device`` and ``notes``."""
+
+    optimizer: str
+    optimizer_class: str
+    lr: float
+    memory: MemoryRecord
+    settings: EstimateSettings
+    per_device: PerDevice | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "optimizer": self.optimizer,
+            "optimizer_class": self.optimizer_class,
+            "lr": self.lr,
+            **self.memory.to_dict(),
+            "estimate": asdict(self.settings),
+            "notes": list(self.notes),
+        }
+        if self.per_device is not None:
+            data["per_device"] = asdict(self.per_device)
         return data
+
+
+@dataclass
+class ParamState:
+    """One parameter's optimizer state, as ``inspect-state`` reads it."""
+
+    parameter: str
+    """Its name when the checkpoint records it, else ``#<index in the state dict>``."""
+    shape: list[int] | None
+    """The parameter's shape, inferred from the state (``inspection.infer_parameter``)."""
+    elements: int | None
+    bytes: int
+    keys: list[str]
+    second_moment: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class StateReport:
+    """What ``effitrain inspect-state`` shows; ``to_dict`` is its ``--json`` object."""
+
+    path: str
+    format: str
+    files: list[str]
+    optimizer_name: str | None
+    optimizer_class: str
+    optimizer_inferred: bool
+    step: int | None
+    param_groups: list[dict[str, Any]]
+    ledger: OptimizerStateLedger
+    params: list[ParamState] = field(default_factory=list)
+    """Every parameter's state, largest first."""
+    adamw_equivalent_elements: int = 0
+    adamw_equivalent_bytes: int = 0
+    params_without_shape: int = 0
+    """Parameters whose shape could not be inferred (left out of the AdamW equivalent)."""
+
+    def to_dict(self, top: int | None = None) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "format": self.format,
+            "files": self.files,
+            "optimizer": {
+                "name": self.optimizer_name,
+                "class": self.optimizer_class,
+                "inferred": self.optimizer_inferred,
+            },
+            "step": self.step,
+            "param_groups": self.param_groups,
+            "optimizer_state": self.ledger.to_dict(),
+            "adamw_equivalent_bytes": self.adamw_equivalent_bytes,
+            "adamw_equivalent_elements": self.adamw_equivalent_elements,
+            "params_without_shape": self.params_without_shape,
+            "largest": [p.to_dict() for p in self.params[:top]],
+        }

@@ -12,6 +12,7 @@ With ``--report-to``, Accelerate's trackers follow along (:mod:`effitrain.tracki
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,12 +21,14 @@ import effitrain.distributed as distributed
 import effitrain.levers as levers
 import effitrain.optim as optim
 import effitrain.tracking as tracking
-from effitrain.build import Run, build_run, check_config, check_outputs
+from effitrain.build import build_run, check_config, check_outputs, describe
 from effitrain.config import TrainConfig
 from effitrain.loop import evaluate, fit
+from effitrain.measure import memory_record
 from effitrain.memory import ledger
 from effitrain.progress import Stopwatch, TrainingProgress
 from effitrain.results import TrainResult
+from effitrain.run import Run
 from effitrain.signals import stop_on_signals
 
 if TYPE_CHECKING:
@@ -43,18 +46,18 @@ def train(config: TrainConfig, reporter: Reporter) -> TrainResult:
     check_outputs(config)
     tracking.check(config)
     run = build_run(config, reporter)
-    reporter.run_started(run.info)
+    reporter.run_started(describe(run))
     progress = TrainingProgress.for_accelerator(run.accelerator)
     checkpointer = make_checkpointer(run)
     if config.resume:
         resume(run, progress, checkpointer, reporter)
-    tracking.start(run, progress, reporter)
+    run.trackers.start(progress.global_step, reporter)
     with stop_on_signals() as stop:
         timer = fit(run, progress, checkpointer, reporter, stop)
     if not progress.eval_history or progress.eval_history[-1]["step"] != progress.global_step:
         # Resumed from a checkpoint saved at the last step but before its evaluation.
         metrics = evaluate(run)
-        tracking.log_evaluation(run, metrics, progress.global_step)
+        run.trackers.log_evaluation(metrics, progress.global_step)
         progress.record_evaluation(metrics, epoch_complete=False)
     final_model_dir = None
     optim.set_train_mode(run.optimizer, False)  # schedule-free: save the weights it evaluated
@@ -64,23 +67,9 @@ def train(config: TrainConfig, reporter: Reporter) -> TrainResult:
         )
         reporter.saved_final(str(final_model_dir))
     result = summarize(run, progress, timer, checkpointer.last_path, final_model_dir)
-    if config.output_dir and config.lora_rank is not None:
-        save_lora_extras(run, reporter)
-    tracking.finish(run, result)
+    levers.after_final_save(run, reporter)  # after the summary: LoRA's merge changes the model
+    run.trackers.finish(result)
     return result
-
-
-def save_lora_extras(run: Run, reporter: Reporter) -> None:
-    """With --lora-merge, ``final-merged/``: after the summary, because merging changes the
-    model in place (its parameters no longer are the ones that trained)."""
-    import effitrain.lora as lora
-
-    if run.config.lora_merge:
-        merged = lora.save_merged(run.accelerator, run.model, run.tokenizer, run.config.output_dir)
-        reporter.saved_final(str(merged))
-    note = lora.final_note(run.config)
-    if note:
-        reporter.note(note)
 
 
 def make_checkpointer(run: Run) -> checkpoint.Checkpointer:
@@ -93,13 +82,14 @@ def make_checkpointer(run: Run) -> checkpoint.Checkpointer:
             run.config, run.plan.total_steps, run.plan.steps_per_epoch
         ),
         run.optimizer,
-        optimizer_name=run.spec.name,
-        optimizer_class=run.spec.class_path,
+        optimizer_name=run.optimizer_spec.name,
+        optimizer_class=run.optimizer_spec.class_path,
         # The optimizer's parameters in its state-dict order (ids 0, 1, …), for inspect-state.
         param_names=[
             names.get(id(p), "?") for group in run.optimizer.param_groups for p in group["params"]
         ],
         parameter_shapes={name: list(p.shape) for name, p in model.named_parameters()},
+        save_extra=levers.save_extra(run),
     )
 
 
@@ -123,7 +113,7 @@ def resume(
         parameter_shapes=checkpointer.parameter_shapes,
         fp32_embedding_state=config.fp32_embedding_state,
     )
-    differences = checkpoint.config_differences(meta, config)
+    differences = checkpoint.config_differences(meta, config, used=options_as_used)
     if differences:
         reporter.note(
             f"options differ from the checkpoint's run ({'; '.join(differences)}): "
@@ -134,11 +124,9 @@ def resume(
             f"the checkpoint was written by {meta.get('world_size')} process(es), this run has "
             f"{accelerator.num_processes}: data order and batch size differ from the original run"
         )
-    if config.load_in_4bit:
-        from effitrain.quantize import check_checkpoint_base
-
-        check_checkpoint_base(accelerator.unwrap_model(run.model), path)
-    checkpoint.load_checkpoint(accelerator, path, strict=not config.load_in_4bit)
+    levers.check_checkpoint(run, path)
+    checkpoint.load_checkpoint(accelerator, path, strict=levers.strict_load(config))
+    levers.load_extra(run, path)
     progress.load_state_dict(meta)
     checkpointer.last_saved_step = progress.global_step
     reporter.resumed(str(path), progress.global_step, progress.epoch, progress.step_in_epoch)
@@ -146,6 +134,17 @@ def resume(
         reporter.note(
             f"the checkpoint is already at step {progress.global_step} of {run.plan.total_steps}"
         )
+
+
+def options_as_used(values: dict[str, Any]) -> dict[str, Any]:
+    """Options as a run uses them: an unset --max-grad-norm is the levers' default (0 where an
+    update cannot wait for clipping), so leaving it out and giving that value are the same."""
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    try:
+        config = TrainConfig(**{k: v for k, v in values.items() if k in names})
+    except TypeError:  # a checkpoint of another effitrain version: compared as written
+        return values
+    return {**values, "max_grad_norm": levers.max_grad_norm(config)}
 
 
 def summarize(
@@ -156,31 +155,24 @@ def summarize(
     final_model_dir: Path | None,
 ) -> TrainResult:
     """What the run cost, measured from the real storage (a collective: all ranks call it)."""
-    model, optimizer, accelerator = run.model, run.optimizer, run.accelerator
+    accelerator = run.accelerator
     peak_bytes, peak_kind = ledger.peak_memory_bytes(accelerator.device)
-    ranks = distributed.gather_rank_memory(accelerator, model, optimizer)
+    ranks = distributed.gather_rank_memory(accelerator, run.model, run.optimizer)
     final_eval: dict[str, Any] = progress.eval_history[-1]
-    step = progress.step_memory
     train_seconds = timer.train_seconds
     return TrainResult(
-        optimizer=run.spec.name,
-        optimizer_class=run.spec.class_path,
-        lr=run.hyper.lr,
+        optimizer=run.optimizer_spec.name,
+        optimizer_class=run.optimizer_spec.class_path,
+        lr=run.hyperparameters.lr,
         global_steps=progress.global_step,
         epochs=len(progress.eval_history),
         train_loss=progress.train_loss,
         eval={k: v for k, v in final_eval.items() if k not in ("epoch", "step", "sample")},
         task=run.task.name,
+        speed_unit=run.task.speed_unit,
         eval_history=progress.eval_history,
         loss_history=progress.loss_history,
-        optimizer_state=ledger.optimizer_state_ledger(optimizer),
-        parameter_bytes=ledger.parameter_bytes(model),
-        trainable_parameters=ledger.trainable_parameter_count(model),
-        # With the step measured by kind: the gradients' own peak (optimizer in backward frees
-        # them one by one); else what existed after the first backward.
-        gradient_bytes=step.get("kind_peaks", {}).get("gradients", progress.gradient_bytes),
-        adamw_equivalent_bytes=ledger.adamw_equivalent_bytes(model),
-        adamw_equivalent_elements=ledger.adamw_equivalent_elements(model),
+        memory=memory_record(run, progress),
         peak_memory_bytes=peak_bytes,
         peak_memory_kind=peak_kind,
         seconds_per_step=timer.median_step_seconds,
@@ -193,18 +185,7 @@ def summarize(
         config=run.config.to_dict(),
         last_checkpoint=str(last_checkpoint) if last_checkpoint else None,
         final_model_dir=str(final_model_dir) if final_model_dir else None,
-        sharding=run.sharding.to_dict(),
+        sharding=run.launch.sharding.to_dict(),
         ranks=ranks,
         ranks_total=distributed.rank_totals(ranks),
-        trainable_parameter_bytes=ledger.trainable_parameter_bytes(model),
-        activation_bytes=step.get("kind_peaks", {}).get("activations"),
-        peak_tensor_bytes=step.get("peak_tensor_bytes"),
-        step_memory=step,
-        levers=levers.active(run.config) + run.loss.levers,
-        loss=run.loss.to_dict(),
-        quantized_weights=levers.quantized_weights(run.config, model),
-        baseline=ledger.fp32_adamw_baseline(
-            levers.original_parameters(accelerator.unwrap_model(model))
-        ),
-        **levers.offload_results(run),
     )

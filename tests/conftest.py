@@ -79,16 +79,44 @@ def _reset_accelerate() -> None:
     PartialState._reset_state()
 
 
+def assert_resume_command_round_trips(arguments: list[str]) -> None:
+    """The config that ``effitrain train ARGUMENTS`` gives comes back, with ``--resume latest``,
+    from the command a stop would print (parsing only). Arguments that do not parse (the suite
+    runs bad input on purpose) are skipped; so is a run with no --output-dir, which prints no
+    command: it is checked as if it had one."""
+    import dataclasses
+    import shlex
+
+    from effitrain.checkpoint import resume_command
+    from effitrain.cli.compare import train_config
+    from effitrain.errors import EffitrainError
+
+    if {"--help", "-h"} & set(arguments):
+        return
+    try:
+        config = train_config(arguments)
+    except EffitrainError:
+        return
+    if not config.output_dir:
+        config = dataclasses.replace(config, output_dir="resume-check")
+    command = shlex.split(resume_command(config, 1))
+    assert command[:2] == ["effitrain", "train"], command
+    assert train_config(command[2:]) == dataclasses.replace(config, resume="latest"), command
+
+
 def train_in_process(*args: str) -> InProcessResult:
     """Run ``effitrain ARGS`` inside this process (fast: torch is imported once per session).
 
     Accelerate keeps process-wide singletons; they are reset around each run so runs with
-    different options do not leak into each other.
+    different options do not leak into each other. Every ``train`` command line is also checked
+    to survive the resume command a stopped run prints (:func:`assert_resume_command_round_trips`).
     """
     from typer.testing import CliRunner
 
     from effitrain.cli import app
 
+    if args[:1] == ("train",):
+        assert_resume_command_round_trips(list(args[1:]))
     _reset_accelerate()
     result = CliRunner().invoke(app, list(args), env={"COLUMNS": "200", **OFFLINE})
     _reset_accelerate()

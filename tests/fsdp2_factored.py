@@ -140,17 +140,23 @@ def expected_rank_bytes(reference, ref_model, rank: int, n: int) -> int:
     return total
 
 
-def estimated_rank0_bytes(reference, ref_model, n: int) -> int:
+def estimated_rank0_bytes(name: str, reference, ref_model, n: int) -> int:
     from effitrain.estimation import fsdp2_layout, per_device
+    from effitrain.results import Baseline, MemoryRecord
 
-    result = {
-        "parameter_bytes": 0,
-        "gradient_bytes": 0,
-        "optimizer_state": {"bytes": ledger.optimizer_state_ledger(reference).bytes},
-        "activation_bytes": 0,
-    }
+    state = ledger.optimizer_state_ledger(reference)
+    memory = MemoryRecord(
+        optimizer_state=state,
+        parameter_bytes=0,
+        trainable_parameters=0,
+        trainable_parameter_bytes=0,
+        gradient_bytes=0,
+        adamw_equivalent_bytes=0,
+        adamw_equivalent_elements=0,
+        baseline=Baseline(parameter_bytes=0, gradient_bytes=0, optimizer_state_bytes=0),
+    )
     layout = fsdp2_layout(ref_model, reference)
-    return per_device(result, n, "fsdp", layout)["optimizer_state_bytes"]
+    return per_device(memory, name, n, "fsdp", layout).optimizer_state_bytes
 
 
 def checkpoint_facts(name: str, mesh, state: PartialState, kind: str) -> dict:
@@ -225,7 +231,7 @@ def facts_for(name: str, mesh, state: PartialState) -> dict:
         "expected_rank_state_bytes": expected_rank_bytes(reference, ref_model, rank, n),
         "one_process_state_bytes": ledger.optimizer_state_ledger(reference).bytes,
         # what `effitrain estimate --num-processes 2 --sharding fsdp` says of rank 0
-        "estimated_rank0_state_bytes": estimated_rank0_bytes(reference, ref_model, n),
+        "estimated_rank0_state_bytes": estimated_rank0_bytes(name, reference, ref_model, n),
         "local_rows": {name: p.to_local().shape[0] for name, p in model.named_parameters()},
         "checkpoint": {
             kind: checkpoint_facts(name, mesh, state, kind)

@@ -39,10 +39,16 @@ def test_refused_before_anything_is_built(train_cli, tmp_path, options, fragment
     assert "effitrain ·" not in proc.stdout  # no banner: refused before building
 
 
+def optimizer_spec(config: TrainConfig):
+    """The optimizer spec a run with ``config`` builds: the registry's, with the bf16 variant."""
+    import effitrain.levers as levers
+    from effitrain.optim import get_spec
+
+    return levers.optimizer_spec(get_spec(config.optim), config)
+
+
 def test_lora_trains_fp32_adapters_so_any_optimizer_is_allowed():
     # The rule is about the trained parameters' dtype: LoRA adapters stay fp32.
-    from effitrain.optim.bf16 import optimizer_spec
-
     for optim in ("adamw-8bit", "lion"):
         check_config(TrainConfig(weights_dtype="bf16", optim=optim, lora_rank=8).validate())
         with pytest.raises(EffitrainError, match="needs an optimizer"):
@@ -89,12 +95,11 @@ def _train_bf16_weights(optim, config, shape, dtype=None):
     import torch
 
     from effitrain.optim import build_optimizer
-    from effitrain.optim.bf16 import optimizer_spec
 
     model = torch.nn.Linear(shape[1], shape[0], bias=False).to(dtype or torch.bfloat16)
     torch.nn.init.ones_(model.weight)
-    spec = optimizer_spec(config) if config else None
-    optimizer = build_optimizer(model, optim, 1e-4, 0.0, spec=spec)
+    spec = optimizer_spec(config) if config else optim
+    optimizer = build_optimizer(model, spec, 1e-4, 0.0)
     for _ in range(200):
         model.weight.grad = torch.ones_like(model.weight)
         optimizer.step()

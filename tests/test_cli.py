@@ -130,10 +130,11 @@ def test_estimate_and_compare_share_trains_declarations():
 
 def test_options_given_become_overrides():
     """Only what the command line gives is an override (a YAML file keeps what it sets),
-    typed as TrainConfig takes it; train_arguments spells overrides back as train options."""
+    typed as TrainConfig takes it; to_arguments spells overrides back as train options."""
     from typer.testing import CliRunner
 
-    from effitrain.cli.options import config_options, train_arguments
+    from effitrain.cli.options import config_options
+    from effitrain.config import to_arguments
 
     seen = {}
 
@@ -158,7 +159,7 @@ def test_options_given_become_overrides():
     }
     assert seen == expected
     seen.clear()
-    assert CliRunner().invoke(app, train_arguments(expected)).exit_code == 0
+    assert CliRunner().invoke(app, to_arguments(expected)).exit_code == 0
     assert seen == expected
 
 
@@ -197,6 +198,12 @@ def test_optimizers_table_and_json(train_cli):
     assert max(len(line) for line in table.stdout.splitlines()) <= 80
     assert "fine-tuning   lr 3e-3, 10% warmup, then linear" in table.stdout
     assert "note: its defaults fail the demo from scratch and long texts" in table.stdout
+    # bytes/param: the measured figure (effitrain/optim/state_bytes.json), then the spec's note.
+    assert "bytes/param: 2.04 (tensors < 4096 elements keep fp32 state: 8)" in table.stdout
+    assert by_name["adamw-8bit"]["bytes_per_param"] == (
+        "2.04 (tensors < 4096 elements keep fp32 state: 8)"
+    )
+    assert by_name["adamw"]["bytes_per_param"] == "8.00"
 
 
 # --- bad input: each gives one line, a non-zero exit and no traceback ---------------------------

@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from effitrain.comparison import PARTS, child_error, configurations, parse_variant, plot
+from effitrain.comparison import child_error, configurations, parse_variant, plot
 from effitrain.errors import EffitrainError
+from effitrain.report import PARTS
 from tests.conftest import assert_clean_error
 
 
@@ -69,10 +70,17 @@ def test_the_default_comparison_trains_stably():
     """With no options, the default three run at learning rates that keep the random-init
     distilbert-base shape from diverging, warming up over half the steps; --help says which.
     Other optimizers, another model or --lr: the optimizers' own defaults."""
-    from effitrain.cli.compare import DEFAULT_COMPARISON_LR, _configurations, _is_default_comparison, shared_arguments
+    from effitrain.cli.compare import (
+        DEFAULT_COMPARISON_LR,
+        _configurations,
+        _is_default_comparison,
+        shared_arguments,
+    )
     from effitrain.cli.optimizers import short_number
 
-    assert _is_default_comparison(None, None, {}) and _is_default_comparison(None, None, {"max_steps": 20})
+    assert _is_default_comparison(None, None, {}) and _is_default_comparison(
+        None, None, {"max_steps": 20}
+    )
     for optim, variants, given in [
         ("adamw", None, {}),
         (None, ["adamw"], {}),
@@ -85,10 +93,13 @@ def test_the_default_comparison_trains_stably():
     assert "--warmup-ratio" not in shared_arguments({"warmup_steps": 2}, default=True)
     rows = _configurations(None, None, common, 1, default=True)
     assert {row.label: row.args for row in rows} == {
-        name: ["--optim", name, "--lr", short_number(lr)] for name, lr in DEFAULT_COMPARISON_LR.items()
+        name: ["--optim", name, "--lr", short_number(lr)]
+        for name, lr in DEFAULT_COMPARISON_LR.items()
     }
     text = " ".join(_compare_help().split())
-    assert all(f"{name} {short_number(lr)}" in text for name, lr in DEFAULT_COMPARISON_LR.items()), text
+    assert all(
+        f"{name} {short_number(lr)}" in text for name, lr in DEFAULT_COMPARISON_LR.items()
+    ), text
 
 
 def _compare_help() -> str:

@@ -155,7 +155,10 @@ def test_a_sharding_refusal_comes_before_any_data_or_model_is_loaded(monkeypatch
     def loaded(*_args, **_kwargs):
         raise AssertionError("the model or data was loaded before the refusal")
 
-    monkeypatch.setattr(build, "build_task", loaded)
+    # What reads the data, the tokenizer or the model: the task (its load_data follows it),
+    # the tokenizer and the model's loader.
+    for name in ("resolve_task", "load_tokenizer", "build_model"):
+        monkeypatch.setattr(build, name, loaded)
     accelerator = SimpleNamespace(state=fsdp(1), num_processes=2, is_main_process=True)
     monkeypatch.setattr(build, "build_accelerator", lambda config: accelerator)
     config = build.checked_config(None, {"optim": "muon"})

@@ -57,7 +57,7 @@ def compare(train_cli, tmp_path: Path, args: list[str]) -> tuple[dict, dict]:
     proc = train_cli("train", "--quiet", "--max-steps", "2", *args, "--metrics-json", str(metrics))
     assert proc.returncode == 0, proc.stderr
     measured = json.loads(metrics.read_text())
-    estimated = estimate(train_config(args))
+    estimated = estimate(train_config(args)).to_dict()
     for key in EXACT:
         assert estimated[key] == measured[key], (key, estimated[key], measured[key])
     assert estimated["optimizer_state"] == measured["optimizer_state"]
@@ -166,7 +166,7 @@ def test_estimate_of_a_pretrained_folder_reads_no_weights(
     from effitrain.estimation import estimate
 
     args = [*long_data, "--batch-size", "8", "--max-length", "32"]
-    without_weights = estimate(train_config([*args, "--model", str(tmp_path / "copy")]))
+    without_weights = estimate(train_config([*args, "--model", str(tmp_path / "copy")])).to_dict()
     estimated, _ = compare(train_cli, tmp_path, [*args, "--model", str(tiny_model_dir)])
     assert without_weights["peak_tensor_bytes"] == estimated["peak_tensor_bytes"]
 
@@ -208,6 +208,60 @@ def test_cli_all_optimizers_and_compare_to(train_cli, tmp_path, long_data):
     proc = train_cli("estimate", *args, "--compare-to", str(metrics), "--json")
     errors = json.loads(proc.stdout)["errors"]
     assert errors["parameter_bytes"] == 0 and errors["optimizer_state.bytes"] > 0  # adamw vs sgd
+
+
+def test_estimate_runs_the_loops_own_step(monkeypatch):
+    """The estimate is the loop's own training step on fake tensors, not a model of it: every
+    micro-batch of its steps goes through effitrain.loop.train_step."""
+    import effitrain.estimation
+    import effitrain.loop
+    from effitrain.build import checked_config
+    from effitrain.estimation import estimate
+
+    calls = []
+    train_step = effitrain.loop.train_step
+
+    def counted(run, batch, *args, **kwargs):
+        calls.append(run.config.grad_accum)
+        return train_step(run, batch, *args, **kwargs)
+
+    monkeypatch.setattr(effitrain.loop, "train_step", counted)
+    config = checked_config(None, {"grad_accum": 3, "max_length": 16, "batch_size": 2})
+    result = estimate(config)
+    assert effitrain.estimation.STEPS == 2
+    assert calls == [3] * (3 * 2)  # grad_accum micro-batches in each of the 2 steps
+    assert result.settings.measured_step == 2 and result.settings.grad_accum == 3
+    assert result.memory.step_memory is not None  # the last step was measured
+
+
+def test_offload_levers_are_estimated_for_a_cuda_launch_only(train_cli, monkeypatch):
+    """--activation-offload moves activations off a GPU: train refuses it on a CPU, and so does
+    an estimate of a CPU run (this machine's device, unless --device says otherwise). An
+    estimate for --device cuda runs here, on fake tensors."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU machine, anywhere
+    args = ("--activation-offload", "--max-length", "16", "--batch-size", "2")
+    for device in ([], ["--device", "cpu"]):
+        line = assert_clean_error(train_cli("estimate", *args, *device), "--activation-offload")
+        assert "this run's device is the CPU" in line
+    proc = train_cli("estimate", *args, "--device", "cuda", "--json")
+    assert proc.returncode == 0, proc.stderr
+    row = json.loads(proc.stdout)
+    assert row["levers"] == ["activation-offload"]
+    assert row["activation_offload_host_bytes"] > 0
+    assert row["activation_bytes"] > 0 and row["peak_tensor_bytes"] > 0
+
+
+def test_launches_train_refuses_are_refused(train_cli):
+    """The launch checks of train apply to estimate: the optimizer's update in backward runs
+    before DDP averages the gradients, so two processes are refused in one line."""
+    args = ("--max-length", "16", "--batch-size", "2")
+    assert train_cli("estimate", *args, "--optimizer-in-backward", "--json").returncode == 0
+    assert_clean_error(
+        train_cli("estimate", *args, "--optimizer-in-backward", "--num-processes", "2"),
+        "--optimizer-in-backward cannot run on DDP over 2 processes",
+    )
 
 
 def test_cli_errors_are_one_line(train_cli, tmp_path):
@@ -259,15 +313,57 @@ def test_gradient_checkpointing_estimate_prints_no_tracker_warning(train_cli, re
     assert not [w for w in recwarn if "hierarchy" in str(w.message)]
 
 
-def _result(optimizer: str, state: int, **extra) -> dict:
-    setting = {"model": "tiny", "batch_size": 4, "max_length": 32, "grad_accum": 1}
-    setting["mixed_precision"] = "no"
-    return {
-        "optimizer": optimizer, "levers": [], "notes": [], "estimate": setting,
-        "parameter_bytes": 1000, "trainable_parameter_bytes": 1000, "gradient_bytes": 1000,
-        "optimizer_state": {"bytes": state}, "activation_bytes": 500, "peak_tensor_bytes": 4000,
-        **extra,
-    }  # fmt: skip
+def _memory(
+    parameters: int,
+    gradients: int,
+    state: int,
+    *,
+    trainable_parameters: int = 0,
+    at_peak: dict[str, int] | None = None,
+    activations: int | None = None,
+    peak: int | None = None,
+):
+    """A MemoryRecord with these parts (and a measured step where ``at_peak`` or ``activations``
+    is given)."""
+    from effitrain.memory.ledger import OptimizerStateLedger
+    from effitrain.memory.step import StepMemory
+    from effitrain.results import Baseline, MemoryRecord
+
+    step = None
+    if at_peak is not None or activations is not None:
+        at_peak = at_peak or {}
+        kind_peaks = {} if activations is None else {"activations": activations}
+        step = StepMemory(
+            peak_tensor_bytes=sum(at_peak.values()) if peak is None else peak,
+            at_peak=at_peak,
+            kind_peaks=kind_peaks,
+        )
+    return MemoryRecord(
+        optimizer_state=OptimizerStateLedger(bytes=state),
+        parameter_bytes=parameters,
+        trainable_parameters=trainable_parameters,
+        trainable_parameter_bytes=parameters,
+        gradient_bytes=gradients,
+        adamw_equivalent_bytes=0,
+        adamw_equivalent_elements=0,
+        baseline=Baseline(parameters, gradients, 2 * parameters),
+        step_memory=step,
+    )
+
+
+def _result(optimizer: str, state: int):
+    from effitrain.results import Estimate, EstimateSettings
+
+    settings = EstimateSettings(
+        model="tiny",
+        batch_size=4,
+        max_length=32,
+        grad_accum=1,
+        mixed_precision="no",
+        measured_step=2,
+    )
+    memory = _memory(1000, 1000, state, activations=500, peak=4000)
+    return Estimate(optimizer, "x.Optimizer", 1e-3, memory, settings)
 
 
 def test_report_renders_columns_rows_and_errors():
@@ -289,7 +385,7 @@ def test_report_renders_columns_rows_and_errors():
     rows = [line.split()[1] for line in many.splitlines() if line.startswith("│")]
     assert rows == [f"opt{i}" for i in range(5)]  # one row each
     assert "note: adamw-fp8: skipped" in many
-    measured = _result("sgd", 1250, config={"batch_size": 8})
+    measured = {**_result("sgd", 1250).to_dict(), "config": {"batch_size": 8}}  # a metrics JSON
     against = _against([_result("adamw", 2000), _result("sgd", 1000)], measured, "m.json")
     assert against["errors"]["optimizer_state.bytes"] == -0.2
     table = shown([_result("adamw", 2000), _result("sgd", 1000)], against)
@@ -299,40 +395,26 @@ def test_report_renders_columns_rows_and_errors():
 
 
 def test_per_device_splits_what_each_strategy_shards():
+    from effitrain.distributed import Launch
     from effitrain.estimation import per_device
 
-    result = {
-        "parameter_bytes": 400,
-        "gradient_bytes": 400,
-        "optimizer_state": {"bytes": 801},
-        "activation_bytes": 1000,
-        "step_memory": {
-            "at_peak": {
-                "parameters": 400,
-                "gradients": 400,
-                "optimizer_state": 801,
-                "activations": 10,
-            }
-        },
-    }
-    ddp = per_device(result, 4, "ddp")
-    assert (ddp["parameter_bytes"], ddp["gradient_bytes"], ddp["optimizer_state_bytes"]) == (
-        400,
-        400,
-        801,
-    )
-    assert ddp["peak_tensor_bytes"] == 1611
-    zero2 = per_device(result, 4, "zero2")
-    assert (zero2["parameter_bytes"], zero2["gradient_bytes"], zero2["optimizer_state_bytes"]) == (
+    at_peak = {"parameters": 400, "gradients": 400, "optimizer_state": 801, "activations": 10}
+    result = _memory(400, 400, 801, at_peak=at_peak, activations=1000)
+    ddp = per_device(result, "adamw", 4, "ddp")
+    assert (ddp.parameter_bytes, ddp.gradient_bytes, ddp.optimizer_state_bytes) == (400, 400, 801)
+    assert ddp.peak_tensor_bytes == 1611
+    zero2 = per_device(result, "adamw", 4, "zero2")
+    assert (zero2.parameter_bytes, zero2.gradient_bytes, zero2.optimizer_state_bytes) == (
         400,
         100,
         201,
     )
-    assert zero2["peak_tensor_bytes"] == 400 + 100 + 201 + 10
-    fsdp = per_device(result, 4, "fsdp")
-    assert fsdp["parameter_bytes"] == 100 and fsdp["activation_bytes"] == 1000
+    assert zero2.peak_tensor_bytes == 400 + 100 + 201 + 10
+    fsdp = per_device(result, "adamw", 4, "fsdp")
+    assert fsdp.parameter_bytes == 100 and fsdp.activation_bytes == 1000
+    # An unknown strategy is refused where the launch is described, before any estimate.
     with pytest.raises(EffitrainError, match="unknown --sharding 'zero9'"):
-        per_device(result, 2, "zero9")
+        Launch.described(2, "zero9", "cpu")
 
 
 def test_fsdp2_per_device_splits_rows_and_keeps_column_factors_whole():
@@ -349,18 +431,14 @@ def test_fsdp2_per_device_splits_rows_and_keeps_column_factors_whole():
     optimizer.step()
     layout = fsdp2_layout(model, optimizer)
     assert layout["optimizer_state"] == {"rows:3": 12 + 12, "whole": 20 + 4 + 4}
-    result = {
-        "parameter_bytes": 72,
-        "gradient_bytes": 72,
-        "optimizer_state": {"bytes": 52},
-        "activation_bytes": 0,
-        "step_memory": {"at_peak": {"parameters": 72, "optimizer_state": 52, "activations": 5}},
-    }
-    share = per_device(result, 2, "fsdp", layout)
-    assert share["optimizer_state_bytes"] == 8 + 8 + 20 + 8
-    assert share["parameter_bytes"] == share["gradient_bytes"] == (60 + 12) * 2 // 3
-    assert share["peak_tensor_bytes"] == 48 + 44 + 5
-    assert per_device(result, 2, "zero3")["optimizer_state_bytes"] == 26  # plain halves
+    at_peak = {"parameters": 72, "optimizer_state": 52, "activations": 5}
+    result = _memory(72, 72, 52, at_peak=at_peak, activations=0)
+    share = per_device(result, "adafactor", 2, "fsdp", layout)
+    assert share.optimizer_state_bytes == 8 + 8 + 20 + 8
+    assert share.parameter_bytes == share.gradient_bytes == (60 + 12) * 2 // 3
+    assert share.peak_tensor_bytes == 48 + 44 + 5
+    # without the layout, an optimizer that does not factor: the sharded parts plainly halved
+    assert per_device(result, "adamw", 2, "zero3").optimizer_state_bytes == 26  # plain halves
 
 
 @pytest.mark.parametrize(
@@ -371,18 +449,11 @@ def test_zero_partitions_unfactor_the_factored_optimizers(optim, per_rank):
     ranks; AdamW's state is simply split."""
     from effitrain.estimation import per_device
 
-    result = {
-        "optimizer": optim,
-        "trainable_parameters": 1000,
-        "parameter_bytes": 4000,
-        "gradient_bytes": 4000,
-        "optimizer_state": {"bytes": 100},
-        "activation_bytes": 0,
-    }
-    share = per_device(result, 4, "zero2")
-    assert share["optimizer_state_bytes"] == per_rank
-    assert ("unfactored" in share["modeled"]) == (optim != "adamw")
-    assert per_device(result, 4, "ddp")["optimizer_state_bytes"] == 100
+    result = _memory(4000, 4000, 100, trainable_parameters=1000)
+    share = per_device(result, optim, 4, "zero2")
+    assert share.optimizer_state_bytes == per_rank
+    assert ("unfactored" in share.modeled) == (optim != "adamw")
+    assert per_device(result, optim, 4, "ddp").optimizer_state_bytes == 100
 
 
 def test_cli_per_device(train_cli):
@@ -413,7 +484,7 @@ def test_torchao_state_from_its_own_allocation(train_cli, tmp_path, long_data, o
     proc = train_cli("train", "--quiet", "--max-steps", "2", *args, "--metrics-json", str(metrics))
     assert proc.returncode == 0, proc.stderr
     measured = json.loads(metrics.read_text())
-    estimated = estimate(train_config(args))
+    estimated = estimate(train_config(args)).to_dict()
     assert estimated["optimizer_state"] == measured["optimizer_state"]
     for key in EXACT:
         assert estimated[key] == measured[key], key

@@ -16,10 +16,11 @@ COMPARED = ("parameter_bytes", "gradient_bytes", "activation_bytes", "peak_tenso
 
 
 def _estimate(**options) -> dict:
+    """The estimate as ``effitrain estimate --json`` prints it (the metrics JSON's names)."""
     from effitrain.build import checked_config
     from effitrain.estimation import estimate
 
-    return estimate(checked_config(None, options))
+    return estimate(checked_config(None, options)).to_dict()
 
 
 def _no_tokenizer(result: dict) -> list[str]:

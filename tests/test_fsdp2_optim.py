@@ -167,6 +167,7 @@ def test_effitrain_trains_adafactor_under_fsdp2_and_resumes_bit_for_bit(tmp_path
     import shutil
 
     from effitrain.cli.compare import train_config
+    from effitrain.distributed import Launch
     from effitrain.estimation import estimate
     from tests.test_distributed import REPO, launch, load_parameters
 
@@ -186,11 +187,12 @@ def test_effitrain_trains_adafactor_under_fsdp2_and_resumes_bit_for_bit(tmp_path
     assert "effitrain.optim.fsdp2" in straight["optimizer_class"]
     assert set(straight["optimizer_state"]["by_key"]) == {"step", "row_var", "col_var", "variance"}
     # Rank 0 holds what `effitrain estimate --num-processes 2 --sharding fsdp` says, to the byte.
-    predicted = estimate(train_config([*args, "--output-dir", str(tmp_path)]), 2, "fsdp")
-    predicted = predicted["per_device"]
+    launch_described = Launch.described(2, "fsdp", "cpu")
+    predicted = estimate(train_config([*args, "--output-dir", str(tmp_path)]), launch_described)
+    predicted = predicted.per_device
     rank0 = straight["ranks"][0]
-    assert rank0["optimizer_state_bytes"] == predicted["optimizer_state_bytes"]
-    assert rank0["parameter_bytes"] == predicted["parameter_bytes"]
+    assert rank0["optimizer_state_bytes"] == predicted.optimizer_state_bytes
+    assert rank0["parameter_bytes"] == predicted.parameter_bytes
 
     resumed = tmp_path / "resumed"
     resumed.mkdir()

@@ -91,7 +91,7 @@ def test_the_shared_scheduler_sets_each_update_lr():
     for optimizer in inner(run).optimizers.values():
         optimizer.register_step_pre_hook(lambda opt, *_: lrs.append(opt.param_groups[0]["lr"]))
     train_steps(run, 4)
-    expected = [run.hyper.lr * s / 3 for s in (0, 1, 2, 3)]  # warmup from 0
+    expected = [run.hyperparameters.lr * s / 3 for s in (0, 1, 2, 3)]  # warmup from 0
     assert lrs == [lr for lr in expected for _ in range(4)]
 
 
@@ -169,11 +169,14 @@ def test_unhooked_parameters_are_refused():
 
 
 def test_max_grad_norm_default_is_1_and_0_with_the_lever():
-    assert TrainConfig().effective_max_grad_norm == 1.0
-    assert TrainConfig(optimizer_in_backward=True).effective_max_grad_norm == 0.0
-    assert TrainConfig(max_grad_norm=0.5).effective_max_grad_norm == 0.5
+    from effitrain.levers import max_grad_norm
+
+    assert max_grad_norm(TrainConfig()) == 1.0
+    assert max_grad_norm(TrainConfig(optimizer_in_backward=True)) == 0.0
+    assert max_grad_norm(TrainConfig(max_grad_norm=0.5)) == 0.5
     config = checked_config(overrides={"optimizer_in_backward": True, "max_grad_norm": 0.0})
-    assert config.effective_max_grad_norm == 0.0
+    assert max_grad_norm(config) == 0.0
+    assert tiny_run(lever_config()).max_grad_norm == 0.0  # what the loop reads
 
 
 @pytest.mark.parametrize(
@@ -209,22 +212,29 @@ def test_refusal_through_the_cli_is_one_line(train_cli):
 )
 def test_multi_process_and_sharded_launches_are_refused(state):
     import effitrain.levers as levers
+    from effitrain.distributed import Launch
 
+    launch = Launch.of(state)
     with pytest.raises(EffitrainError, match="before the processes average") as error:
-        levers.check_launch(TrainConfig(optimizer_in_backward=True), state)
+        levers.check_launch(TrainConfig(optimizer_in_backward=True), launch)
     assert "\n" not in str(error.value)
-    levers.check_launch(TrainConfig(), state)  # without the lever: not this rule's business
+    levers.check_launch(TrainConfig(), launch)  # without the lever: not this rule's business
 
 
 def test_single_process_launch_is_accepted():
     import effitrain.levers as levers
+    from effitrain.distributed import Launch
 
     state = SimpleNamespace(distributed_type="NO", num_processes=1)
-    levers.check_launch(TrainConfig(optimizer_in_backward=True), state)
+    levers.check_launch(TrainConfig(optimizer_in_backward=True), Launch.of(state))
 
 
 def test_resume_compares_max_grad_norm_as_used():
-    from effitrain.checkpoint import config_differences
+    from effitrain import checkpoint
+    from effitrain.training import options_as_used  # what a resumed run compares the options with
+
+    def config_differences(meta, config):
+        return checkpoint.config_differences(meta, config, used=options_as_used)
 
     # A checkpoint written before the default became "unset" said 1.0 explicitly.
     old = {"config": {**TrainConfig().to_dict(), "max_grad_norm": 1.0}}

@@ -68,10 +68,10 @@ def test_gradient_checkpointing_resumes_exactly(train_cli, data, tmp_path):
 def test_a_model_without_gradient_checkpointing_is_refused():
     import torch
 
-    from effitrain.levers import enable_gradient_checkpointing
+    from effitrain.levers import gradient_checkpointing
 
     with pytest.raises(EffitrainError, match="Linear does not support gradient checkpointing"):
-        enable_gradient_checkpointing(torch.nn.Linear(2, 2))
+        gradient_checkpointing.enable(torch.nn.Linear(2, 2))
 
 
 # --- levers together --------------------------------------------------------------------------
@@ -91,11 +91,12 @@ ALL_LEVERS = (
 def test_all_levers_together_train_and_each_part_shrinks(train_cli, data, plain, tmp_path):
     plain = plain[1]
     proc, levered = run_metrics(train_cli, data, tmp_path / "all", *ALL_LEVERS)
+    # In the registry's order, the order the levers act in (effitrain.levers.LEVERS).
     assert levered["levers"] == [
-        "gradient-checkpointing",
-        "optimizer-in-backward",
         "bf16-weights",
+        "gradient-checkpointing",
         "lora",
+        "optimizer-in-backward",
     ]
     for line in (
         "weights bf16",
@@ -105,7 +106,7 @@ def test_all_levers_together_train_and_each_part_shrinks(train_cli, data, plain,
     ):
         assert f"lever     {line}" in proc.stdout
     assert (
-        "Memory (gradient-checkpointing, optimizer-in-backward, bf16-weights, lora)" in proc.stdout
+        "Memory (bf16-weights, gradient-checkpointing, lora, optimizer-in-backward)" in proc.stdout
     )
     # The baseline is the model without adapters, trained whole in fp32 with AdamW: the same as
     # the plain run's measured parts.
@@ -142,6 +143,7 @@ def test_bf16_weights_under_sharding_are_refused(kind):
     from types import SimpleNamespace
 
     from effitrain.config import TrainConfig
+    from effitrain.distributed import Launch
     from effitrain.levers import check_launch
 
     state = SimpleNamespace(
@@ -151,7 +153,84 @@ def test_bf16_weights_under_sharding_are_refused(kind):
         fsdp_plugin=SimpleNamespace(fsdp_version=2),
         deepspeed_plugin=SimpleNamespace(zero_stage=2),
     )
+    launch = Launch.of(state)
     config = TrainConfig(weights_dtype="bf16").validate()
     with pytest.raises(EffitrainError, match="--weights-dtype bf16 is not supported under"):
-        check_launch(config, state)
-    check_launch(TrainConfig().validate(), state)  # fp32 weights: not this rule's business
+        check_launch(config, launch)
+    check_launch(TrainConfig().validate(), launch)  # fp32 weights: not this rule's business
+
+
+# --- the registry ------------------------------------------------------------------------------
+
+
+def test_every_lever_is_a_spec_owning_its_own_config_fields():
+    import dataclasses
+
+    from effitrain.config import TrainConfig
+    from effitrain.levers import LEVERS, Lever, lever_of
+
+    config_fields = {field.name for field in dataclasses.fields(TrainConfig)}
+    owners: dict[str, str] = {}
+    for name, lever in LEVERS.items():
+        assert isinstance(lever, Lever)
+        assert lever.name == name and lever.name
+        assert lever.fields, name
+        for field in lever.fields:
+            assert field in config_fields, (name, field)
+            assert field not in owners, f"{field} is owned by {owners.get(field)} and {name}"
+            owners[field] = name
+            assert lever_of(field) is lever
+        assert set(lever.save_only) <= set(lever.fields), name
+    # Off by default, but for the chunked loss: --chunked-loss's default (unset, shown as
+    # "auto") is on, for every task; a run that is not a causal LM's takes no chunked loss, and
+    # its metrics do not list it (ChunkedLoss.in_use reads what the task's loss did).
+    default = TrainConfig()
+    assert {name for name, lever in LEVERS.items() if lever.is_on(default)} == {"chunked-loss"}
+    assert not LEVERS["chunked-loss"].is_on(TrainConfig(chunked_loss="off"))
+
+
+CUDA_ONLY = {"activation-offload", "optimizer-offload"}
+"""The levers that this CPU machine refuses (test_offload tests their refusal)."""
+
+CAUSAL_LM = ("--task", "causal-lm", "--chunked-loss", "off")
+"""The tiny-llama preset without its default lever, so that the lever tested is alone."""
+
+ALONE = {
+    "load-in-4bit": ((*CAUSAL_LM, "--load-in-4bit", "--lora-rank", "4"), ["load-in-4bit", "lora"]),
+    "bf16-weights": (("--weights-dtype", "bf16"), ["bf16-weights"]),
+    "gradient-checkpointing": (("--gradient-checkpointing",), ["gradient-checkpointing"]),
+    "lora": (("--lora-rank", "4"), ["lora"]),
+    "chunked-loss": (("--task", "causal-lm", "--chunked-loss", "torch"), ["chunked-loss"]),
+    "optimizer-in-backward": (("--optimizer-in-backward",), ["optimizer-in-backward"]),
+}
+"""Per lever: the options that turn it on, and the metrics' ``levers`` they give (QLoRA needs
+LoRA under it)."""
+
+
+def test_the_alone_table_covers_every_lever():
+    from effitrain.levers import LEVERS
+
+    assert set(ALONE) | CUDA_ONLY == set(LEVERS) and not set(ALONE) & CUDA_ONLY
+
+
+@pytest.mark.slow  # six 2-step runs: about 10 s, half of it QLoRA's (bitsandbytes, peft)
+@pytest.mark.parametrize("lever", list(ALONE))
+def test_each_lever_alone_is_named_in_the_metrics(train_cli, tmp_path, lever):
+    options, expected = ALONE[lever]
+    metrics = tmp_path / "m.json"
+    proc = train_cli("train", "--max-steps", "2", "--metrics-json", str(metrics), *options)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(metrics.read_text())
+    assert lever in result["levers"]
+    assert result["levers"] == expected
+
+
+@pytest.mark.slow  # with the test above
+@pytest.mark.parametrize("options", [(), CAUSAL_LM])
+def test_without_levers_none_is_named(train_cli, tmp_path, options):
+    """The runs the table's are set against: the classification preset (whose default, still
+    "on" chunked loss is not in use: see the registry's test) and the causal LM's without it."""
+    metrics = tmp_path / "m.json"
+    proc = train_cli("train", "--max-steps", "2", "--metrics-json", str(metrics), *options)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(metrics.read_text())["levers"] == []

@@ -232,22 +232,25 @@ def _device(kind):
 
 
 def test_auto_chooses_torch_on_a_cpu_and_off_where_unsafe(tiny_lm, monkeypatch):
+    from effitrain.levers import loss_options
     from effitrain.tasks.lm_loss import choose
 
-    config = TrainConfig(task="causal-lm")
-    assert choose(config, tiny_lm, _device("cpu"), None).name == "torch"
-    off = choose(config, tiny_lm, _device("cpu"), "FSDP2 over 2 processes")
+    wanted = loss_options(TrainConfig(task="causal-lm"))["chunked"]
+    assert wanted == "auto"  # a causal-LM run's default
+    assert choose(wanted, tiny_lm, _device("cpu"), None).name == "torch"
+    off = choose(wanted, tiny_lm, _device("cpu"), "FSDP2 over 2 processes")
     assert (off.name, off.why) == (
         "off",
         "the output layer's weight is sharded under FSDP2 over 2 processes",
     )
     assert "full logits" in off.describe() and off.why in off.describe()
     monkeypatch.setattr(tiny_lm.config, "logit_scale", 0.0625, raising=False)
-    assert "rescales its logits" in choose(config, tiny_lm, _device("cpu"), None).why
+    assert "rescales its logits" in choose(wanted, tiny_lm, _device("cpu"), None).why
+    torch_wanted = loss_options(TrainConfig(task="causal-lm", chunked_loss="torch"))["chunked"]
     with pytest.raises(
         EffitrainError, match="--chunked-loss torch cannot run: this model rescales"
     ):
-        choose(TrainConfig(task="causal-lm", chunked_loss="torch"), tiny_lm, _device("cpu"), None)
+        choose(torch_wanted, tiny_lm, _device("cpu"), None)
 
 
 def test_kernels_are_refused_on_a_cpu_or_uninstalled(tiny_lm, monkeypatch):
@@ -256,16 +259,16 @@ def test_kernels_are_refused_on_a_cpu_or_uninstalled(tiny_lm, monkeypatch):
     with pytest.raises(
         EffitrainError, match="CUDA .*this run's device is cpu; use --chunked-loss torch"
     ):
-        lm_loss.choose(TrainConfig(chunked_loss="liger"), tiny_lm, _device("cpu"), None)
+        lm_loss.choose("liger", tiny_lm, _device("cpu"), None)
     monkeypatch.setattr(lm_loss, "_kernel", lambda name: None)
     with pytest.raises(
         EffitrainError, match="needs cut-cross-entropy: pip install cut-cross-entropy"
     ):
-        lm_loss.choose(TrainConfig(chunked_loss="cce"), tiny_lm, _device("cuda"), None)
+        lm_loss.choose("cce", tiny_lm, _device("cuda"), None)
     # auto on CUDA without either package: the torch form.
-    assert lm_loss.choose(TrainConfig(), tiny_lm, _device("cuda"), None).name == "torch"
+    assert lm_loss.choose("auto", tiny_lm, _device("cuda"), None).name == "torch"
     monkeypatch.setattr(lm_loss, "_kernel", lambda name: object() if name == "cce" else None)
-    assert lm_loss.choose(TrainConfig(), tiny_lm, _device("cuda"), None).name == "cce"
+    assert lm_loss.choose("auto", tiny_lm, _device("cuda"), None).name == "cce"
 
 
 def test_an_adapted_output_layer_keeps_the_full_logits(tiny_lm):
@@ -277,7 +280,7 @@ def test_an_adapted_output_layer_keeps_the_full_logits(tiny_lm):
     from effitrain.tasks.lm_loss import choose
 
     model = get_peft_model(copy.deepcopy(tiny_lm), LoraConfig(r=2, target_modules=["lm_head"]))
-    choice = choose(TrainConfig(task="causal-lm"), model, _device("cpu"), None)
+    choice = choose("auto", model, _device("cpu"), None)
     assert choice.name == "off" and "not a plain Linear layer" in choice.why
 
 

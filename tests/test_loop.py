@@ -65,7 +65,9 @@ def fresh_accelerate():
 
 
 def tiny_run(config: TrainConfig | None = None, **model_options):
-    """A prepared :class:`effitrain.build.Run` around the tiny model and random data.
+    """A prepared :class:`effitrain.run.Run` around the tiny model and random data, put together
+    by the builder's own :func:`effitrain.build.assemble` (optimizer, scheduler, the levers'
+    contexts, ``accelerator.prepare``), as :func:`effitrain.build.build_run` does.
 
     The model is built after seeding, so every run starts from the same weights.
     """
@@ -74,21 +76,21 @@ def tiny_run(config: TrainConfig | None = None, **model_options):
     from accelerate.utils import DataLoaderConfiguration, set_seed
     from torch.utils.data import DataLoader
 
-    from effitrain.build import Plan, Run, accumulation_plugin
-    from effitrain.optim import (
-        build_optimizer,
-        build_scheduler,
-        get_spec,
-        resolve_hyperparameters,
-    )
+    from effitrain import build
+    from effitrain.distributed import Launch
+    from effitrain.run import Plan
     from effitrain.tasks import get_task
+    from effitrain.tracking import Trackers
 
     config = config or TrainConfig(batch_size=4, max_steps=6, log_every=1)
+    build.check_config(config)
     accelerator = Accelerator(
-        gradient_accumulation_plugin=accumulation_plugin(config.grad_accum),
+        gradient_accumulation_plugin=build.accumulation_plugin(config.grad_accum),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
     )
     set_seed(config.seed)
+    launch = Launch.of(accelerator.state)
+    build.check_launch(config, launch)
     data = torch.Generator().manual_seed(0)
     features = torch.randn(ROWS, FEATURES, generator=data)
     labels = (features[:, 0] > 0).long()
@@ -102,30 +104,21 @@ def tiny_run(config: TrainConfig | None = None, **model_options):
     eval_loader = DataLoader(rows[:8], batch_size=8)
     train_loader, eval_loader = accelerator.prepare(train_loader, eval_loader)
     model = TinyClassifier.build(**model_options)
-    hyper = resolve_hyperparameters(config)
-    plan = Plan.from_config(config, len(train_loader), hyper.warmup_ratio)
-    optimizer = build_optimizer(
-        model,
-        config.optim,
-        hyper.lr,
-        config.weight_decay,
-        in_backward=config.optimizer_in_backward,
-    )
-    scheduler = build_scheduler(optimizer, hyper.scheduler, plan.total_steps, plan.warmup_steps)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    return Run(
+    task = get_task("sequence-classification")
+    warmup_ratio = build.resolve_hyperparameters(config).warmup_ratio
+    return build.assemble(
         config=config,
         accelerator=accelerator,
+        launch=launch,
+        task=task,
+        data=SimpleNamespace(num_labels=2),
+        tokenizer=None,
         model=model,
-        optimizer=optimizer,
-        lr_scheduler=scheduler,
+        loss=build.build_loss(config, task, model, launch, accelerator.device),
         train_loader=train_loader,
         eval_loader=eval_loader,
-        plan=plan,
-        task=get_task("sequence-classification"),
-        data=SimpleNamespace(num_labels=2),
-        hyper=hyper,
-        spec=get_spec(config.optim),
+        plan=Plan.from_config(config, len(train_loader), warmup_ratio),
+        trackers=Trackers(accelerator, config),
     )
 
 
@@ -165,7 +158,7 @@ def test_train_step_is_accelerates_example_loop():
             {"params": [p for p in reference.parameters() if p.ndim >= 2], "weight_decay": 0.01},
             {"params": [p for p in reference.parameters() if p.ndim < 2], "weight_decay": 0.0},
         ],
-        lr=run.hyper.lr,
+        lr=run.hyperparameters.lr,
     )
     batch = first_batch(run)
     progress = TrainingProgress()
@@ -259,6 +252,43 @@ def test_signal_in_the_middle_of_a_step_finishes_the_step():
     assert outcome == (True, True)
     assert stop.signal_name == "SIGTERM" and stop.exit_code == 143
     assert not all(torch.equal(a, b) for a, b in zip(before, run.model.parameters(), strict=True))
+
+
+def backward_calls() -> list[tuple[str, str, str]]:
+    """Every ``<something>.backward(...)`` call in effitrain's source: (file relative to the
+    package's parent, enclosing function, the called expression)."""
+    import ast
+    from pathlib import Path
+
+    import effitrain
+
+    def calls(node: ast.AST, function: str):
+        """(enclosing function, call) for each ``.backward(...)`` under ``node``."""
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            function = node.name
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "backward"
+        ):
+            yield function, node
+        for child in ast.iter_child_nodes(node):
+            yield from calls(child, function)
+
+    package = Path(effitrain.__file__).parent
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        source = path.read_text()
+        where = path.relative_to(package.parent).as_posix()
+        for function, call in calls(ast.parse(source, filename=str(path)), "<module>"):
+            found.append((where, function, ast.get_source_segment(source, call.func)))
+    return found
+
+
+def test_backward_is_called_in_one_place():
+    """A run's and an estimate's steps both go through ``train_step``: the only backward call
+    in effitrain is Accelerate's, there."""
+    assert backward_calls() == [("effitrain/loop.py", "train_step", "accelerator.backward")]
 
 
 # --------------------------------------------------------------------------------------------
@@ -490,7 +520,7 @@ def test_stop_at_an_epoch_end_then_resume_is_exact(tmp_path):
 def test_the_measured_step_is_late_and_never_an_epochs_short_remainder(
     steps_per_epoch, total_steps, measured
 ):
-    from effitrain.build import Plan
+    from effitrain.run import Plan
 
     plan = Plan(steps_per_epoch, total_steps, -(-total_steps // steps_per_epoch), 0)
     assert plan.measured_step == measured
@@ -499,7 +529,7 @@ def test_the_measured_step_is_late_and_never_an_epochs_short_remainder(
 @pytest.mark.parametrize("max_steps", [1, 6])
 def test_the_planned_step_is_the_measured_one(monkeypatch, max_steps):
     """Tracking an early step leaves the heap laid out so that later steps grow it (see
-    ``_measure_now``): the breakdown is of one of the run's last two steps, the only one
+    ``measure_now``): the breakdown is of one of the run's last two steps, the only one
     tracked."""
     from effitrain import loop
     from effitrain.memory.step import available
@@ -507,7 +537,7 @@ def test_the_planned_step_is_the_measured_one(monkeypatch, max_steps):
     if not available():
         pytest.skip("needs torch's MemTracker")
     measured_at = []
-    decide = loop._measure_now
+    decide = loop.measure_now
 
     def recording(run, progress, probe):
         if decide(run, progress, probe):
@@ -515,7 +545,7 @@ def test_the_planned_step_is_the_measured_one(monkeypatch, max_steps):
             return True
         return False
 
-    monkeypatch.setattr(loop, "_measure_now", recording)
+    monkeypatch.setattr(loop, "measure_now", recording)
     run = tiny_run(TrainConfig(batch_size=4, max_steps=max_steps, log_every=1))
     progress, _ = fit_tiny(run)
     assert measured_at == [run.plan.measured_step]

@@ -71,7 +71,7 @@ def trainable_names(model) -> list[str]:
 
 
 def test_distilbert_gets_all_linear_layers_and_its_two_head_layers_train():
-    from effitrain.levers import apply_to_model, describe
+    from effitrain.levers import apply_to_model, banner_lines
 
     model = apply_to_model(tiny_distilbert(), lora_config(lora_rank=4))
     names = trainable_names(model)
@@ -85,14 +85,14 @@ def test_distilbert_gets_all_linear_layers_and_its_two_head_layers_train():
         "base_model.model.classifier.modules_to_save.default.weight",
         "base_model.model.classifier.modules_to_save.default.bias",
     ]
-    (line,) = describe(lora_config(lora_rank=4), model)
+    (line,) = banner_lines(lora_config(lora_rank=4), model)
     assert line.startswith("LoRA r=4 alpha=8 (2 x rank) dropout 0.05 on q_lin, k_lin, v_lin")
     assert "(all linear layers, the default)" in line
     assert "head pre_classifier, classifier trains in full" in line
 
 
 def test_bert_gets_all_linear_by_default_or_the_given_modules_and_its_pooler_trains():
-    from effitrain.levers import apply_to_model, describe
+    from effitrain.levers import apply_to_model, banner_lines
 
     model = apply_to_model(tiny_bert(), lora_config(lora_rank=2))
     adapted = {
@@ -114,7 +114,7 @@ def test_bert_gets_all_linear_by_default_or_the_given_modules_and_its_pooler_tra
         "base_model.model.classifier.modules_to_save.default.weight",
         "base_model.model.classifier.modules_to_save.default.bias",
     ]
-    (line,) = describe(config, model)
+    (line,) = banner_lines(config, model)
     assert "LoRA r=2 alpha=4 dropout 0 on query, value (--lora-target-modules)" in line
     assert "head bert.pooler, classifier trains in full" in line
 
@@ -169,7 +169,7 @@ def test_final_holds_adapters_and_merged_model_loads_with_the_trained_logits(lor
     from safetensors.torch import load_file
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from effitrain.lora import apply
+    from effitrain.levers.lora import apply
 
     final, merged_dir = lora_run.out / "final", lora_run.out / "final-merged"
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {
@@ -308,13 +308,15 @@ def launch_state(kind: str, **extra):
     ],
 )
 def test_lora_under_sharding_is_refused(state, shown):
+    from effitrain.distributed import Launch
     from effitrain.errors import EffitrainError
     from effitrain.levers import check_launch
 
+    launch = Launch.of(state)
     with pytest.raises(EffitrainError, match=f"--lora-rank is not supported under {shown}"):
-        check_launch(lora_config(lora_rank=4), state)
-    check_launch(lora_config(), state)  # without LoRA: not this rule's business
-    check_launch(lora_config(lora_rank=4), launch_state("MULTI_CPU"))  # DDP is fine
+        check_launch(lora_config(lora_rank=4), launch)
+    check_launch(lora_config(), launch)  # without LoRA: not this rule's business
+    check_launch(lora_config(lora_rank=4), Launch.of(launch_state("MULTI_CPU")))  # DDP is fine
 
 
 def test_lora_combines_with_the_other_levers_in_the_config():
@@ -353,7 +355,7 @@ def test_lora_with_two_ddp_processes_matches_one_process(tmp_path, train_cli, no
 
 def test_lora_lr_default_for_adamw_on_pretrained_weights():
     pretrained = "/some/pretrained-folder"
-    from effitrain.optim import resolve_hyperparameters
+    from effitrain.build import resolve_hyperparameters  # a run's: adapters' defaults for LoRA
 
     def hyper(**options):
         return resolve_hyperparameters(lora_config(**options))

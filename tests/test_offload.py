@@ -107,9 +107,13 @@ def batches(n: int = 3):
 
 
 def optimizer_for(model, optim: str = "adamw", offload: str = "off"):
+    """The registry's ``optim``, built as a run with ``--optimizer-offload OFFLOAD`` builds it."""
+    import effitrain.levers as levers
     from effitrain.optim import build_optimizer
 
-    return build_optimizer(model, optim, 1e-2, 0.01, offload=offload)
+    builder = levers.optimizer_builder(TrainConfig(optim=optim, optimizer_offload=offload))
+    assert (builder is None) == (offload == "off")
+    return build_optimizer(model, optim, 1e-2, 0.01, builder=builder)
 
 
 def train(model, optimizer, inputs, scheduler=None) -> None:
@@ -248,7 +252,7 @@ def test_accelerate_prepares_and_steps_it(pretend_cuda):
 def test_activation_offload_keeps_gradients_and_counts_what_moved(pretend_accelerator):
     import torch
 
-    from effitrain.activation_offload import HostBytes, offload_context
+    from effitrain.levers.activation_offload import HostBytes, offload_context
 
     model = small_model()
     x = batches(1)[0]
@@ -267,13 +271,20 @@ def test_activation_offload_keeps_gradients_and_counts_what_moved(pretend_accele
     assert counter.current == 0
 
 
-def test_estimate_models_activation_offload_on_fake_tensors():
+def estimate_on_cuda(options: dict) -> dict:
+    """``effitrain estimate --device cuda``'s result (the offloads are CUDA levers), as the
+    metrics JSON names its fields."""
+    from effitrain.distributed import Launch
     from effitrain.estimation import estimate
 
+    return estimate(checked_config(None, options), Launch.described(1, "ddp", "cuda")).to_dict()
+
+
+def test_estimate_models_activation_offload_on_fake_tensors():
     options = {"task": "causal-lm", "model": "tiny-llama", "batch_size": 2, "max_length": 64}
-    plain = estimate(checked_config(None, options))
-    offloaded = estimate(checked_config(None, {**options, "activation_offload": True}))
-    assert offloaded["levers"] == ["activation-offload", "chunked-loss"]
+    plain = estimate_on_cuda(options)
+    offloaded = estimate_on_cuda({**options, "activation_offload": True})
+    assert offloaded["levers"] == ["chunked-loss", "activation-offload"]  # the registry's order
     moved = offloaded["activation_offload_host_bytes"]
     assert moved > 0
     assert offloaded["activation_bytes"] < plain["activation_bytes"]
@@ -282,11 +293,9 @@ def test_estimate_models_activation_offload_on_fake_tensors():
 
 
 def test_estimate_counts_optimizer_offload_state_on_the_host():
-    from effitrain.estimation import estimate
-
     options = {"task": "causal-lm", "model": "tiny-llama", "batch_size": 2, "max_length": 64}
-    plain = estimate(checked_config(None, options))
-    result = estimate(checked_config(None, {**options, "optimizer_offload": "state+grads"}))
+    plain = estimate_on_cuda(options)
+    result = estimate_on_cuda({**options, "optimizer_offload": "state+grads"})
     where = result["optimizer_offload"]
     assert (
         where["host_state_bytes"] + where["device_state_bytes"] == plain["optimizer_state"]["bytes"]
@@ -313,13 +322,15 @@ def test_options_levers_and_banner():
             "gradient_checkpointing": True,
         },
     )
-    assert levers.active(config) == [
+    # The chunked loss is on by default (auto): in use only where the task is a causal LM's.
+    assert [lever.name for lever in levers.active(config)] == [
         "gradient-checkpointing",
+        "chunked-loss",
         "activation-offload",
         "optimizer-offload",
     ]
-    assert config.effective_max_grad_norm == 0
-    lines = levers.describe(config, None)
+    assert levers.max_grad_norm(config) == 0
+    lines = levers.banner_lines(config, None)
     assert any("only the checkpoints" in line for line in lines)
     assert any("CPUOffloadOptimizer" in line and "no clipping" in line for line in lines)
 
@@ -362,6 +373,7 @@ def test_gradient_accumulation_is_allowed_with_state_only():
 )
 def test_refused_on_a_cpu_device(options, fragment):
     import effitrain.levers as levers
+    from effitrain.distributed import Launch
 
     config = TrainConfig(**options)
     state = SimpleNamespace(device=SimpleNamespace(type="cpu"))
@@ -372,12 +384,13 @@ def test_refused_on_a_cpu_device(options, fragment):
         ),
         pytest.raises(EffitrainError, match=fragment) as error,
     ):
-        levers.check_launch(config, state)
+        levers.check_launch(config, Launch.of(state))
     assert "this run's device is the CPU" in str(error.value)
 
 
 def test_optimizer_offload_refused_on_several_processes():
     import effitrain.levers as levers
+    from effitrain.distributed import Launch
 
     config = TrainConfig(optimizer_offload="state")
     state = SimpleNamespace(device=SimpleNamespace(type="cuda"))
@@ -386,7 +399,7 @@ def test_optimizer_offload_refused_on_several_processes():
         mock.patch("effitrain.distributed.detect_sharding", return_value=sharding),
         pytest.raises(EffitrainError, match="before the processes average them"),
     ):
-        levers.check_launch(config, state)
+        levers.check_launch(config, Launch.of(state))
 
 
 @pytest.mark.parametrize(

@@ -329,5 +329,12 @@ def test_missing_package_gives_the_install_line(monkeypatch, optim, package):
 
 
 def test_in_backward_is_refused():
+    import effitrain.levers as levers
+    from effitrain.config import TrainConfig
+
+    config = TrainConfig(optim="muon", optimizer_in_backward=True)
     with pytest.raises(EffitrainError, match="cannot combine with --optimizer-in-backward"):
-        build_optimizer(tiny(), "muon", 1e-3, 0.0, in_backward=True)
+        levers.check_options(config)  # with the options, before anything is built
+    builder = levers.optimizer_builder(config)
+    with pytest.raises(EffitrainError, match="built over the whole model, not one parameter"):
+        build_optimizer(tiny(), "muon", 1e-3, 0.0, builder=builder)

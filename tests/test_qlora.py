@@ -57,7 +57,7 @@ def test_qlora_learns_and_says_what_is_4bit(qlora_run):
 
 
 def test_4bit_storage_is_counted_to_the_byte(qlora_run):
-    from effitrain.quantize import expected_storage
+    from effitrain.levers.qlora import expected_storage
 
     metrics = qlora_run.metrics
     shapes = tiny_llama_linear_shapes()
@@ -132,8 +132,8 @@ def test_evaluation_leaves_the_4bit_weights_as_they_are():
     import torch
 
     from effitrain.config import TrainConfig
+    from effitrain.levers.qlora import quantize_model
     from effitrain.models import load_causal_lm, load_tokenizer
-    from effitrain.quantize import quantize_model
 
     model = load_causal_lm("tiny-llama", load_tokenizer("tiny-llama"))
     quantize_model(model, TrainConfig(task="causal-lm", lora_rank=8, load_in_4bit=True))
@@ -171,6 +171,7 @@ def test_qlora_under_sharding_is_refused():
     from types import SimpleNamespace as State
 
     from effitrain.config import TrainConfig
+    from effitrain.distributed import Launch
     from effitrain.errors import EffitrainError
     from effitrain.levers import check_launch
 
@@ -178,4 +179,4 @@ def test_qlora_under_sharding_is_refused():
     state = State(distributed_type="FSDP", num_processes=2, backend="nccl", fsdp_plugin=plugin)
     config = TrainConfig(task="causal-lm", lora_rank=8, load_in_4bit=True)
     with pytest.raises(EffitrainError, match="--lora-rank is not supported under"):
-        check_launch(config, state)
+        check_launch(config, Launch.of(state))

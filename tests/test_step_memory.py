@@ -40,8 +40,9 @@ def test_parts_match_the_true_storage_counts_and_add_up():
         probe.start()
         step(model, optimizer)
         measured = probe.stop()
-    at_peak, peaks = measured["at_peak"], measured["kind_peaks"]
-    assert measured["peak_tensor_bytes"] == sum(at_peak.values())
+    assert measured is not None
+    at_peak, peaks = measured.at_peak, measured.kind_peaks
+    assert measured.peak_tensor_bytes == sum(at_peak.values())
     assert at_peak["parameters"] == memory.parameter_bytes(model)
     assert at_peak["optimizer_state"] == memory.optimizer_state_ledger(optimizer).bytes
     assert peaks["gradients"] == memory.parameter_bytes(model)  # one gradient per weight
@@ -50,7 +51,7 @@ def test_parts_match_the_true_storage_counts_and_add_up():
     assert peaks["activations"] >= 4 * 32 * (64 + 256 + 64)
     # AdamW's foreach step works on whole lists of tensors: its temporaries are not its state.
     assert peaks["optimizer_temporaries"] > 0
-    assert measured["cuda_max_allocated"] is None
+    assert measured.cuda_max_allocated is None
 
 
 def test_gradient_accumulation_is_one_measured_step():
@@ -62,8 +63,9 @@ def test_gradient_accumulation_is_one_measured_step():
         step(model, optimizer, micro_batches=3, probe=probe)
         measured = probe.stop()
     # While the second micro-batch's gradients are added in, both they and the sums exist.
-    assert measured["kind_peaks"]["gradients"] > memory.parameter_bytes(model)
-    assert measured["peak_tensor_bytes"] == sum(measured["at_peak"].values())
+    assert measured is not None
+    assert measured.kind_peaks["gradients"] > memory.parameter_bytes(model)
+    assert measured.peak_tensor_bytes == sum(measured.at_peak.values())
 
 
 def test_an_error_mid_step_leaves_no_tracker_behind():

@@ -66,7 +66,7 @@ def measure(args: argparse.Namespace, device: str) -> common.Run:
             rows.append({
                 "optimizer": optim, "batch_size": batch, "max_length": length,
                 "accelerate_bytes": adam if optim == "adamw" else None,
-                "estimate_bytes": estimated["peak_tensor_bytes"],
+                "estimate_bytes": estimated.memory.peak_tensor_bytes,
                 "measured_bytes": metrics["peak_tensor_bytes"],
                 "measured_kind": metrics["peak_memory_kind"],
             })  # fmt: skip

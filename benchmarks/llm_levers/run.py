@@ -102,17 +102,19 @@ def measure(args: argparse.Namespace, device: str) -> common.Run:
         except Exception as exc:  # noqa: BLE001 - recorded beside the measurement
             row["estimate_error"] = f"{type(exc).__name__}: {exc}"
             continue
-        row["estimate"] = {key: _part(predicted, key) for _label, key in PARTS[:-1]}
+        row["estimate"] = {key: _part(predicted.memory, key) for _label, key in PARTS[:-1]}
     settings = {"model": args.model, "batch_size": 1, "max_length": args.max_length}
     settings |= {"steps": args.steps, "repeats": args.repeats}
     title = f"{args.model}, causal LM, batch 1 × {args.max_length} tokens"
     return common.new_run(args, device, title, settings, comparison)
 
 
-def _part(result: dict, key: str):
+def _part(memory, key: str):
+    """One part of an estimate's :class:`effitrain.results.MemoryRecord`, by the metrics
+    JSON's field name."""
     if key == "optimizer_state_bytes":
-        return result.get("optimizer_state", {}).get("bytes", result.get(key))
-    return result.get(key)
+        return memory.optimizer_state.bytes
+    return getattr(memory, key)
 
 
 def summarize(configuration, runs: list[dict]) -> common.Row:

@@ -3,7 +3,8 @@ on the model's config.json alone (no weights, no tokenizer, no hub).
 
 Three published shapes (Llama-3.2-1B, Llama-3.1-8B, Qwen2.5-7B: the values of their config.json,
 written here as dicts and saved by this script) times five configurations, each the
-``effitrain estimate`` command line a user would type, run in a fresh process (its ``--json``).
+``effitrain estimate`` command line a user would type for a CUDA card (``--device cuda``, where
+the offload levers run), in a fresh process (its ``--json``).
 A configuration the current code refuses is recorded as refused, with its one-line error: never
 estimated some other way. Per row: peak tensor memory of one optimizer step, its parts, whether
 that peak fits a 24, 48 or 80 GB card, and how long the estimate took.
@@ -122,7 +123,7 @@ def estimate_row(model_dir: Path, options: list[str], batch: int, length: int) -
     command = [
         sys.executable, "-m", "effitrain", "estimate", "--task", "causal-lm",
         "--model", str(model_dir), "--batch-size", str(batch), "--max-length", str(length),
-        *options, "--json",
+        "--device", "cuda", *options, "--json",
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     start = time.monotonic()

@@ -48,8 +48,11 @@ SMOKE_ARGS = ["--rows", "baseline", "--steps", "2", "--model", "tiny-llama", "--
 
 
 def estimate_row(args: argparse.Namespace, options: list[str]) -> dict:
-    """``effitrain estimate`` of one row, with the run's options."""
+    """``effitrain estimate --device cuda`` of one row, with the run's options (its metrics
+    JSON fields): the offloads are CUDA levers, so the launch estimated is one CUDA process,
+    whatever this machine has."""
     from effitrain.build import checked_config
+    from effitrain.distributed import Launch
     from effitrain.estimation import estimate
 
     overrides = {
@@ -60,7 +63,8 @@ def estimate_row(args: argparse.Namespace, options: list[str]) -> dict:
     }  # fmt: skip
     if "--optimizer-offload" in options:
         overrides["optimizer_offload"] = options[options.index("--optimizer-offload") + 1]
-    return estimate(checked_config(None, overrides))
+    launch = Launch.described(1, "ddp", "cuda")
+    return estimate(checked_config(None, overrides), launch).to_dict()
 
 
 def measure(args: argparse.Namespace, device: str) -> common.Run:

@@ -7,7 +7,8 @@ state's bytes and elements (effitrain's true-storage ledger), bytes per trained 
 state as a fraction of fp32 AdamW's, peak tensor memory of the measured step, peak RSS, the
 median seconds per step and its ratio to AdamW's in the same run. The README's table joins each
 optimizer's fine-tuning accuracy from benchmarks/finetune/results.json (all-MiniLM-L6-v2, 2
-epochs, its defaults).
+epochs, its defaults). Rendering also writes effitrain/optim/state_bytes.json, the bytes/param
+that ``effitrain optimizers`` shows, from the runs on the distilbert-base preset.
 
     python -m benchmarks.optimizer_costs.run --repeats 2
     python -m benchmarks.optimizer_costs.run --task causal-lm --model qwen2.5-0.5b \\
@@ -17,6 +18,7 @@ epochs, its defaults).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -28,6 +30,17 @@ ACCURACY_TASKS = ("vader-sent3", "pl-sentences")
 GPU_ARGS = ["--steps", "4", "--jobs", "4"]
 """Four optimizers at a time: memory is per process; the times are indicative only."""
 SMOKE_ARGS = ["--optims", "adamw", "adafactor", "--steps", "2", "--model", "tiny"]
+STATE_BYTES = common.REPO / "effitrain" / "optim" / "state_bytes.json"
+"""The figures ``effitrain optimizers`` shows (package data, read by
+``effitrain.optim.state_bytes_per_param``), rendered with the README from results.json."""
+STATE_BYTES_SETTINGS = {
+    "model": "distilbert-base",
+    "task": "sequence classification",
+    "weights": "fp32",
+    "state": "after the first optimizer step (its size does not change after it)",
+}
+"""What the registry's figures are measured on (tests/test_optimizer_costs.py re-measures each
+after one step)."""
 
 
 def measure(args: argparse.Namespace, device: str) -> common.Run:
@@ -85,6 +98,15 @@ def summarize(configuration, runs: list[dict]) -> common.Row:
     }
 
 
+def per_param(row: common.Row) -> float:
+    return row["optimizer_state_bytes"] / row["trainable_parameters"]
+
+
+def bytes_per_param_cell(row: common.Row) -> str:
+    """The table's bytes/param: a published cell as it is, else the measured ratio."""
+    return common.derived(row, "bytes_per_param", per_param, "{:.2f}".format)
+
+
 def render(run: common.Run) -> str:
     rows = run["rows"]
     base = next((row for row in rows if row["optimizer"] == "adamw"), rows[0])
@@ -92,9 +114,6 @@ def render(run: common.Run) -> str:
 
     def state_share(row):
         return row["optimizer_state_bytes"] / row["adamw_equivalent_bytes"]
-
-    def per_param(row):
-        return row["optimizer_state_bytes"] / row["trainable_parameters"]
 
     def time_share(row):
         return row["seconds_per_step"] / base["seconds_per_step"]
@@ -104,10 +123,7 @@ def render(run: common.Run) -> str:
         common.Column(
             "state (measured)", lambda row: common.shown(row["optimizer_state_bytes"], common.size)
         ),
-        common.Column(
-            "bytes/param",
-            lambda row: common.derived(row, "bytes_per_param", per_param, "{:.2f}".format),
-        ),
+        common.Column("bytes/param", bytes_per_param_cell),
         common.Column(
             "vs fp32 AdamW",
             lambda row: common.derived(row, "vs_adamw", state_share, "{:.2f}×".format),
@@ -133,6 +149,64 @@ def render(run: common.Run) -> str:
         ),
     ]
     return common.markdown_table(columns, rows, drop_empty=True)
+
+
+def measures_registry_figures(run: common.Run) -> bool:
+    """Whether a run gives ``effitrain optimizers``' bytes/param: the distilbert-base preset,
+    classification, no other option (so effitrain's default fp32 weights)."""
+    settings = run["settings"]
+    return (
+        settings.get("model") == STATE_BYTES_SETTINGS["model"]
+        and not settings.get("task")
+        and not settings.get("extra")
+    )
+
+
+def state_bytes(data: dict) -> dict:
+    """What :data:`STATE_BYTES` holds: each optimizer's bytes/param, the table's own cell (two
+    decimals), from the runs at the registry's settings. Runs that disagree on a figure are an
+    error: re-run them, or drop the stale one."""
+    runs = [run for run in data["runs"] if measures_registry_figures(run)]
+    figures: dict[str, float] = {}
+    for run in runs:
+        for row in run["rows"]:
+            try:
+                figure = float(bytes_per_param_cell(row))
+            except ValueError:  # '–', or a published cell with words in it
+                continue
+            if figures.setdefault(row["optimizer"], figure) != figure:
+                raise SystemExit(
+                    f"{TOPIC.results}: runs at the registry's settings disagree on "
+                    f"{row['optimizer']}'s bytes/param ({figures[row['optimizer']]} and {figure} "
+                    f"in run '{run['name']}'): re-run it, or drop the stale run"
+                )
+    return {
+        "about": "Optimizer-state bytes per trained parameter (effitrain's true-storage "
+        "ledger). Written by `python -m benchmarks.optimizer_costs.run --render` from "
+        "benchmarks/optimizer_costs/results.json; do not edit.",
+        "settings": STATE_BYTES_SETTINGS,
+        "runs": [
+            {"name": run["name"], "date": run["provenance"]["date"], "settings": run["settings"]}
+            for run in runs
+        ],
+        "bytes_per_param": figures,
+    }
+
+
+def render_state_bytes(check: bool) -> int:
+    """Write :data:`STATE_BYTES` from results.json; with ``check``, only say whether it is up
+    to date. Returns an exit code."""
+    data = common.load_results(TOPIC.results, TOPIC)
+    new = json.dumps(state_bytes(data), indent=1, ensure_ascii=False) + "\n"
+    old = STATE_BYTES.read_text() if STATE_BYTES.exists() else ""
+    if check:
+        if new != old:
+            print(f"{STATE_BYTES} is stale: python -m {TOPIC.module} --render", file=sys.stderr)
+            return 1
+        return 0
+    STATE_BYTES.write_text(new)
+    print(f"rendered {STATE_BYTES.relative_to(common.REPO)}", file=sys.stderr)
+    return 0
 
 
 def finetune_accuracy(path: Path | None = None) -> dict[tuple[str, str], str]:
@@ -167,7 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="runs at once (times: indicative)")
     parser.add_argument("extra", nargs="*", help="more `effitrain train` options, after --")
     args = parser.parse_args(argv)
-    return common.main(TOPIC, args, argv, measure, render)
+    code = common.main(TOPIC, args, argv, measure, render)
+    if args.render or args.check or args.results.resolve() == TOPIC.results.resolve():
+        code = max(code, render_state_bytes(check=args.check))
+    return code
 
 
 if __name__ == "__main__":

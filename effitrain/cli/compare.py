@@ -9,15 +9,10 @@ import typer
 
 from effitrain.cli.error_handling import user_errors
 from effitrain.cli.optimizers import short_number
-from effitrain.cli.options import (
-    PANELS,
-    PRESET_NAMES,
-    config_fields,
-    config_options,
-    given_values,
-    train_arguments,
-)
+from effitrain.cli.options import PANELS, PRESET_NAMES, config_fields, config_options, given_values
 from effitrain.cli.quiet import quiet_libraries
+from effitrain.config import OUTPUT, to_arguments
+from effitrain.levers import LEVERS
 
 if TYPE_CHECKING:
     from effitrain.comparison import Comparison, Configuration
@@ -33,7 +28,10 @@ DEFAULT_COMPARISON_LR = {"adamw": 3e-5, "adafactor": 3e-4, "adamw-8bit": 3e-5}
 train the random-init distilbert-base shape stably at these. Their defaults for
 training from scratch suit the small presets; at this size the first full step diverges."""
 
-NOT_SHARED = ("optim", "log_every", "sample_prompt", "lora_merge", *PANELS["Output"])
+NOT_SHARED = (
+    *("optim", "log_every", "sample_prompt", *PANELS[OUTPUT]),
+    *(name for lever in LEVERS.values() for name in lever.save_only),
+)
 """Train options that compare sets itself (each run's optimizer, its metrics and loss log) or
 that change nothing it shows (checkpoints, the final save, trackers, printed samples)."""
 
@@ -195,7 +193,7 @@ def shared_arguments(overrides: dict[str, Any], default: bool = False) -> list[s
         del values["max_steps"]
     if default and not {"warmup_ratio", "warmup_steps"} & set(overrides):
         values["warmup_ratio"] = 0.5
-    return [*train_arguments(values), "--log-every", "1"]
+    return [*to_arguments(values), "--log-every", "1"]
 
 
 def train_config(arguments: list[str]) -> Any:

@@ -8,34 +8,29 @@ from typing import Annotated, Any
 import typer
 
 from effitrain.cli.error_handling import user_errors
-from effitrain.cli.options import (
-    CONFIG_FILE,
-    LOOP,
-    OPTIM,
-    PRESET_NAMES,
-    config_fields,
-    config_options,
-)
+from effitrain.cli.options import CONFIG_FILE, PRESET_NAMES, config_fields, config_options
 from effitrain.cli.quiet import quiet_libraries
+from effitrain.config import LOOP, OPTIMIZER
+from effitrain.distributed import DEVICE_TYPES, STRATEGIES
+from effitrain.levers import LEVERS
 
 SHOWN = (
     *("task", "model", "dataset", "dataset_config", "train_file", "validation_file"),
     *("text_columns", "label_column", "max_length"),
     *("lr", "weight_decay", "max_grad_norm", "fp32_embedding_state"),
     *("batch_size", "grad_accum", "mixed_precision", "seed"),
-    *("gradient_checkpointing", "optimizer_in_backward", "weights_dtype"),
-    *("activation_offload", "optimizer_offload"),
-    *("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules"),
+    *(name for lever in LEVERS.values() for name in lever.fields if name not in lever.save_only),
 )
-"""The train options that change what a step holds; the others are accepted and not listed, so
-that any `effitrain train` command line can be estimated by changing its command's name."""
+"""The train options that change what a step holds (every lever's); the others are accepted and
+not listed, so that any `effitrain train` command line can be estimated by changing its
+command's name."""
 
 Optims = Annotated[
     str | None,
     typer.Option(
         "--optim",
         help="Optimizer name, several comma-separated, or 'all' (one row per installed one).",
-        rich_help_panel=OPTIM,
+        rich_help_panel=OPTIMIZER,
         metavar="NAME[,NAME]|all",
         show_default="adamw",
     ),
@@ -54,9 +49,20 @@ Sharding = Annotated[
     typer.Option(
         "--sharding",
         rich_help_panel=LOOP,
-        metavar="ddp|zero1|zero2|zero3|fsdp",
+        metavar="|".join(STRATEGIES),
         help="How --num-processes processes split the model: ddp (nothing), zero1 (optimizer "
         "state), zero2 (+ gradients), zero3 or fsdp (+ parameters; FSDP2, tensor by tensor).",
+    ),
+]
+Device = Annotated[
+    str | None,
+    typer.Option(
+        "--device",
+        rich_help_panel=LOOP,
+        metavar="|".join(DEVICE_TYPES),
+        help="The device the run will train on (the offload levers need cuda); the estimate "
+        "itself runs on fake tensors here.",
+        show_default="this machine's",
     ),
 ]
 AsJson = Annotated[
@@ -86,6 +92,7 @@ def estimate(
     optim: Optims = None,
     num_processes: NumProcesses = 1,
     sharding: Sharding = "ddp",
+    device: Device = None,
     as_json: AsJson = False,
     compare_to: CompareTo = None,
     *,
@@ -100,7 +107,8 @@ def estimate(
     """
     with user_errors():
         quiet_libraries()
-        results, skipped = _estimates(config_file, overrides, optim, num_processes, sharding)
+        launch = _launch(num_processes, sharding, device)
+        results, skipped = _estimates(config_file, overrides, optim, launch)
         measured = _load_metrics(compare_to) if compare_to else None
         against = _against(results, measured, compare_to) if measured is not None else None
         if as_json:
@@ -111,24 +119,27 @@ def estimate(
         print_estimates(results, against, skipped)
 
 
+def _launch(num_processes: int, sharding: str, device: str | None) -> Any:
+    """The launch the options describe (the device: this machine's where not given)."""
+    from effitrain.distributed import Launch
+
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return Launch.described(num_processes, sharding, device)
+
+
 def _estimates(
-    config_file: Path | None,
-    overrides: dict[str, Any],
-    optim: str | None,
-    num_processes: int,
-    sharding: str,
-) -> tuple[list[dict[str, Any]], list[str]]:
+    config_file: Path | None, overrides: dict[str, Any], optim: str | None, launch: Any
+) -> tuple[list[Any], list[str]]:
     """One estimate per optimizer of ``--optim``, with the other options as given; and the
     reasons for those that ``--optim all`` skipped."""
     from effitrain.build import checked_config
     from effitrain.errors import EffitrainError
-    from effitrain.estimation import check_sharding
     from effitrain.estimation import estimate as run_estimate
     from effitrain.optim import OPTIMIZERS, get_spec
 
-    if num_processes < 1:
-        raise EffitrainError(f"--num-processes must be 1 or more (got {num_processes})")
-    check_sharding(sharding)
     fp32 = overrides.pop("fp32_embedding_state", None)  # see _for_optimizer
     from_file = checked_config(config_file, overrides)
     names = _names(optim or from_file.optim, OPTIMIZERS)
@@ -138,7 +149,7 @@ def _estimates(
     for name in names:
         config = checked_config(config_file, _for_optimizer(overrides, name, names, fp32))
         try:
-            result = run_estimate(config, num_processes, sharding)
+            result = run_estimate(config, launch)
         except EffitrainError as exc:
             if optim != "all":
                 raise
@@ -178,22 +189,22 @@ def _load_metrics(path: Path) -> dict[str, Any]:
         raise EffitrainError(f"--compare-to {path}: cannot read a metrics JSON ({exc})") from None
 
 
-def _against(results: list[dict[str, Any]], measured: dict[str, Any], path: Path) -> dict[str, Any]:
+def _against(results: list[Any], measured: dict[str, Any], path: Path) -> dict[str, Any]:
     """The estimate set beside a measured run (the one with the run's optimizer, else the
     last), its relative errors per field, and where the run was another configuration."""
-    same = [r for r in results if r["optimizer"] == measured.get("optimizer")]
+    same = [r for r in results if r.optimizer == measured.get("optimizer")]
     compared = same[0] if same else results[-1]
     return {
         "path": str(path),
         "measured": measured,
-        "optimizer": compared["optimizer"],
-        "errors": _errors(compared, measured),
+        "optimizer": compared.optimizer,
+        "errors": _errors(compared.to_dict(), measured),
         "mismatches": _mismatches(compared, measured),
     }
 
 
 def _errors(result: dict[str, Any], measured: dict[str, Any]) -> dict[str, float | None]:
-    """(estimate - measured) / measured, per field."""
+    """(estimate - measured) / measured, per field of the two metrics JSONs."""
     from effitrain.report import ESTIMATE_FIELDS, metrics_field
 
     out: dict[str, float | None] = {}
@@ -203,25 +214,28 @@ def _errors(result: dict[str, Any], measured: dict[str, Any]) -> dict[str, float
     return out
 
 
-def _mismatches(result: dict[str, Any], measured: dict[str, Any]) -> list[str]:
+def _mismatches(result: Any, measured: dict[str, Any]) -> list[str]:
     """Where the measured run was not the configuration estimated (so errors are not errors)."""
     config = measured.get("config", {})
-    setting = result["estimate"]
+    setting = result.settings
     out = []
-    if measured.get("optimizer") != result["optimizer"]:
+    if measured.get("optimizer") != result.optimizer:
         out.append(
-            f"the measured run used --optim {measured.get('optimizer')}, not {result['optimizer']}"
+            f"the measured run used --optim {measured.get('optimizer')}, not {result.optimizer}"
         )
     for key in ("batch_size", "grad_accum", "mixed_precision"):
-        if key in config and config[key] != setting[key]:
-            out.append(f"the measured run used {key} {config[key]}, the estimate {setting[key]}")
-    if sorted(measured.get("levers", [])) != sorted(result["levers"]):
+        if key in config and config[key] != getattr(setting, key):
+            out.append(
+                f"the measured run used {key} {config[key]}, the estimate {getattr(setting, key)}"
+            )
+    levers = result.memory.levers
+    if sorted(measured.get("levers", [])) != sorted(levers):
         out.append(
             f"the measured run's levers ({', '.join(measured.get('levers', [])) or 'none'}) differ "
-            f"from the estimate's ({', '.join(result['levers']) or 'none'})"
+            f"from the estimate's ({', '.join(levers) or 'none'})"
         )
-    if config.get("max_length", setting["max_length"]) < setting["max_length"] or (
-        config.get("model") not in (None, setting["model"])
+    if config.get("max_length", setting.max_length) < setting.max_length or (
+        config.get("model") not in (None, setting.model)
     ):
         out.append("the measured run used another model or --max-length")
     out.append(
@@ -231,11 +245,12 @@ def _mismatches(result: dict[str, Any], measured: dict[str, Any]) -> list[str]:
     return out
 
 
-def _json(results: list[dict[str, Any]], against: dict[str, Any] | None) -> str:
+def _json(results: list[Any], against: dict[str, Any] | None) -> str:
     """``--json``: one estimate, a list, or the estimates with their errors against a run."""
     import json
 
-    out: Any = results[0] if len(results) == 1 else results
+    dicts = [r.to_dict() for r in results]
+    out: Any = dicts[0] if len(dicts) == 1 else dicts
     if against is not None:
-        out = {"estimates": results, "compared_to": against["path"], "errors": against["errors"]}
+        out = {"estimates": dicts, "compared_to": against["path"], "errors": against["errors"]}
     return json.dumps(out, indent=2)

@@ -1,11 +1,12 @@
 """The options that ``train``, ``estimate`` and ``compare`` share: one declaration each.
 
 An option's declaration is its :class:`effitrain.config.TrainConfig` field: the field's name is
-the flag (``batch_size`` -> ``--batch-size``), its doc is the help, its default the default.
-This module adds only how the option looks on the command line: its help panel, its metavar,
-and the ``--on/--off`` pairs. :func:`config_options` turns the fields into a command's typer
-parameters (typer reads the signature it builds) and hands the command the values given on
-the command line as overrides, so that YAML files and defaults keep their order.
+the flag (``batch_size`` -> ``--batch-size``), its default the default, and its
+:data:`effitrain.config.OPTIONS` entry the rest (help, panel, off flag, metavar, choices).
+:func:`config_options` turns the fields into a command's typer parameters (typer reads the
+signature it builds) and hands the command the values given on the command line as overrides,
+so that YAML files and defaults keep their order. What is only the CLI's lives here: the
+presets' help (the config cannot import the models) and ``--config``.
 
 Imports nothing heavy: ``--help`` stays instant.
 """
@@ -21,111 +22,14 @@ from typing import Annotated, Any
 
 import typer
 
-from effitrain.config import TrainConfig, help_for, option
+from effitrain.config import HELP_PANELS, OPTIONS, TrainConfig
 from effitrain.models import CAUSAL_PRESETS, PRESETS
 
-MODEL, OPTIM, LOOP, LEVERS, OUT = "Model and data", "Optimizer", "Loop", "Memory levers", "Output"
-
 PANELS: dict[str, tuple[str, ...]] = {
-    MODEL: (
-        "task",
-        "model",
-        "dataset",
-        "dataset_config",
-        "train_file",
-        "validation_file",
-        "text_columns",
-        "label_column",
-        "max_length",
-        "packing",
-        "completion_only_loss",
-        "sample_prompt",
-    ),
-    OPTIM: (
-        "optim",
-        "lr",
-        "weight_decay",
-        "scheduler",
-        "warmup_ratio",
-        "warmup_steps",
-        "max_grad_norm",
-        "fp32_embedding_state",
-    ),
-    LOOP: (
-        "epochs",
-        "max_steps",
-        "batch_size",
-        "eval_batch_size",
-        "grad_accum",
-        "mixed_precision",
-        "seed",
-        "log_every",
-    ),
-    LEVERS: (
-        "gradient_checkpointing",
-        "optimizer_in_backward",
-        "weights_dtype",
-        "chunked_loss",
-        "activation_offload",
-        "optimizer_offload",
-        "lora_rank",
-        "lora_alpha",
-        "lora_dropout",
-        "lora_target_modules",
-        "lora_merge",
-        "load_in_4bit",
-    ),
-    OUT: (
-        "output_dir",
-        "save_every",
-        "save_strategy",
-        "save_total_limit",
-        "resume",
-        "metrics_json",
-        "report_to",
-        "memory_breakdown",
-        "quiet",
-    ),
+    panel: tuple(name for name, spec in OPTIONS.items() if spec.panel == panel)
+    for panel in HELP_PANELS
 }
-"""Every TrainConfig field, by the help panel it is listed in (a test checks none is missing)."""
-
-FLAG_PAIRS = {
-    "packing": "--packing/--no-packing",
-    "completion_only_loss": "--completion-only-loss/--full-loss",
-    "memory_breakdown": "--memory-breakdown/--no-memory-breakdown",
-}
-"""Settings that are on by default, or by default depend on the data: an on and an off flag."""
-
-METAVARS = {
-    "model": "NAME|DIR",
-    "dataset": "NAME|PATH",
-    "dataset_config": "NAME",
-    "train_file": "FILE",
-    "validation_file": "FILE",
-    "task": "NAME",
-    "sample_prompt": "TEXT",
-    "text_columns": "COL[,COL]",
-    "label_column": "COL",
-    "optim": "NAME",
-    "lr": "LR",
-    "weight_decay": "RATE",
-    "scheduler": "linear|cosine|constant",
-    "warmup_ratio": "FRACTION",
-    "max_grad_norm": "NORM",
-    "mixed_precision": "no|fp16|bf16",
-    "weights_dtype": "fp32|bf16",
-    "chunked_loss": "auto|torch|liger|cce|off",
-    "optimizer_offload": "off|state|state+grads",
-    "lora_alpha": "ALPHA",
-    "lora_dropout": "P",
-    "lora_target_modules": "NAME[,NAME]",
-    "output_dir": "DIR",
-    "save_strategy": "steps|epoch|no",
-    "resume": "latest|DIR",
-    "metrics_json": "FILE",
-    "report_to": "NAME[,NAME]",
-}
-"""What a value looks like; any other option takes a count (``N``)."""
+"""TrainConfig's fields by the help panel each declares, in --help's order."""
 
 PRESET_NAMES = (
     " Presets: " + ", ".join([*PRESETS, *CAUSAL_PRESETS]) + " (see effitrain train --help)."
@@ -137,25 +41,6 @@ PRESETS_HELP = (
     + "; ".join(f"[bold]{name}[/]: {desc}" for name, (desc, _, _) in CAUSAL_PRESETS.items())
     + "."
 )
-
-EXTRA_HELP = {
-    "text_columns": " Comma-separated: sentence1,sentence2.",
-    "lora_target_modules": " Comma-separated: query,value.",
-    "report_to": " Comma-separated: tensorboard,wandb.",
-}
-
-PER_OPTIMIZER = ("lr", "scheduler", "warmup_ratio")
-"""Options whose default depends on the optimizer and on fine-tuning versus training from scratch."""
-
-DEFAULT_TEXT = {
-    **dict.fromkeys(PER_OPTIMIZER, "per optimizer, see effitrain optimizers"),
-    "max_grad_norm": "1.0; 0 with --optimizer-in-backward or --optimizer-offload",
-    "packing": "per data format",
-    "completion_only_loss": "per data format",
-    "chunked_loss": "auto",
-    "memory_breakdown": "on",
-}
-"""What --help shows as the default where the default depends on other options."""
 
 CONFIG_FILE = typer.Option(
     "--config",
@@ -189,10 +74,6 @@ def given_values(
     return {name: values[name] for name in names if name in values and given(ctx, name)}
 
 
-def _panel(name: str) -> str:
-    return next(panel for panel, names in PANELS.items() if name in names)
-
-
 def _cli_type(annotation: Any) -> Any:
     """The type typer parses: a list field is one comma-separated string (the config splits it)."""
     args = typing.get_args(annotation)
@@ -212,20 +93,21 @@ def config_parameter(
     shown: str | None = None,
     hidden: bool = False,
 ) -> inspect.Parameter:
-    """The typer parameter of config field ``name``: flag and help from the config, panel and
-    metavar from here. ``default``: the value --help shows (the config's, or the command's);
-    ``shown``: the text --help shows instead of it."""
+    """The typer parameter of config field ``name``, as its :data:`~effitrain.config.OPTIONS`
+    entry declares it. ``default``: the value --help shows (the config's, or the command's);
+    ``shown``: the text --help shows instead of it; ``extra``: text appended to the help."""
+    spec = OPTIONS[name]
     cli_type = _cli_type(annotation)
-    is_flag = name in FLAG_PAIRS or cli_type is bool
-    show_default: bool | str = shown or DEFAULT_TEXT.get(name) or (default is not None)
+    is_flag = spec.off is not None or cli_type is bool
+    show_default: bool | str = shown or spec.default_text or (default is not None)
     if default is False:
         show_default = False  # a flag that is off unless given: nothing to show
     info = typer.Option(
-        FLAG_PAIRS.get(name, option(name)),
-        help=help_for(name) + EXTRA_HELP.get(name, "") + extra,
-        rich_help_panel=_panel(name),
+        spec.declaration,
+        help=spec.help + extra,
+        rich_help_panel=spec.panel,
         show_default=show_default,
-        metavar="" if is_flag else METAVARS.get(name, "N"),
+        metavar="" if is_flag else spec.value_text or "N",  # N: a count, the rest's value
         hidden=hidden,
     )
     return inspect.Parameter(
@@ -306,30 +188,12 @@ _RESERVED = ("ctx", "overrides")
 
 def _panel_rank(param: inspect.Parameter) -> int:
     """Where --help lists an option's panel: unpanelled options (with --help), the command's
-    own panels, then the config's panels in PANELS order."""
+    own panels, then the config's panels in HELP_PANELS order."""
     infos = typing.get_args(param.annotation)[1:]
     panel = getattr(infos[0], "rich_help_panel", None) if infos else None
     if panel is None:
         return 0
-    return 2 + list(PANELS).index(panel) if panel in PANELS else 1
-
-
-def train_arguments(values: Mapping[str, Any]) -> list[str]:
-    """``effitrain train`` arguments that give these config values: the inverse of parsing
-    (``{"batch_size": 8, "packing": False}`` -> ``--batch-size 8 --no-packing``)."""
-    args: list[str] = []
-    for name, value in values.items():
-        if value is None:
-            continue
-        on, _, off = FLAG_PAIRS.get(name, option(name)).partition("/")
-        if isinstance(value, bool):
-            if value or off:
-                args.append(on if value else off)
-            continue
-        if isinstance(value, (list, tuple)):
-            value = ",".join(str(v) for v in value)
-        args += [on, str(value)]
-    return args
+    return 2 + HELP_PANELS.index(panel) if panel in HELP_PANELS else 1
 
 
 __all__ = [
@@ -340,5 +204,4 @@ __all__ = [
     "config_parameter",
     "given",
     "given_values",
-    "train_arguments",
 ]

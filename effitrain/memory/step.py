@@ -105,7 +105,7 @@ class StepMemoryProbe:
     """Measures one optimizer step: ``start()`` before its first micro-batch, ``stop()`` after
     ``optimizer.step()``.
 
-    A probe that cannot run (old torch) returns {} from ``stop()``; the memory table then says
+    A probe that cannot run (old torch) returns None from ``stop()``; the memory table then says
     the breakdown was not measured. Use it as a context manager around the loop, so that an
     error mid-step leaves no tracker (a dispatch mode) active.
     """
@@ -165,13 +165,13 @@ class StepMemoryProbe:
         if self._tracker is not None:
             self._tracker.reset_mod_stats()
 
-    def stop(self) -> dict[str, Any]:
-        """The step's :class:`StepMemory` as a dict ({} when it could not be measured)."""
+    def stop(self) -> StepMemory | None:
+        """The step's :class:`StepMemory` (None when it could not be measured)."""
         import torch
 
         tracker, self._tracker = self._tracker, None
         if tracker is None:
-            return {}
+            return None
         tracker.__exit__(None, None, None)
         self._restore_warnings()
         snapshot = _device_snapshot(tracker.get_tracker_snapshot("peak"), self.device)
@@ -197,7 +197,7 @@ class StepMemoryProbe:
             kind_peaks={kind: max(peaks.get(kind, 0), at_peak[kind]) for kind in KINDS},
             cuda_max_allocated=cuda_peak,
             cuda_max_reserved=cuda_reserved,
-        ).to_dict()
+        )
 
 
 def return_freed_heap() -> None:

@@ -26,9 +26,11 @@ from effitrain.optim.registry import (
     embedding_weights,
     for_sharding,
     get_spec,
+    measured_state_bytes,
     param_groups,
     resolve_hyperparameters,
     set_train_mode,
+    state_bytes_per_param,
 )
 
 __all__ = [
@@ -46,7 +48,9 @@ __all__ = [
     "embedding_weights",
     "for_sharding",
     "get_spec",
+    "measured_state_bytes",
     "param_groups",
     "resolve_hyperparameters",
     "set_train_mode",
+    "state_bytes_per_param",
 ]

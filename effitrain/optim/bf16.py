@@ -43,8 +43,8 @@ fine-tuning lr it rounds away (the Adafactors decay the fp32 copy: kept in expec
 Kahan summation uses no random numbers, and stochastic rounding saves its generators' states
 with the optimizer, so checkpoints resume bit-exactly.
 
-Nothing heavy is imported at module level: :func:`effitrain.levers.check_options` reads
-:func:`refusal` before anything is built.
+Nothing heavy is imported at module level: :mod:`effitrain.levers.bf16_weights` (the lever)
+reads :data:`BF16_VARIANTS` before anything is built.
 """
 
 from __future__ import annotations
@@ -56,12 +56,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from effitrain.errors import EffitrainError
-
 if TYPE_CHECKING:
     import torch
 
-    from effitrain.config import TrainConfig
     from effitrain.optim.registry import OptimizerSpec, ParamGroups
 
 INSTALL = "pip install 'effitrain[bf16]'  (torch-optimi)"
@@ -178,94 +175,39 @@ BF16_VARIANTS: dict[str, Bf16Variant] = {
     ),
 }
 
-_NONE_BECAUSE = {
+NONE_BECAUSE = {
     "adamw-8bit": "bitsandbytes rounds bf16 weights to nearest",
 }
+"""Why an optimizer has no bf16 variant, where there is more to say than that it has none."""
 
 
-def refusal(config: TrainConfig) -> str | None:
-    """Why ``config``'s weights dtype cannot work with its other options, or None.
-
-    Only the dtype of the *trained* parameters matters: with LoRA they are fp32 adapters.
-    """
-    if config.weights_dtype != "bf16":
-        return None
-    if config.mixed_precision == "fp16":
-        return (
-            "--weights-dtype bf16 cannot run under --mixed-precision fp16 (fp16 autocast would "
-            "squeeze bf16 weights into fp16's range and scale bf16 gradients); drop "
-            "--mixed-precision or use --mixed-precision bf16 with --weights-dtype fp32"
-        )
-    if config.optim not in BF16_VARIANTS and config.lora_rank is None:
-        why = _NONE_BECAUSE.get(config.optim, "it has no bf16 variant")
-        return (
-            "--weights-dtype bf16 needs an optimizer that updates bf16 weights without losing "
-            "small steps (Kahan summation or stochastic rounding): "
-            f"{', '.join(BF16_VARIANTS)}; --optim {config.optim}: {why}; use --weights-dtype "
-            "fp32, or --lora-rank (its adapters stay fp32)"
-        )
-    return None
-
-
-def _variant(config: TrainConfig) -> Bf16Variant | None:
-    """The bf16 variant that this run builds, or None (fp32 weights; no variant; LoRA adapters
-    that the registry's optimizer trains)."""
-    variant = BF16_VARIANTS.get(config.optim) if config.weights_dtype == "bf16" else None
-    if variant is not None and config.lora_rank is not None and not variant.over_lora:
+def variant_for(optim: str, adapters: bool) -> Bf16Variant | None:
+    """The bf16 variant a run with bf16 weights builds for ``optim``, or None (no variant; or
+    LoRA ``adapters`` that stay fp32 and that the registry's optimizer trains)."""
+    variant = BF16_VARIANTS.get(optim)
+    if variant is not None and adapters and not variant.over_lora:
         return None
     return variant
 
 
-def optimizer_spec(config: TrainConfig) -> OptimizerSpec:
-    """The registry's spec for ``--optim``; with bf16 weights, its bf16 variant in its place
-    (same name, lr and defaults; another class, state and factory)."""
-    from effitrain.optim.registry import get_spec
-
-    spec = get_spec(config.optim)
-    variant = _variant(config)
-    if variant is None:
-        return spec
+def variant_spec(spec: OptimizerSpec, variant: Bf16Variant, seed: int) -> OptimizerSpec:
+    """The registry's ``spec`` with ``variant`` in its place: same name, lr and defaults;
+    another class, state and factory (its rounding generators seeded from ``seed``)."""
     return dataclasses.replace(
         spec,
         class_path=variant.class_path,
         module=variant.module,
         install=variant.install,
         state=variant.state,
-        factory=functools.partial(variant.factory, seeds=ParamSeeds(config.seed)),
+        factory=functools.partial(variant.factory, seeds=ParamSeeds(seed)),
     )
 
 
-def banner_line(config: TrainConfig) -> str | None:
-    """One line for the banner: the weights' dtype and the update rule, or None for fp32."""
-    if config.weights_dtype != "bf16":
-        return None
-    variant = _variant(config)
-    if variant is None:
-        return (
-            "weights bf16 (parameters, gradients, optimizer state), "
-            f"{config.optim} on fp32 LoRA adapters"
-        )
-    return f"weights bf16 ({variant.in_bf16}), {variant.rule}"
-
-
-def cast_model(model: Any, config: TrainConfig) -> Any:
+def cast_model(model: Any) -> Any:
     """Cast the model's floating-point parameters and buffers to bf16 (integer buffers such as
-    position ids keep their dtype). Done before LoRA wraps the model, so its adapters stay fp32.
-
-    Raises:
-        EffitrainError: bf16 weights and an optimizer without a bf16 variant, with the package
-            of that variant missing.
-    """
-    if config.weights_dtype != "bf16":
-        return model
+    position ids keep their dtype). Done before LoRA wraps the model, so its adapters stay fp32."""
     import torch
 
-    spec = optimizer_spec(config)
-    if not spec.is_available():
-        raise EffitrainError(
-            f"--weights-dtype bf16 with --optim {spec.name} needs {spec.class_path} from the "
-            f"'{spec.module}' package, which is not installed: {spec.install}"
-        )
     return model.to(torch.bfloat16)
 
 

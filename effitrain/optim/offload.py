@@ -16,8 +16,7 @@ wherever it lives, and ``state_dict()`` has a normal optimizer's layout, so chec
 ``inspect-state`` and exact resume need no special case. :func:`offload_ledger` says where the
 state lives: device bytes and host bytes.
 
-Rules (refused before anything is built: ``TrainConfig._validate_optimizer_offload``,
-``levers.check_options``, ``levers.check_launch``): CUDA only, one process, no clipping (the
+Rules (refused before anything is built, by the lever's spec): CUDA only, one process, no clipping (the
 gradients reach the host before clipping could scale them), no fp16 loss scaling, no step in
 backward, no gradient accumulation with ``state+grads``. Only imported when the lever is on (it
 imports torch at module level).
@@ -234,10 +233,13 @@ def offload_ledger(optimizer: Any) -> dict[str, int]:
     """Where an :class:`OffloadedOptimizer`'s memory lives, in bytes of real storage:
     ``device_state_bytes`` (the small tensors' state, on the GPU), ``host_state_bytes`` and
     ``host_copy_bytes`` (the pinned host copies of the offloaded parameters and gradients).
-    Accelerate's wrapper is looked through; {} for any other optimizer."""
+    Accelerate's wrapper is looked through; an estimate's :class:`EstimatedOffload` gives its
+    own account; {} for any other optimizer."""
     from effitrain.memory import ledger
 
     inner = getattr(optimizer, "optimizer", optimizer)
+    if isinstance(inner, EstimatedOffload):
+        return dict(inner.placement)
     if not isinstance(inner, OffloadedOptimizer):
         return {}
     offloaded = inner.offloaded
@@ -260,8 +262,10 @@ class EstimatedOffload(torch.optim.Optimizer):
     torchao cannot run (it needs a CUDA device): what stays on the device runs for real (the
     optimizer over the tensors under :data:`MINIMAL_SIZE`; with ``offload_gradients``, the
     offloaded parameters' gradients freed as soon as backward makes them), and the host
-    optimizers are built and stepped on fake copies after the measured step
-    (:meth:`where`), so their state is counted on the host and never in the device's peak.
+    optimizers are built and stepped on fake copies once the measured steps are over
+    (:meth:`step_host_optimizers`), so their state is counted on the host and never in the
+    device's peak. After that, ``state`` is every parameter's, host and device, as
+    :class:`OffloadedOptimizer`'s is.
 
     Args:
         groups, factory, lr, offload_gradients: as :class:`OffloadedOptimizer`'s.
@@ -288,6 +292,9 @@ class EstimatedOffload(torch.optim.Optimizer):
         ]
         small = [group for group in small if group["params"]]
         self.device_optimizer = factory(small, lr) if small else None
+        self.host_states: dict[Any, Any] = {}
+        self.placement: dict[str, int] = {}
+        """:func:`offload_ledger`'s fields, once the host optimizers have stepped."""
         if offload_gradients:
             for param, _ in self.offloaded:
                 param.register_post_accumulate_grad_hook(_free_gradient)
@@ -295,13 +302,14 @@ class EstimatedOffload(torch.optim.Optimizer):
 
     @property
     def state(self) -> Mapping[Any, Any]:  # type: ignore[override]
-        """The device optimizer's state: all that the device holds."""
-        return self.device_optimizer.state if self.device_optimizer is not None else {}
+        """The device optimizer's state, and the host optimizers' once they have stepped."""
+        device = self.device_optimizer.state if self.device_optimizer is not None else {}
+        return {**device, **self.host_states}
 
     @state.setter
     def state(self, value: Any) -> None:
         if value:
-            raise AttributeError("EstimatedOffload.state is the device optimizer's")
+            raise AttributeError("EstimatedOffload.state is the device and host optimizers'")
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         if self.device_optimizer is not None:
@@ -312,28 +320,26 @@ class EstimatedOffload(torch.optim.Optimizer):
             for param in group["params"]:
                 param.grad = None
 
-    def where(self) -> tuple[dict[str, int], Mapping[Any, Any]]:
-        """:func:`offload_ledger`'s fields, and every parameter's state (host and device), from
-        one step of each host optimizer on fake copies of its parameter and gradient."""
+    def step_host_optimizers(self) -> None:
+        """One step of each host optimizer on fake copies of its parameter and gradient: their
+        state joins ``state``, and :attr:`placement` says where each part lives."""
         from effitrain.memory import ledger
 
-        states: dict[Any, Any] = dict(self.state)
+        device_bytes = ledger.optimizer_state_ledger(self.state).bytes
         copies = []
         for param, options in self.offloaded:
             host = torch.empty_like(param)
             host.grad = torch.zeros_like(param)
             host_optimizer = self._factory([{**options, "params": [host]}], self._lr)
             host_optimizer.step()
-            states[host] = host_optimizer.state[host]
+            self.host_states[host] = host_optimizer.state[host]
             copies += [host, host.grad]
-        device_bytes = ledger.optimizer_state_ledger(self.state).bytes
-        total = ledger.optimizer_state_ledger(states)
-        return {
+        self.placement = {
             "device_state_bytes": device_bytes,
-            "host_state_bytes": total.bytes - device_bytes,
+            "host_state_bytes": ledger.optimizer_state_ledger(self.state).bytes - device_bytes,
             "host_copy_bytes": ledger.parameter_bytes(copies),
             "offloaded_parameters": len(self.offloaded),
-        }, states
+        }
 
 
 def _free_gradient(param: torch.nn.Parameter) -> None:

@@ -8,7 +8,9 @@ nothing heavy at module level: ``effitrain optimizers`` and ``--help`` stay inst
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,12 +58,12 @@ class OptimizerSpec:
     description: str
     state: str
     """The state it keeps per parameter tensor."""
-    bytes_per_param: str
-    """Optimizer-state bytes per trained parameter of the distilbert-base preset after one step
-    (starts with the figure, which a test re-measures); then, optionally, a short note."""
     factory: Callable[[ParamGroups, float], torch.optim.Optimizer]
     caveat: str = ""
     """Where its defaults are known not to learn (shown by ``effitrain optimizers``)."""
+    state_bytes_note: str = ""
+    """What explains its measured bytes per parameter (``state_bytes_per_param``), shown beside
+    the figure, e.g. 'tensors < 4096 elements keep fp32 state: 8'. Never the figure itself."""
     lora: Defaults | None = None
     """Defaults for LoRA adapters on pretrained weights (``--lora-rank``), where the fine-tuning
     benchmark chose them (benchmarks/finetune/); None: the fine-tuning defaults."""
@@ -253,7 +255,6 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             fine_tune=Defaults(2e-4, 0.1, "linear"),
             description="Adam with decoupled weight decay; the reference everything is compared to",
             state="step, exp_avg, exp_avg_sq",
-            bytes_per_param="8.00",
             factory=_adamw,
             lora=Defaults(2e-3, 0.1, "linear"),
         ),
@@ -266,7 +267,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             fine_tune=Defaults(3e-3, 0.1, "linear"),
             description="factored second moment (row + column sums); lr caps a relative step",
             state="step, row_var + col_var (>=2-D), variance (1-D)",
-            bytes_per_param="0.01 (about 4(m+n)/(mn) for an m x n weight)",
+            state_bytes_note="about 4(m+n)/(mn) for an m x n weight",
             factory=_adafactor,
         ),
         OptimizerSpec(
@@ -278,7 +279,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             fine_tune=Defaults(1e-4, 0.1, "linear"),
             description="transformers' Adafactor as the Trainer uses it (no relative step)",
             state="step, exp_avg_sq_row/col (>=2-D) or exp_avg_sq, RMS",
-            bytes_per_param="0.01 (fp32 state, factored as adafactor)",
+            state_bytes_note="fp32 state, factored as adafactor",
             factory=_adafactor_hf,
             lora=Defaults(2e-3, 0.1, "linear"),  # as adamw's (benchmarks/levers/)
         ),
@@ -291,7 +292,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             fine_tune=Defaults(2e-4, 0.1, "linear"),
             description="AdamW with block-wise 8-bit quantized moments",
             state="state1, state2 (uint8), absmax1/2, qmap1/2 (shared)",
-            bytes_per_param="2.04 (tensors < 4096 elements keep fp32 state: 8)",
+            state_bytes_note="tensors < 4096 elements keep fp32 state: 8",
             factory=_adamw_8bit,
             lora=Defaults(2e-3, 0.1, "linear"),  # AdamW's update, 8-bit moments: as adamw
         ),
@@ -304,7 +305,6 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             fine_tune=Defaults(5e-2, 0.1, "linear"),
             description="SGD with momentum 0.9",
             state="momentum_buffer",
-            bytes_per_param="4.00",
             factory=_sgd,
             caveat="its defaults fail the demo from scratch and long texts",  # docs/optimizers.md
         ),
@@ -317,7 +317,6 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             fine_tune=Defaults(5e-5, 0.1, "linear"),
             description="Adam with one second moment per block (attention head, neuron row)",
             state="step, m, vmean (per head or row), head/neuron_per_gpu; 1-D: m, v",
-            bytes_per_param="4.01 (measured, distilbert-base)",
             # A quarter of AdamW's lr: a pretrained model's outlier features make its per-row and
             # per-head steps far larger than Adam's on the weights that read them
             # (docs/optimizers.md; benchmarks/finetune/).
@@ -335,7 +334,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             fine_tune=Defaults(5e-4, 0.1, "linear"),
             description="Muon on hidden matrices (lr matched to AdamW's RMS), AdamW on the rest",
             state="momentum_buffer (Muon); step, exp_avg, exp_avg_sq (AdamW)",
-            bytes_per_param="5.42 (measured, distilbert-base; hidden 4, rest 8)",
+            state_bytes_note="hidden 4, rest 8",
             factory=_by_model_only,
             model_factory=_muon,
         ),
@@ -349,7 +348,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             fine_tune=Defaults(1e-3, 0.1, "linear"),
             description="hidden matrices: Adam on SVD-projected gradients (rank <= 128); rest AdamW",
             state="exp_avg, exp_avg_sq (projected), projector.ortho_matrix (rank x n)",
-            bytes_per_param="3.91 (measured, distilbert-base, rank 128)",
+            state_bytes_note="rank 128",
             factory=_by_model_only,
             caveat="from scratch it learns slowly (docs/optimizers.md)",
             model_factory=_galore,
@@ -363,7 +362,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             fine_tune=Defaults(2e-4, 0.1, "linear"),
             description="hidden matrices: gradient scaled by random-projected Adam; rest AdamW",
             state="exp_avg, exp_avg_sq (projected), projector, seed, scaled_grad",
-            bytes_per_param="3.91 (measured, distilbert-base, rank 128)",
+            state_bytes_note="rank 128",
             factory=_by_model_only,
             model_factory=_apollo,
         ),
@@ -376,7 +375,6 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             fine_tune=Defaults(2e-4, 0.1, "linear"),
             description="APOLLO-Mini: rank 1, one scale per matrix; rest AdamW",
             state="as apollo, rank 1",
-            bytes_per_param="2.84 (measured, distilbert-base)",
             factory=_by_model_only,
             model_factory=_apollo_mini,
         ),
@@ -389,7 +387,6 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             fine_tune=Defaults(1e-4, 0.1, "linear"),
             description="sign of an interpolated momentum (Lion); lr ~3-10x below AdamW's",
             state="exp_avg",
-            bytes_per_param="4.00 (measured, distilbert-base)",
             factory=_lion,
         ),
         OptimizerSpec(
@@ -401,7 +398,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             fine_tune=Defaults(1e-4, 0.1, "linear"),
             description="Lion with a block-wise 8-bit quantized momentum (bitsandbytes)",
             state="state1 (uint8), absmax1, qmap1 (shared)",
-            bytes_per_param="1.02 (measured, distilbert-base; < 4096 elements: fp32, 4)",
+            state_bytes_note="tensors < 4096 elements keep fp32 state: 4",
             factory=_lion_8bit,
         ),
         OptimizerSpec(
@@ -414,7 +411,6 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             fine_tune=Defaults(1e-4, 0.1, "linear"),
             description="Adafactor-like factored second moment plus a factored confidence term",
             state="exp_avg; exp_avg_sq_row/col, exp_avg_res_row/col (1-D: exp_avg_sq); RMS",
-            bytes_per_param="4.02 (measured, distilbert-base)",
             factory=_came,
         ),
         OptimizerSpec(
@@ -427,7 +423,6 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             fine_tune=Defaults(2e-4, 0.1, "constant"),
             description="AdamW with iterate averaging instead of a schedule (eval mode: the average)",
             state="z, exp_avg_sq",
-            bytes_per_param="8.00 (measured, distilbert-base)",
             caveat="from scratch it learns slowly (docs/optimizers.md)",
             factory=_adamw_schedule_free,
         ),
@@ -440,7 +435,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             fine_tune=Defaults(2e-4, 0.1, "linear"),
             description="torchao's AdamW with block-wise 8-bit moments (compiled step)",
             state="step, exp_avg, exp_avg_sq (OptimState8bit: codes, scale, qmap)",
-            bytes_per_param="2.04 (measured, distilbert-base; fp32 below 4096 elements: 8)",
+            state_bytes_note="tensors < 4096 elements keep fp32 state: 8",
             factory=_torchao("AdamW8bit"),
         ),
         OptimizerSpec(
@@ -452,7 +447,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             fine_tune=Defaults(2e-4, 0.1, "linear"),
             description="torchao's AdamW with block-wise 4-bit moments (compiled step)",
             state="step, exp_avg, exp_avg_sq (OptimState4bit: packed codes, scale, qmap)",
-            bytes_per_param="1.07 (measured, distilbert-base; fp32 below 4096 elements: 8)",
+            state_bytes_note="tensors < 4096 elements keep fp32 state: 8",
             factory=_torchao("AdamW4bit"),
         ),
         OptimizerSpec(
@@ -464,11 +459,33 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             fine_tune=Defaults(2e-4, 0.1, "linear"),
             description="torchao's AdamW with block-wise FP8 (e4m3) moments; CPU or GPU >= sm89",
             state="step, exp_avg, exp_avg_sq (OptimStateFp8: codes, scale)",
-            bytes_per_param="2.04 (measured, distilbert-base; fp32 below 4096 elements: 8)",
+            state_bytes_note="tensors < 4096 elements keep fp32 state: 8",
             factory=_torchao("AdamWFp8"),
         ),
     )
 }
+
+
+STATE_BYTES_FILE = "state_bytes.json"
+"""Package data beside this module: each optimizer's measured state bytes per trained parameter,
+and what they were measured on. Written by ``python -m benchmarks.optimizer_costs.run --render``
+from that benchmark's results.json; never edited by hand."""
+
+
+@functools.cache
+def measured_state_bytes() -> dict[str, Any]:
+    """The contents of :data:`STATE_BYTES_FILE`: ``settings`` (what was measured: model, weights
+    dtype, when in the run), ``runs`` (which benchmark runs gave the figures) and
+    ``bytes_per_param`` (optimizer name -> figure). Read once; no torch import."""
+    from importlib import resources
+
+    return json.loads(resources.files("effitrain.optim").joinpath(STATE_BYTES_FILE).read_text())
+
+
+def state_bytes_per_param(name: str) -> float | None:
+    """The measured optimizer-state bytes per trained parameter of optimizer ``name`` (see
+    :func:`measured_state_bytes` for the settings); None where it has not been measured."""
+    return measured_state_bytes()["bytes_per_param"].get(name)
 
 
 def get_spec(name: str) -> OptimizerSpec:
@@ -510,15 +527,16 @@ class Hyperparameters:
     """Why this schedule, when neither it nor the warmup was given."""
 
 
-def resolve_hyperparameters(config: TrainConfig) -> Hyperparameters:
+def resolve_hyperparameters(config: TrainConfig, adapters: bool = False) -> Hyperparameters:
     """``--lr``, ``--scheduler`` and ``--warmup-ratio``, each from the options or, when not
     given, from the optimizer's defaults for this run: a preset trains from scratch, pretrained
-    weights fine-tune, and LoRA on pretrained weights has its own where measured."""
+    weights fine-tune, and LoRA ``adapters`` on pretrained weights have their own where
+    measured."""
     spec = get_spec(config.optim)
     regime = SCRATCH if is_preset(config.model) else FINE_TUNE
     defaults = spec.defaults(regime)
     why = f"{spec.name} default for {regime}"
-    if config.lora_rank is not None and regime == FINE_TUNE and spec.lora is not None:
+    if adapters and regime == FINE_TUNE and spec.lora is not None:
         defaults, why = spec.lora, f"{spec.name} default for LoRA"
     schedule_given = (config.scheduler, config.warmup_ratio, config.warmup_steps) != (None,) * 3
     return Hyperparameters(
@@ -547,27 +565,26 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> ParamGroups:
 
 def build_optimizer(
     model: torch.nn.Module,
-    name: str,
+    spec: OptimizerSpec | str,
     lr: float,
     weight_decay: float,
-    spec: OptimizerSpec | None = None,
-    in_backward: bool = False,
+    *,
     fp32_embedding_state: bool = False,
-    offload: str = "off",
+    builder: Callable[[ParamGroups, OptimizerSpec, float], torch.optim.Optimizer] | None = None,
 ) -> torch.optim.Optimizer:
-    """Build the optimizer ``name`` over ``model``'s trainable parameters.
+    """Build the optimizer ``spec`` (a registry entry or its name) over ``model``'s trainable
+    parameters.
 
-    ``weight_decay`` applies to >=2-D weights only (see ``param_groups``). ``spec``: a variant
-    of the registry's entry to build instead (bf16 weights: ``effitrain.optim.bf16``).
-    ``in_backward``: one such optimizer per parameter, stepped inside backward
-    (:mod:`effitrain.optim.in_backward`). ``fp32_embedding_state``: bitsandbytes' 8-bit optimizers
-    keep 32-bit state for embedding weights (see ``keep_embeddings_32bit``). ``offload``:
-    ``state`` or ``state+grads`` runs it on the host (:mod:`effitrain.optim.offload`).
+    ``weight_decay`` applies to >=2-D weights only (see ``param_groups``).
+    ``fp32_embedding_state``: bitsandbytes' 8-bit optimizers keep 32-bit state for embedding
+    weights (see ``keep_embeddings_32bit``). ``builder``: how a lever builds the optimizer
+    around the spec's factory, ``builder(groups, spec, lr)`` (one per parameter in backward
+    hooks, or offloaded: ``effitrain.levers``); such a lever needs a per-parameter spec.
 
     Raises:
         EffitrainError: unknown optimizer, or its library is not installed.
     """
-    spec = spec or get_spec(name)
+    spec = get_spec(spec) if isinstance(spec, str) else spec
     if not spec.is_available():
         raise EffitrainError(
             f"optimizer '{spec.name}' needs the '{spec.module}' package, which is not installed: "
@@ -577,18 +594,16 @@ def build_optimizer(
     kept = 0
     if spec.takes_fp32_embedding_state:  # also clears an earlier build's overrides
         kept = keep_embeddings_32bit(model if fp32_embedding_state else None)
-    if offload != "off":
-        from effitrain.optim.offload import OffloadedOptimizer
-
-        optimizer = OffloadedOptimizer(
-            groups,
-            spec.factory,
-            lr,
-            offload_gradients=offload == "state+grads",
-            torch_adamw=spec.class_path == "torch.optim.AdamW",
-        )
+    if builder is not None:
+        if spec.model_factory is not None:  # refused with the lever's options; said plainly here
+            raise EffitrainError(
+                f"--optim {spec.name} is built over the whole model, not one parameter at a time"
+            )
+        optimizer = builder(groups, spec, lr)
+    elif spec.model_factory is not None:
+        optimizer = spec.model_factory(model, groups, lr)
     else:
-        optimizer = _build(spec, model, groups, lr, in_backward)
+        optimizer = spec.factory(groups, lr)
     if fp32_embedding_state:  # the banner's split line (as Muon's and GaLore's)
         optimizer.split_description = (
             f"32-bit state for the embedding weights ({kept:,} params), 8-bit for the "
@@ -617,27 +632,6 @@ def for_sharding(spec: OptimizerSpec, dtensor_params: bool) -> OptimizerSpec:
         class_path=f"effitrain.optim.fsdp2 ({spec.class_path}, on each rank's FSDP2 shard)",
         factory=factory,
     )
-
-
-def _build(
-    spec: OptimizerSpec,
-    model: torch.nn.Module,
-    groups: ParamGroups,
-    lr: float,
-    in_backward: bool,
-) -> torch.optim.Optimizer:
-    if spec.model_factory is not None:
-        if in_backward:  # refused earlier, in TrainConfig; a direct caller gets the same line
-            raise EffitrainError(
-                f"--optim {spec.name} cannot combine with --optimizer-in-backward: it is built "
-                "over the whole model, not one parameter at a time"
-            )
-        return spec.model_factory(model, groups, lr)
-    if in_backward:
-        from effitrain.optim.in_backward import InBackwardOptimizer
-
-        return InBackwardOptimizer(groups, spec.factory, lr)
-    return spec.factory(groups, lr)
 
 
 _BNB_OVERRIDES: set[int] = set()

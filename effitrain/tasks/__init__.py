@@ -55,6 +55,16 @@ def check_options(config: TrainConfig) -> None:
         TASKS[SEQUENCE_CLASSIFICATION].check_options(config)
 
 
+def known_task(config: TrainConfig) -> str | None:
+    """The run's task where it is known without reading the model or the data: ``--task``, or a
+    preset's; else None."""
+    if config.task is not None:
+        return config.task
+    if config.model in PRESETS:
+        return SEQUENCE_CLASSIFICATION
+    return CAUSAL_LM if config.model in CAUSAL_PRESETS else None
+
+
 def model_task(name: str) -> str | None:
     """The task a model is built for: a preset's, or from a hub/folder config's architectures
     (``*ForCausalLM``/``*LMHeadModel``: causal-lm); None when it cannot be told.

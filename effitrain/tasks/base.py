@@ -11,11 +11,12 @@ if TYPE_CHECKING:
     from torch.utils.data import DataLoader
 
     from effitrain.config import TrainConfig
+    from effitrain.models import LoadOptions
 
 SEQUENCE_CLASSIFICATION, CAUSAL_LM = "sequence-classification", "causal-lm"
 TASK_NAMES = (SEQUENCE_CLASSIFICATION, CAUSAL_LM)
-CAUSAL_LM_OPTIONS = ("packing", "completion_only_loss", "sample_prompt", "chunked_loss")
-"""Config fields that only causal-LM training takes."""
+CAUSAL_LM_OPTIONS = ("packing", "completion_only_loss", "sample_prompt")
+"""Config fields that only causal-LM training takes (a lever's: its spec's ``task``)."""
 
 
 class Prepared(Protocol):
@@ -28,6 +29,23 @@ class Prepared(Protocol):
     data: Any
     tokenizer: Any
     loss: Any
+
+
+class Loss(Protocol):
+    """How a task computes a micro-batch's loss."""
+
+    token_weighted: bool
+    """Whether the loss is a sum that the loop weighs by the step's labelled tokens."""
+    name: str
+    """In the metrics JSON (``loss.implementation``)."""
+    levers: list[str]
+    """Its names among the metrics JSON's ``levers``."""
+
+    def __call__(self, model: Any, batch: dict[str, Any]) -> Any: ...
+
+    def describe(self) -> list[str]: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
 
 
 class ModelLoss:
@@ -67,8 +85,11 @@ class Task:
         """The raw training and validation splits, with columns and format resolved."""
         raise NotImplementedError
 
-    def load_model(self, config: TrainConfig, data: Any, tokenizer: Any) -> Any:
-        """The model to train: a preset (random init) or pretrained weights, in fp32."""
+    def load_model(
+        self, config: TrainConfig, data: Any, tokenizer: Any, options: LoadOptions
+    ) -> Any:
+        """The model to train: a preset (random init) or pretrained weights, read as
+        ``options`` say (the levers' :class:`~effitrain.models.LoadOptions`)."""
         raise NotImplementedError
 
     def model_from_config(self, config: TrainConfig, data: Any, tokenizer: Any) -> Any:
@@ -86,11 +107,12 @@ class Task:
         raise NotImplementedError
 
     def loss_function(
-        self, config: TrainConfig, model: Any, device: Any, sharded: str | None
-    ) -> Any:
+        self, model: Any, device: Any, sharded: str | None, options: dict[str, Any]
+    ) -> Loss:
         """How this task computes a micro-batch's loss (``model``: unwrapped, levers applied;
-        ``sharded``: FSDP's or DeepSpeed's description, None when parameters are whole).
-        Defaults to the model's own loss, a mean over the micro-batch."""
+        ``sharded``: FSDP's or DeepSpeed's description, None when parameters are whole;
+        ``options``: the levers', ``effitrain.levers.loss_options``). Defaults to the model's
+        own loss, a mean over the micro-batch."""
         return ModelLoss()
 
     def evaluate(self, run: Prepared) -> dict[str, Any]:

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from torch.utils.data import DataLoader
 
     from effitrain.config import TrainConfig
+    from effitrain.tasks.lm_loss import LMLoss
 
 SAMPLE_TOKENS = 40
 """Tokens a ``--sample-prompt`` continuation runs to (greedy, stops earlier at eos)."""
@@ -112,8 +113,10 @@ class CausalLMTask(Task):
     def load_data(self, config: TrainConfig) -> LMData:
         return load_lm_data(config)
 
-    def load_model(self, config: TrainConfig, data: LMData, tokenizer: Any) -> Any:
-        return models.load_causal_lm(config.model, tokenizer)
+    def load_model(
+        self, config: TrainConfig, data: LMData, tokenizer: Any, options: models.LoadOptions
+    ) -> Any:
+        return models.load_causal_lm(config.model, tokenizer, options)
 
     def model_from_config(self, config: TrainConfig, data: LMData | None, tokenizer: Any) -> Any:
         return models.model_from_config(config.model, tokenizer, causal_lm=True)
@@ -127,11 +130,11 @@ class CausalLMTask(Task):
         return build_lm_dataloaders(data, tokenizer, config, pad_to_multiple_of)
 
     def loss_function(
-        self, config: TrainConfig, model: Any, device: Any, sharded: str | None
-    ) -> Any:
+        self, model: Any, device: Any, sharded: str | None, options: dict[str, Any]
+    ) -> LMLoss:
         from effitrain.tasks.lm_loss import LMLoss, choose
 
-        return LMLoss(choose(config, model, device, sharded), model)
+        return LMLoss(choose(options.get("chunked", "off"), model, device, sharded), model)
 
     def evaluate(self, run: Prepared) -> dict[str, Any]:
         return evaluate_lm(run)

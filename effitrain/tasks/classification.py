@@ -271,8 +271,10 @@ class ClassificationTask(Task):
     def load_data(self, config: TrainConfig) -> LoadedData:
         return load_data(config)
 
-    def load_model(self, config: TrainConfig, data: LoadedData, tokenizer: Any) -> Any:
-        return models.load_model(config.model, data.label_names, tokenizer)
+    def load_model(
+        self, config: TrainConfig, data: LoadedData, tokenizer: Any, options: models.LoadOptions
+    ) -> Any:
+        return models.load_model(config.model, data.label_names, tokenizer, options)
 
     def model_from_config(self, config: TrainConfig, data: LoadedData, tokenizer: Any) -> Any:
         return models.model_from_config(

@@ -45,8 +45,6 @@ from effitrain.tasks.lm_data import IGNORE_INDEX
 if TYPE_CHECKING:
     import torch
 
-    from effitrain.config import TrainConfig
-
 KERNELS = {"liger": "liger-kernel", "cce": "cut-cross-entropy"}
 """The CUDA implementations, by the package that provides each."""
 LOGIT_SCALES = ("logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -82,14 +80,14 @@ class Choice:
         )
 
 
-def choose(config: TrainConfig, model: Any, device: Any, sharded: str | None) -> Choice:
-    """The implementation for this model, device and launch (``sharded``: FSDP's or
-    DeepSpeed's description, None when parameters are whole).
+def choose(wanted: str, model: Any, device: Any, sharded: str | None) -> Choice:
+    """The implementation for ``wanted`` (``--chunked-loss``: auto, torch, liger, cce or off)
+    on this model, device and launch (``sharded``: FSDP's or DeepSpeed's description, None when
+    parameters are whole).
 
     Raises:
         EffitrainError: an explicit choice that cannot run here.
     """
-    wanted = config.chunked_loss or "auto"
     if wanted == "off":
         return Choice("off")
     problem = _unsupported(model, sharded)

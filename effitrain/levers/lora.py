@@ -27,16 +27,108 @@ import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from effitrain.config import option
 from effitrain.errors import EffitrainError
+from effitrain.levers.spec import BuiltRun, Lever
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from effitrain.config import TrainConfig
+    from effitrain.distributed import Launch
+    from effitrain.report import Reporter
 
 INSTALL = "pip install 'effitrain[lora]'"
 ALL_LINEAR = "all-linear"
 MERGED_DIR = "final-merged"
+
+
+def alpha(config: TrainConfig) -> float:
+    """LoRA's alpha: the given one, else 2 x rank."""
+    return config.lora_alpha if config.lora_alpha is not None else 2.0 * (config.lora_rank or 0)
+
+
+def dropout(config: TrainConfig) -> float:
+    """Dropout on the adapters' inputs: the given one, else 0.05."""
+    return config.lora_dropout if config.lora_dropout is not None else 0.05
+
+
+class LoRA(Lever):
+    name = "lora"
+    fields = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_merge")
+    save_only = ("lora_merge",)
+    removes = "the gradients and optimizer state of the frozen base model"
+    trains_adapters = True
+    search = (None, 16)
+    time_cost = "less than full fine-tuning: no weight gradients for the frozen base"
+
+    def is_on(self, config: TrainConfig) -> bool:
+        return config.lora_rank is not None
+
+    def check(self, config: TrainConfig) -> None:
+        given = [
+            option(name) for name in self.fields[1:] if getattr(config, name) not in (None, False)
+        ]
+        if config.lora_rank is None:
+            if given:
+                raise EffitrainError(
+                    f"{given[0]} needs --lora-rank R (LoRA is off without it); add --lora-rank "
+                    f"8, or drop {given[0]}"
+                )
+            return
+        if config.lora_rank <= 0:
+            raise EffitrainError(f"--lora-rank must be greater than 0 (got {config.lora_rank})")
+        if config.lora_alpha is not None and not config.lora_alpha > 0:
+            raise EffitrainError(f"--lora-alpha must be greater than 0 (got {config.lora_alpha})")
+        if config.lora_dropout is not None and not 0 <= config.lora_dropout < 1:
+            raise EffitrainError(
+                f"--lora-dropout must be at least 0 and below 1 (got {config.lora_dropout})"
+            )
+        if config.lora_target_modules is not None and not config.lora_target_modules:
+            raise EffitrainError(
+                "--lora-target-modules needs at least one module name (or all-linear)"
+            )
+        if config.optim == "adafactor":
+            # Its update is relative to each weight's RMS; LoRA's B matrices start at zero.
+            raise EffitrainError(
+                "--optim adafactor cannot train LoRA adapters: its step is relative to each "
+                "weight's size (RMS), and LoRA's B matrices start at zero, so they barely move; "
+                "use --optim adafactor-hf (the Trainer's Adafactor: the same factored state, a "
+                "plain lr) or adamw"
+            )
+
+    def check_launch(self, config: TrainConfig, launch: Launch) -> None:
+        require_peft()
+        if launch.sharding.sharded:
+            # Refused, not left unverified: peft under FSDP needs its own wrap policy and mixed
+            # frozen/trainable shards, and the adapters would have to be gathered from the
+            # shards for the final save.
+            raise EffitrainError(
+                f"--lora-rank is not supported under {launch.sharding.description}: LoRA's base "
+                "weights are frozen, so plain DDP (accelerate launch --multi_gpu) or one process "
+                "fits where full fine-tuning needed sharding"
+            )
+
+    def apply_to_model(self, model: Any, config: TrainConfig, device: Any) -> Any:
+        # peft wraps the model as it is then (dtype included: adapters over bf16 base weights
+        # are created in fp32, peft's autocast_adapter_dtype).
+        return apply(model, config)
+
+    def banner(self, config: TrainConfig, model: Any) -> str:
+        return describe(model, config)
+
+    def after_final_save(self, run: BuiltRun, reporter: Reporter) -> None:
+        """``final-merged/`` with --lora-merge: after the summary, because merging changes the
+        model in place (its parameters no longer are the ones that trained)."""
+        config = run.config
+        if not config.output_dir:
+            return
+        if config.lora_merge:
+            merged = save_merged(run.accelerator, run.model, run.tokenizer, config.output_dir)
+            reporter.saved_final(str(merged))
+        note = final_note(config)
+        if note:
+            reporter.note(note)
 
 
 def require_peft() -> None:
@@ -169,8 +261,8 @@ def apply(model: Any, config: TrainConfig) -> Any:
     lora_config = LoraConfig(
         task_type=TaskType.CAUSAL_LM if is_causal_lm(model) else TaskType.SEQ_CLS,
         r=config.lora_rank,
-        lora_alpha=config.effective_lora_alpha,
-        lora_dropout=config.effective_lora_dropout,
+        lora_alpha=alpha(config),
+        lora_dropout=dropout(config),
         target_modules=targets,
         modules_to_save=head or None,
     )
@@ -207,10 +299,10 @@ def describe(model: Any, config: TrainConfig) -> str:
     why = _why(config.lora_target_modules)  # checked by apply, on the model before peft
     targeted = _leaf_names(list(peft_model.base_model.targeted_module_names))
     total = sum(logical_numel(p) for p in peft_model.parameters())  # 4-bit: unpacked
-    alpha = "" if config.lora_alpha is not None else " (2 x rank)"
+    default = "" if config.lora_alpha is not None else " (2 x rank)"
     return (
-        f"LoRA r={config.lora_rank} alpha={config.effective_lora_alpha:g}{alpha} dropout "
-        f"{config.effective_lora_dropout:g} on {', '.join(targeted)} ({why}); "
+        f"LoRA r={config.lora_rank} alpha={alpha(config):g}{default} dropout "
+        f"{dropout(config):g} on {', '.join(targeted)} ({why}); "
         + (f"head {', '.join(head)} trains in full; " if head else "")
         + f"{trainable_parameter_count(peft_model):,} of "
         f"{total:,} parameters train"

@@ -20,9 +20,18 @@ models the same choice on fake tensors (:func:`fake_offload`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING, Any
+
+from effitrain.errors import EffitrainError
+from effitrain.levers.spec import BuiltRun, Lever
+from effitrain.results import MemoryRow
+
+if TYPE_CHECKING:
+    from effitrain.config import TrainConfig
+    from effitrain.distributed import Launch
 
 MIN_OFFLOAD_BYTES = 1024
 """trl's default: smaller saved tensors stay on the GPU."""
@@ -76,8 +85,6 @@ def offload_context(model: Any, counter: HostBytes) -> Any:
     Raises:
         EffitrainError: trl is not installed.
     """
-    from effitrain.errors import EffitrainError
-
     try:
         from trl.models.activation_offloading import get_act_offloading_ctx_manager
     except ImportError:
@@ -101,7 +108,9 @@ def fake_offload(model: Any, counter: HostBytes) -> Iterator[None]:
     parameters = {p.untyped_storage()._cdata for p in model.parameters()}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     in_head = [False]
-    seen: set[Any] = set()
+    # Storages moved, by address, while a tensor of theirs lives: a freed storage's address can
+    # be reused by a new tensor, which must not pass for one already moved.
+    seen: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
     def pack(tensor: Any) -> Any:
         storage = tensor.untyped_storage()._cdata
@@ -113,7 +122,7 @@ def fake_offload(model: Any, counter: HostBytes) -> Iterator[None]:
             or _nbytes(tensor) < MIN_OFFLOAD_BYTES
         ):
             return tensor
-        seen.add(storage)
+        seen[storage] = tensor
         counter.add(_nbytes(tensor))
         return (tensor.device, torch.empty_like(tensor, device="meta"))
 
@@ -134,3 +143,71 @@ def fake_offload(model: Any, counter: HostBytes) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+class OffloadContext:
+    """The context a step enters around each micro-batch's forward and backward, made anew
+    each time by ``make`` (trl's is one reusable object; the estimate's model is a generator),
+    and the :class:`HostBytes` it counts into."""
+
+    def __init__(self, make: Callable[[], AbstractContextManager[Any]], host_bytes: HostBytes):
+        self._make = make
+        self._current: AbstractContextManager[Any] | None = None
+        self.host_bytes = host_bytes
+
+    def __enter__(self) -> Any:
+        self._current = self._make()
+        return self._current.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        current, self._current = self._current, None
+        return current.__exit__(*exc) if current is not None else None
+
+
+class ActivationOffload(Lever):
+    name = "activation-offload"
+    fields = ("activation_offload",)
+    removes = "the tensors saved for backward, from the GPU (to pinned host memory)"
+    search = (False, True)
+    time_cost = "host copies on a side stream, overlapped with compute; bound by host bandwidth"
+
+    def is_on(self, config: TrainConfig) -> bool:
+        return config.activation_offload
+
+    def check_launch(self, config: TrainConfig, launch: Launch) -> None:
+        if launch.device_type != "cuda":
+            raise EffitrainError(
+                "--activation-offload moves activations from the GPU to host memory; this "
+                f"run's device is {launch.device_words}: drop --activation-offload"
+            )
+
+    def step_context(self, config: TrainConfig, model: Any, estimating: bool) -> OffloadContext:
+        counter = HostBytes()
+        if estimating:
+            return OffloadContext(lambda: fake_offload(model, counter), counter)
+        context = offload_context(model, counter)
+        return OffloadContext(lambda: context, counter)
+
+    def banner(self, config: TrainConfig, model: Any) -> str:
+        return (
+            "activation offload: tensors saved for backward wait in pinned host memory (trl's "
+            "OffloadActivations, copies on a side CUDA stream"
+            + ("; only the checkpoints" if config.gradient_checkpointing else "")
+            + ")"
+        )
+
+    def metrics(self, run: BuiltRun) -> dict[str, Any]:
+        return {"activation_offload_host_bytes": run.lever_contexts[self.name].host_bytes.peak}
+
+    def memory_rows(self, metrics: dict[str, Any]) -> list[MemoryRow]:
+        host = metrics.get("activation_offload_host_bytes")
+        if host is None:
+            return []
+        return [MemoryRow("offloaded activations (host, most at once)", host)]
+
+    def estimate_notes(self, config: TrainConfig) -> list[str]:
+        return [
+            "--activation-offload: trl's choice of what moves is modeled (not parameters, not "
+            "under 1 KiB, not the output head's inputs, each storage once), moved at once: its "
+            "copies in flight (up to 5 behind compute) are not"
+        ]

@@ -29,9 +29,14 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from effitrain.errors import EffitrainError
+from effitrain.levers.spec import BuiltRun, Lever
+from effitrain.results import MemoryRow
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from effitrain.config import TrainConfig
+    from effitrain.distributed import Launch
 
 INSTALL = "pip install 'effitrain[qlora]'"
 BLOCKSIZE = 64
@@ -41,6 +46,73 @@ NESTED_BLOCKSIZE = 256
 DOUBLE_QUANT = True
 NF4_CODE_VALUES = 16
 NESTED_CODE_VALUES = 256
+
+
+class QLoRA(Lever):
+    name = "load-in-4bit"
+    fields = ("load_in_4bit",)
+    removes = "7/8 of the frozen base's Linear weights (4-bit NF4 codes and their scales)"
+    strict_load = False  # Accelerate cannot load bitsandbytes' quant-state keys: checked here
+    search = (False, True)
+    time_cost = "each weight is dequantized for its matmul, forward and backward"
+
+    def is_on(self, config: TrainConfig) -> bool:
+        return config.load_in_4bit
+
+    def check(self, config: TrainConfig) -> None:
+        if config.lora_rank is None:
+            raise EffitrainError(
+                "--load-in-4bit needs --lora-rank R: 4-bit weights are frozen, only LoRA "
+                "adapters can train over them; add --lora-rank 8"
+            )
+        if config.weights_dtype == "bf16":
+            raise EffitrainError(
+                "--load-in-4bit cannot combine with --weights-dtype bf16: casting the model "
+                "would turn the packed 4-bit codes into numbers; drop --weights-dtype (the "
+                "adapters train in fp32 either way) and use --mixed-precision bf16 for bf16 "
+                "compute"
+            )
+        if config.lora_merge:
+            raise EffitrainError(
+                "--load-in-4bit cannot combine with --lora-merge: merging into 4-bit weights "
+                "re-quantizes them (lossy); keep final/'s adapters and merge them into the "
+                "original weights (peft's merge_and_unload on the fp32 model)"
+            )
+
+    def check_launch(self, config: TrainConfig, launch: Launch) -> None:
+        require_bitsandbytes()  # under sharding, LoRA refuses the launch
+
+    def apply_to_model(self, model: Any, config: TrainConfig, device: Any) -> Any:
+        return quantize_model(model, config, device)
+
+    def banner(self, config: TrainConfig, model: Any) -> str:
+        return describe(model, config)
+
+    def metrics(self, run: BuiltRun) -> dict[str, Any]:
+        return {"quantized_weights": storage(run.model).to_dict()}
+
+    def memory_rows(self, metrics: dict[str, Any]) -> list[MemoryRow]:
+        quantized = metrics.get("quantized_weights")
+        if not quantized:
+            return []
+        from effitrain.memory.ledger import format_bytes
+
+        return [
+            MemoryRow(
+                f"  4-bit NF4: packed {format_bytes(quantized['packed_bytes'])} + quant state "
+                f"{format_bytes(quantized['quant_state_bytes'])}",
+                quantized["bytes"],
+                part_of="parameters",
+            )
+        ]
+
+    def fake_tensor(self, original: Any, empty: Any) -> Any | None:
+        from effitrain.memory.ledger import is_4bit
+
+        return quantized_like(original, empty) if is_4bit(original) else None
+
+    def check_checkpoint(self, run: BuiltRun, checkpoint: Path) -> None:
+        check_checkpoint_base(run.accelerator.unwrap_model(run.model), checkpoint)
 
 
 def require_bitsandbytes() -> None:
@@ -69,7 +141,7 @@ def quantization_config(config: TrainConfig) -> Any:
 def kept_modules(model: Any) -> list[str]:
     """The modules that keep their weights: the output layer (and what is tied to it) and the
     classification head, which trains in full (LoRA's ``modules_to_save``)."""
-    from effitrain.lora import head_modules
+    from effitrain.levers.lora import head_modules
 
     kept = list(head_modules(model))
     output = model.get_output_embeddings()

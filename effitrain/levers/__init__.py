@@ -1,0 +1,285 @@
+"""The memory levers: one :class:`~effitrain.levers.spec.Lever` spec per lever, in one registry.
+
+=========================  ===============================  =====================================
+lever (name in metrics)    option                           what it removes
+=========================  ===============================  =====================================
+load-in-4bit               ``--load-in-4bit`` (QLoRA)       7/8 of the frozen base's Linear weights
+bf16-weights               ``--weights-dtype bf16``         half of parameters, gradients, state
+gradient-checkpointing     ``--gradient-checkpointing``     most activations (recomputed)
+lora                       ``--lora-rank R``                gradients and state of the base model
+chunked-loss               ``--chunked-loss`` (causal-lm)   the full logits
+activation-offload         ``--activation-offload``         saved activations from the GPU (CUDA)
+optimizer-in-backward      ``--optimizer-in-backward``      the full set of gradients
+optimizer-offload          ``--optimizer-offload state``    optimizer state from the GPU (CUDA;
+                                                            ``state+grads``: gradients too)
+=========================  ===============================  =====================================
+
+The registry's order is the order levers act in (quantize, then cast, then checkpointing, then
+LoRA's wrapper). The functions below are the moments a run (and ``effitrain estimate``, which
+builds the same run on fake tensors) calls the levers at; each calls every lever that is on.
+Adding a lever is one module here, one entry in :data:`LEVERS`, its docs and its tests.
+
+Nothing heavy is imported here: the CLI checks options through this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from effitrain.config import default_for
+from effitrain.errors import EffitrainError
+from effitrain.levers.activation_offload import ActivationOffload
+from effitrain.levers.bf16_weights import Bf16Weights
+from effitrain.levers.chunked_loss import ChunkedLoss
+from effitrain.levers.gradient_checkpointing import GradientCheckpointing
+from effitrain.levers.lora import LoRA
+from effitrain.levers.optimizer_in_backward import OptimizerInBackward
+from effitrain.levers.optimizer_offload import OptimizerOffload
+from effitrain.levers.qlora import QLoRA
+from effitrain.levers.spec import BuiltRun, Lever, OptimizerBuilder
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from effitrain.config import TrainConfig
+    from effitrain.distributed import Launch
+    from effitrain.models import LoadOptions
+    from effitrain.optim import OptimizerSpec
+    from effitrain.report import Reporter
+    from effitrain.results import MemoryRow
+
+LEVERS: dict[str, Lever] = {
+    lever.name: lever
+    for lever in (
+        QLoRA(),
+        Bf16Weights(),
+        GradientCheckpointing(),
+        LoRA(),
+        ChunkedLoss(),
+        ActivationOffload(),
+        OptimizerInBackward(),
+        OptimizerOffload(),
+    )
+}
+"""Every lever by its metrics name, in the order they act."""
+
+__all__ = ["LEVERS", "BuiltRun", "Lever", "get_lever"]
+
+
+def get_lever(name: str) -> Lever:
+    """The lever called ``name``; an unknown name lists the valid ones."""
+    try:
+        return LEVERS[name]
+    except KeyError:
+        raise EffitrainError(
+            f"unknown lever '{name}'; choose one of: {', '.join(LEVERS)}"
+        ) from None
+
+
+def lever_of(field_name: str) -> Lever | None:
+    """The lever that owns a config field, or None."""
+    return next((lever for lever in LEVERS.values() if field_name in lever.fields), None)
+
+
+def active(config: TrainConfig) -> list[Lever]:
+    """The levers the options turn on, in registry order."""
+    return [lever for lever in LEVERS.values() if lever.is_on(config)]
+
+
+def _given(lever: Lever, config: TrainConfig) -> bool:
+    """Whether any of the lever's options differs from its default."""
+    return any(getattr(config, name) != default_for(name) for name in lever.fields)
+
+
+# -- before anything is built ---------------------------------------------------------------
+
+
+def check_options(config: TrainConfig) -> None:
+    """Every lever's checks (its values, the other levers, the optimizer), before anything is
+    loaded.
+
+    Raises:
+        EffitrainError: one line naming the options.
+    """
+    for lever in LEVERS.values():
+        if lever.is_on(config) or _given(lever, config):
+            lever.check(config)
+
+
+def check_task(config: TrainConfig, task: str) -> None:
+    """Refuse the options of a lever that ``task`` cannot take."""
+    for lever in LEVERS.values():
+        if _given(lever, config):
+            lever.check_task(config, task)
+
+
+def check_launch(config: TrainConfig, launch: Launch) -> None:
+    """Refuse what the launch rules out, for every lever that is on."""
+    for lever in active(config):
+        lever.check_launch(config, launch)
+
+
+# -- building -------------------------------------------------------------------------------
+
+
+def load_options(config: TrainConfig, options: LoadOptions) -> LoadOptions:
+    """How the checkpoint is read, once every lever has said what it changes."""
+    for lever in active(config):
+        options = lever.load_options(config, options)
+    return options
+
+
+def apply_to_model(model: Any, config: TrainConfig, device: Any = None) -> Any:
+    """Turn on the levers that change the model, in registry order; returns the model to train
+    (LoRA wraps it). ``device``: where the run trains (4-bit weights are quantized there; on
+    the meta device, an estimate's, they are not quantized yet).
+
+    Raises:
+        EffitrainError: the model cannot take a lever (e.g. no gradient checkpointing).
+    """
+    on = active(config)
+    for lever in on:
+        model = lever.apply_to_model(model, config, device)
+    for lever in on:
+        lever.finish_model(model, config)
+    return model
+
+
+def loss_options(config: TrainConfig) -> dict[str, Any]:
+    """The options the levers give the task's loss."""
+    options: dict[str, Any] = {}
+    for lever in active(config):
+        options.update(lever.loss_options(config))
+    return options
+
+
+def optimizer_spec(spec: OptimizerSpec, config: TrainConfig) -> OptimizerSpec:
+    """The optimizer spec to build, once every lever has put its variant in place."""
+    for lever in active(config):
+        spec = lever.optimizer_spec(spec, config)
+    return spec
+
+
+def optimizer_builder(config: TrainConfig, estimating: bool = False) -> OptimizerBuilder | None:
+    """How the lever that builds the optimizer builds it (the levers that do refuse each
+    other); None: the spec's own factory."""
+    builders = [lever.optimizer_builder(config, estimating) for lever in active(config)]
+    builders = [builder for builder in builders if builder is not None]
+    return builders[0] if builders else None
+
+
+def max_grad_norm(config: TrainConfig) -> float:
+    """``--max-grad-norm`` as used: the value given, else 1.0 (0, no clipping, with a lever
+    whose update runs before clipping could see every gradient)."""
+    if config.max_grad_norm is not None:
+        return config.max_grad_norm
+    return 0.0 if any(lever.unclippable for lever in active(config)) else 1.0
+
+
+def trains_adapters(config: TrainConfig) -> bool:
+    """Whether the trained parameters are new adapters (the optimizers' LoRA defaults)."""
+    return any(lever.trains_adapters for lever in active(config))
+
+
+def after_prepare(run: BuiltRun) -> None:
+    for lever in active(run.config):
+        lever.after_prepare(run)
+
+
+def step_contexts(config: TrainConfig, model: Any, estimating: bool = False) -> dict[str, Any]:
+    """The contexts around each micro-batch's forward and backward, by lever name."""
+    contexts = {}
+    for lever in active(config):
+        context = lever.step_context(config, model, estimating)
+        if context is not None:
+            contexts[lever.name] = context
+    return contexts
+
+
+def finish_steps(run: BuiltRun) -> None:
+    for lever in active(run.config):
+        lever.finish_steps(run)
+
+
+def fake_tensor(config: TrainConfig, original: Any, empty: Any) -> Any | None:
+    """``effitrain estimate``: what stands for ``original`` on fake tensors, where a lever made
+    it (None: a plain fake tensor)."""
+    for lever in active(config):
+        made = lever.fake_tensor(original, empty)
+        if made is not None:
+            return made
+    return None
+
+
+# -- what is shown ---------------------------------------------------------------------------
+
+
+def in_use(run: BuiltRun) -> list[str]:
+    """The names of the levers in use in a built run (the metrics JSON's ``levers``)."""
+    return [lever.name for lever in LEVERS.values() if lever.in_use(run)]
+
+
+def banner_lines(config: TrainConfig, model: Any) -> list[str]:
+    """One banner line per lever that has one (``model``: unwrapped)."""
+    lines = [lever.banner(config, model) for lever in active(config)]
+    return [line for line in lines if line]
+
+
+def metrics(run: BuiltRun) -> dict[str, Any]:
+    """The levers' fields of the metrics JSON, measured."""
+    fields: dict[str, Any] = {}
+    for lever in active(run.config):
+        fields.update(lever.metrics(run))
+    return fields
+
+
+def memory_rows(fields: dict[str, Any]) -> list[MemoryRow]:
+    """The levers' rows of the memory table, from their metrics fields."""
+    return [row for lever in LEVERS.values() for row in lever.memory_rows(fields)]
+
+
+def estimate_notes(config: TrainConfig) -> list[str]:
+    return [note for lever in active(config) for note in lever.estimate_notes(config)]
+
+
+def original_parameters(model: Any) -> Any:
+    """The parameters the model had before any lever added some (LoRA's adapters and head
+    copies): what "the same model trained whole" trains."""
+    from effitrain.levers.lora import original_parameters
+    from effitrain.models import is_lora
+
+    return original_parameters(model) if is_lora(model) else model
+
+
+# -- checkpoints -----------------------------------------------------------------------------
+
+
+def strict_load(config: TrainConfig) -> bool:
+    """Whether Accelerate checks every key when a checkpoint's model loads."""
+    return all(lever.strict_load for lever in active(config))
+
+
+def check_checkpoint(run: BuiltRun, checkpoint: Path) -> None:
+    for lever in active(run.config):
+        lever.check_checkpoint(run, checkpoint)
+
+
+def save_extra(run: BuiltRun) -> Callable[[Path], None]:
+    """What the checkpointer calls on each checkpoint folder being written."""
+
+    def save(folder: Path) -> None:
+        for lever in active(run.config):
+            lever.save_extra(run, folder)
+
+    return save
+
+
+def load_extra(run: BuiltRun, checkpoint: Path) -> None:
+    for lever in active(run.config):
+        lever.load_extra(run, checkpoint)
+
+
+def after_final_save(run: BuiltRun, reporter: Reporter) -> None:
+    for lever in active(run.config):
+        lever.after_final_save(run, reporter)

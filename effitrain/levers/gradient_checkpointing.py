@@ -1,0 +1,51 @@
+"""``--gradient-checkpointing``: recompute each layer's activations in backward instead of
+keeping them, with the model's own (transformers') non-reentrant activation checkpointing."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from effitrain.errors import EffitrainError
+from effitrain.levers.spec import Lever
+
+if TYPE_CHECKING:
+    from effitrain.config import TrainConfig
+
+
+class GradientCheckpointing(Lever):
+    name = "gradient-checkpointing"
+    fields = ("gradient_checkpointing",)
+    removes = "most activations (each layer's are recomputed in backward)"
+    search = (False, True)
+    time_cost = "one more forward of every layer per step (about a third more compute)"
+
+    def is_on(self, config: TrainConfig) -> bool:
+        return config.gradient_checkpointing
+
+    def apply_to_model(self, model: Any, config: TrainConfig, device: Any) -> Any:
+        enable(model)
+        return model
+
+    def banner(self, config: TrainConfig, model: Any) -> str:
+        return "gradient checkpointing (non-reentrant: activations recomputed in backward)"
+
+
+def enable(model: Any) -> None:
+    """Recompute each layer's activations in backward: the model's own (transformers'
+    ``activation_checkpointing_enable``, formerly ``gradient_checkpointing_enable``),
+    non-reentrant implementation (the reentrant one needs inputs that require grad and breaks
+    with frozen embeddings).
+
+    Raises:
+        EffitrainError: the architecture has no gradient checkpointing.
+    """
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise EffitrainError(
+            f"--gradient-checkpointing: {type(model).__name__} does not support gradient "
+            "checkpointing in transformers; drop the option or choose another model"
+        )
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

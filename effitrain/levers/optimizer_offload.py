@@ -1,0 +1,134 @@
+"""``--optimizer-offload state|state+grads``: the optimizer state and its step live on the host
+(torchao's ``CPUOffloadOptimizer``, wrapped by :class:`effitrain.optim.offload.OffloadedOptimizer`);
+with ``state+grads`` each gradient is also freed on the GPU once copied. CUDA only."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from effitrain.errors import EffitrainError
+from effitrain.levers.optimizer_in_backward import refuse_unless_per_parameter
+from effitrain.levers.spec import BuiltRun, Lever, OptimizerBuilder
+from effitrain.results import MemoryRow
+
+if TYPE_CHECKING:
+    from effitrain.config import TrainConfig
+    from effitrain.distributed import Launch
+
+
+class OptimizerOffload(Lever):
+    name = "optimizer-offload"
+    fields = ("optimizer_offload",)
+    removes = "the optimizer state from the GPU (state+grads: the gradients too)"
+    unclippable = True
+    search = ("off", "state", "state+grads")
+    time_cost = "the step runs on the host: host bandwidth and CPU speed bound it"
+
+    def is_on(self, config: TrainConfig) -> bool:
+        return config.optimizer_offload != "off"
+
+    def check(self, config: TrainConfig) -> None:
+        if config.optimizer_in_backward:
+            raise EffitrainError(
+                "--optimizer-offload cannot combine with --optimizer-in-backward: both run the "
+                "update from a hook on each gradient; choose one"
+            )
+        if config.max_grad_norm is not None and config.max_grad_norm > 0:
+            raise EffitrainError(
+                f"--max-grad-norm {config.max_grad_norm:g} cannot combine with "
+                "--optimizer-offload: each gradient is copied to the host inside backward, "
+                "before clipping could scale it; use --max-grad-norm 0 (or leave it out)"
+            )
+        if config.mixed_precision == "fp16":
+            raise EffitrainError(
+                "--mixed-precision fp16 cannot combine with --optimizer-offload: the host "
+                "copies of the gradients are made before the loss scaler unscales them; use "
+                "--mixed-precision bf16 or no"
+            )
+        if config.optimizer_offload == "state+grads" and config.grad_accum > 1:
+            raise EffitrainError(
+                f"--grad-accum {config.grad_accum} cannot combine with --optimizer-offload "
+                "state+grads, which frees each gradient on the GPU after every backward pass; "
+                "use --optimizer-offload state, or --grad-accum 1 and a larger --batch-size"
+            )
+        # torchao's offload runs one optimizer per parameter too, with the same limits.
+        refuse_unless_per_parameter(
+            config,
+            "--optimizer-offload",
+            "it is built over the whole model, and the offload runs one per parameter",
+        )
+
+    def check_launch(self, config: TrainConfig, launch: Launch) -> None:
+        if launch.device_type != "cuda":
+            raise EffitrainError(
+                "--optimizer-offload moves the optimizer state from the GPU to host memory; "
+                f"this run's device is {launch.device_words}: drop --optimizer-offload"
+            )
+        if not launch.single_process:
+            # torchao copies each gradient in a post-accumulate-grad hook, before DDP's
+            # all-reduce (it would step on this process's gradient alone); FSDP and DeepSpeed
+            # own the state.
+            raise EffitrainError(
+                f"--optimizer-offload cannot run on {launch.sharding.description}: each "
+                "gradient is copied to the host before the processes average them; run one "
+                "process (or use FSDP's or DeepSpeed's own CPU offload)"
+            )
+
+    def optimizer_builder(self, config: TrainConfig, estimating: bool) -> OptimizerBuilder:
+        gradients = config.optimizer_offload == "state+grads"
+
+        def build(groups: Any, spec: Any, lr: float) -> Any:
+            if estimating:  # torchao needs a CUDA device: its stand-in on fake tensors
+                from effitrain.optim.offload import EstimatedOffload
+
+                return EstimatedOffload(groups, spec.factory, lr, gradients)
+            from effitrain.optim.offload import OffloadedOptimizer
+
+            return OffloadedOptimizer(
+                groups,
+                spec.factory,
+                lr,
+                offload_gradients=gradients,
+                torch_adamw=spec.class_path == "torch.optim.AdamW",
+            )
+
+        return build
+
+    def finish_steps(self, run: BuiltRun) -> None:
+        from effitrain.optim.offload import EstimatedOffload
+
+        optimizer = getattr(run.optimizer, "optimizer", run.optimizer)
+        if isinstance(optimizer, EstimatedOffload):
+            optimizer.step_host_optimizers()
+
+    def banner(self, config: TrainConfig, model: Any) -> str:
+        grads = (
+            ", and each gradient once copied" if config.optimizer_offload == "state+grads" else ""
+        )
+        return (
+            "optimizer offload: state and step on the host for tensors of 4096+ elements "
+            f"(torchao's CPUOffloadOptimizer{grads}); no clipping"
+        )
+
+    def metrics(self, run: BuiltRun) -> dict[str, Any]:
+        from effitrain.optim.offload import offload_ledger
+
+        return {"optimizer_offload": offload_ledger(run.optimizer)}
+
+    def memory_rows(self, metrics: dict[str, Any]) -> list[MemoryRow]:
+        where = metrics.get("optimizer_offload") or {}
+        if not where:
+            return []
+        return [
+            MemoryRow(
+                "optimizer state on the GPU (tensors < 4096 elements)", where["device_state_bytes"]
+            ),
+            MemoryRow("optimizer state on the host", where["host_state_bytes"]),
+            MemoryRow("host copies of parameters and gradients", where["host_copy_bytes"]),
+        ]
+
+    def estimate_notes(self, config: TrainConfig) -> list[str]:
+        return [
+            "--optimizer-offload: the host optimizers run on fake copies after the measured "
+            "step (their state and copies are host memory, not in the peak)"
+        ]

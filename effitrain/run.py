@@ -1,0 +1,102 @@
+"""A built run: :class:`Run`, every component the loop needs, made in one pass by
+:func:`effitrain.build.build_run` (and, on fake tensors, by ``effitrain estimate``), and its
+:class:`Plan`, how long it trains."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from effitrain.errors import EffitrainError
+
+if TYPE_CHECKING:
+    import torch
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+    from transformers import PreTrainedTokenizerBase
+
+    from effitrain.config import TrainConfig
+    from effitrain.distributed import Launch
+    from effitrain.optim import Hyperparameters, OptimizerSpec
+    from effitrain.tasks.base import Loss, Task
+    from effitrain.tracking import Trackers
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How long the run is, in optimizer steps on each process."""
+
+    steps_per_epoch: int
+    total_steps: int
+    epochs: int
+    warmup_steps: int
+
+    @classmethod
+    def from_config(cls, config: TrainConfig, num_batches: int, warmup_ratio: float) -> Plan:
+        """``num_batches``: micro-batches per epoch on this process; ``warmup_ratio``: the
+        resolved one (the optimizer's default where not given), used without --warmup-steps.
+
+        Raises:
+            EffitrainError: the training set yields no optimizer step.
+        """
+        from effitrain.tasks.sources import steps_per_epoch
+
+        per_epoch = steps_per_epoch(num_batches, config.grad_accum)
+        if per_epoch == 0:
+            raise EffitrainError(
+                "the training set yields no batches; check --batch-size and the data"
+            )
+        total = config.max_steps or per_epoch * config.epochs
+        warmup = (
+            config.warmup_steps
+            if config.warmup_steps is not None
+            else math.ceil(total * warmup_ratio)
+        )
+        return cls(per_epoch, total, math.ceil(total / per_epoch), warmup)
+
+    @property
+    def measured_step(self) -> int:
+        """The optimizer step (0-based) whose memory is broken down by kind: the last, or the one
+        before it where the last ends an epoch (its batch can be the epoch's short remainder)
+        and the epoch has another, but never the first step of a longer run: optimizers create
+        their state in their first step, so its backward runs without it and under-states every
+        later step. Why late in the run: ``effitrain.loop.measure_now``."""
+        last = self.total_steps - 1
+        if self.total_steps % self.steps_per_epoch == 0 and self.steps_per_epoch > 1 and last > 1:
+            return last - 1
+        return last
+
+
+@dataclass(frozen=True)
+class Run:
+    """The prepared components of one run, each resolved once."""
+
+    config: TrainConfig
+    accelerator: Accelerator
+    launch: Launch
+    """How the run is launched (processes, sharding, device)."""
+    task: Task
+    data: Any
+    """The task's raw data (``classification.LoadedData`` or ``lm_data.LMData``; None for an
+    estimate of a causal LM, whose shapes need no data)."""
+    tokenizer: PreTrainedTokenizerBase | None
+    model: torch.nn.Module
+    """Prepared by Accelerate (``accelerator.unwrap_model`` gives the model itself)."""
+    loss: Loss
+    """How a micro-batch's loss is computed (the task's)."""
+    optimizer: torch.optim.Optimizer
+    """Prepared by Accelerate (its ``.optimizer`` is the one the registry built)."""
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
+    train_loader: DataLoader
+    eval_loader: DataLoader
+    plan: Plan
+    hyperparameters: Hyperparameters
+    """The lr and schedule used: the options', else the optimizer's defaults."""
+    optimizer_spec: OptimizerSpec
+    """The registry entry built, with the levers' and the sharding's variants in place."""
+    max_grad_norm: float
+    """The clipping threshold used (0: none)."""
+    trackers: Trackers
+    lever_contexts: dict[str, Any]
+    """What each lever runs each micro-batch's forward and backward in, by lever name."""
