@@ -29,7 +29,9 @@ from effitrain.run import Plan, Run
 from effitrain.tracking import Trackers
 
 if TYPE_CHECKING:
+    import torch
     from accelerate import Accelerator
+    from transformers import PreTrainedTokenizerBase
 
     from effitrain.optim import Hyperparameters, OptimizerSpec
     from effitrain.report import Reporter
@@ -153,8 +155,13 @@ def resolve_task(config: TrainConfig) -> Task:
 
 
 def build_model(
-    config: TrainConfig, task: Task, data: Any, tokenizer: Any, device: Any, loaded: bool = True
-) -> Any:
+    config: TrainConfig,
+    task: Task,
+    data: Any,
+    tokenizer: PreTrainedTokenizerBase | None,
+    device: torch.device | None,
+    loaded: bool = True,
+) -> torch.nn.Module:
     """The model to train, levers applied: loaded from the checkpoint as the levers say
     (``loaded``), or built from its config alone (an estimate's, under the meta device).
 
@@ -169,7 +176,13 @@ def build_model(
     return levers.apply_to_model(model, config, device)
 
 
-def build_loss(config: TrainConfig, task: Task, model: Any, launch: Launch, device: Any) -> Loss:
+def build_loss(
+    config: TrainConfig,
+    task: Task,
+    model: torch.nn.Module,
+    launch: Launch,
+    device: torch.device | None,
+) -> Loss:
     """The task's loss for the model (unwrapped, levers applied), on this launch and device."""
     sharded = launch.sharding.description if launch.sharding.sharded else None
     return task.loss_function(model, device, sharded, levers.loss_options(config))
@@ -188,8 +201,12 @@ def resolve_optimizer_spec(config: TrainConfig, launch: Launch) -> OptimizerSpec
 
 
 def build_optimizer(
-    config: TrainConfig, model: Any, spec: OptimizerSpec, lr: float, estimating: bool = False
-) -> Any:
+    config: TrainConfig,
+    model: torch.nn.Module,
+    spec: OptimizerSpec,
+    lr: float,
+    estimating: bool = False,
+) -> torch.optim.Optimizer:
     """``spec``'s optimizer over ``model``'s trainable parameters with the run's lr and weight
     decay, built by the lever that builds it where one does."""
     return optim.build_optimizer(
@@ -209,8 +226,8 @@ def assemble(
     launch: Launch,
     task: Task,
     data: Any,
-    tokenizer: Any,
-    model: Any,
+    tokenizer: PreTrainedTokenizerBase | None,
+    model: torch.nn.Module,
     loss: Loss,
     train_loader: Any,
     eval_loader: Any,

@@ -46,6 +46,8 @@ from effitrain.signals import StopRequest
 from effitrain.tracking import Trackers
 
 if TYPE_CHECKING:
+    import torch
+
     from effitrain.run import Run
 
 STEPS = 2
@@ -99,7 +101,7 @@ def _cannot_trace(optim: str) -> Iterator[None]:
         ) from exc
 
 
-def _materialize(model: Any, device: Any, config: TrainConfig) -> None:
+def _materialize(model: torch.nn.Module, device: torch.device | None, config: TrainConfig) -> None:
     """Give every meta parameter and buffer a fake tensor of its shape and dtype on ``device``
     (inside the fake mode), or what a lever makes of it (4-bit weights: quantized by
     bitsandbytes' own shape logic); a tensor shared by several modules (tied weights) stays
@@ -239,7 +241,7 @@ def estimate(config: TrainConfig, launch: Launch | None = None) -> Estimate:
     )
 
 
-def _run_steps(run: Run, device: Any) -> TrainingProgress:
+def _run_steps(run: Run, device: torch.device | None) -> TrainingProgress:
     """The estimate's :data:`STEPS` optimizer steps through the loop's own ``train_steps``, the
     last measured by the step probe a run uses (the update of a torch.compile'd torchao step
     skipped: :func:`_without_compiled_update`). Returns the loop's progress, which holds the
@@ -300,7 +302,7 @@ def _rank0_rows(rows: int, n: int) -> int:
     return min(rows, -(-rows // n))
 
 
-def fsdp2_layout(model: Any, optimizer: Any) -> dict[str, dict[str, int]]:
+def fsdp2_layout(model: torch.nn.Module, optimizer: Any) -> dict[str, dict[str, int]]:
     """How FSDP2 splits this run's tensors: per kind (``parameters``, ``gradients``,
     ``optimizer_state``), bytes by the size of the dim 0 they are split on (``"rows:<n>"``) and
     the bytes every rank holds whole (``"whole"``: the column factors of 2-D weights, scalars).

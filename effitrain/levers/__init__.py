@@ -42,6 +42,8 @@ from effitrain.levers.spec import BuiltRun, Lever, OptimizerBuilder
 if TYPE_CHECKING:
     from pathlib import Path
 
+    import torch
+
     from effitrain.config import TrainConfig
     from effitrain.distributed import Launch
     from effitrain.models import LoadOptions
@@ -130,7 +132,9 @@ def load_options(config: TrainConfig, options: LoadOptions) -> LoadOptions:
     return options
 
 
-def apply_to_model(model: Any, config: TrainConfig, device: Any = None) -> Any:
+def apply_to_model(
+    model: torch.nn.Module, config: TrainConfig, device: torch.device | None = None
+) -> Any:
     """Turn on the levers that change the model, in registry order; returns the model to train
     (LoRA wraps it). ``device``: where the run trains (4-bit weights are quantized there; on
     the meta device, an estimate's, they are not quantized yet).
@@ -187,7 +191,9 @@ def after_prepare(run: BuiltRun) -> None:
         lever.after_prepare(run)
 
 
-def step_contexts(config: TrainConfig, model: Any, estimating: bool = False) -> dict[str, Any]:
+def step_contexts(
+    config: TrainConfig, model: torch.nn.Module, estimating: bool = False
+) -> dict[str, Any]:
     """The contexts around each micro-batch's forward and backward, by lever name."""
     contexts = {}
     for lever in active(config):
@@ -220,7 +226,7 @@ def in_use(run: BuiltRun) -> list[str]:
     return [lever.name for lever in LEVERS.values() if lever.in_use(run)]
 
 
-def banner_lines(config: TrainConfig, model: Any) -> list[str]:
+def banner_lines(config: TrainConfig, model: torch.nn.Module) -> list[str]:
     """One banner line per lever that has one (``model``: unwrapped)."""
     lines = [lever.banner(config, model) for lever in active(config)]
     return [line for line in lines if line]
@@ -243,7 +249,7 @@ def estimate_notes(config: TrainConfig) -> list[str]:
     return [note for lever in active(config) for note in lever.estimate_notes(config)]
 
 
-def original_parameters(model: Any) -> Any:
+def original_parameters(model: torch.nn.Module) -> Any:
     """The parameters the model had before any lever added some (LoRA's adapters and head
     copies): what "the same model trained whole" trains."""
     from effitrain.levers.lora import original_parameters

@@ -30,6 +30,8 @@ from effitrain.levers.spec import BuiltRun, Lever
 from effitrain.results import MemoryRow
 
 if TYPE_CHECKING:
+    import torch
+
     from effitrain.config import TrainConfig
     from effitrain.distributed import Launch
 
@@ -79,7 +81,7 @@ def counted(context: Any, counter: HostBytes) -> Any:
     return context
 
 
-def offload_context(model: Any, counter: HostBytes) -> Any:
+def offload_context(model: torch.nn.Module, counter: HostBytes) -> Any:
     """trl's activation-offloading context for ``model`` (prepared or not), counted.
 
     Raises:
@@ -98,7 +100,7 @@ def offload_context(model: Any, counter: HostBytes) -> Any:
 
 
 @contextmanager
-def fake_offload(model: Any, counter: HostBytes) -> Iterator[None]:
+def fake_offload(model: torch.nn.Module, counter: HostBytes) -> Iterator[None]:
     """``effitrain estimate``'s model of :func:`offload_context` on fake tensors: the same
     choice of what moves (not a parameter, at least :data:`MIN_OFFLOAD_BYTES`, not the output
     head's input, each storage once), moved to the meta device (no device memory, so the
@@ -181,14 +183,16 @@ class ActivationOffload(Lever):
                 f"run's device is {launch.device_words}: drop --activation-offload"
             )
 
-    def step_context(self, config: TrainConfig, model: Any, estimating: bool) -> OffloadContext:
+    def step_context(
+        self, config: TrainConfig, model: torch.nn.Module, estimating: bool
+    ) -> OffloadContext:
         counter = HostBytes()
         if estimating:
             return OffloadContext(lambda: fake_offload(model, counter), counter)
         context = offload_context(model, counter)
         return OffloadContext(lambda: context, counter)
 
-    def banner(self, config: TrainConfig, model: Any) -> str:
+    def banner(self, config: TrainConfig, model: torch.nn.Module) -> str:
         return (
             "activation offload: tensors saved for backward wait in pinned host memory (trl's "
             "OffloadActivations, copies on a side CUDA stream"

@@ -10,6 +10,8 @@ from effitrain.errors import EffitrainError
 from effitrain.levers.spec import Lever
 
 if TYPE_CHECKING:
+    import torch
+
     from effitrain.config import TrainConfig
     from effitrain.distributed import Launch
     from effitrain.optim import OptimizerSpec
@@ -60,7 +62,9 @@ class Bf16Weights(Lever):
         variant = variant_for(config.optim, adapters=config.lora_rank is not None)
         return spec if variant is None else variant_spec(spec, variant, config.seed)
 
-    def apply_to_model(self, model: Any, config: TrainConfig, device: Any) -> Any:
+    def apply_to_model(
+        self, model: torch.nn.Module, config: TrainConfig, device: torch.device | None
+    ) -> Any:
         from effitrain.optim import get_spec
         from effitrain.optim.bf16 import cast_model
 
@@ -72,14 +76,14 @@ class Bf16Weights(Lever):
             )
         return cast_model(model)
 
-    def finish_model(self, model: Any, config: TrainConfig) -> None:
+    def finish_model(self, model: torch.nn.Module, config: TrainConfig) -> None:
         from effitrain.models import is_lora
         from effitrain.optim.bf16 import keep_trained_fp32
 
         if is_lora(model):  # what trains in full beside the adapters goes back to fp32 too
             keep_trained_fp32(model)
 
-    def banner(self, config: TrainConfig, model: Any) -> str:
+    def banner(self, config: TrainConfig, model: torch.nn.Module) -> str:
         from effitrain.optim.bf16 import variant_for
 
         variant = variant_for(config.optim, adapters=config.lora_rank is not None)

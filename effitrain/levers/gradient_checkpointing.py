@@ -9,6 +9,8 @@ from effitrain.errors import EffitrainError
 from effitrain.levers.spec import Lever
 
 if TYPE_CHECKING:
+    import torch
+
     from effitrain.config import TrainConfig
 
 
@@ -22,15 +24,17 @@ class GradientCheckpointing(Lever):
     def is_on(self, config: TrainConfig) -> bool:
         return config.gradient_checkpointing
 
-    def apply_to_model(self, model: Any, config: TrainConfig, device: Any) -> Any:
+    def apply_to_model(
+        self, model: torch.nn.Module, config: TrainConfig, device: torch.device | None
+    ) -> Any:
         enable(model)
         return model
 
-    def banner(self, config: TrainConfig, model: Any) -> str:
+    def banner(self, config: TrainConfig, model: torch.nn.Module) -> str:
         return "gradient checkpointing (non-reentrant: activations recomputed in backward)"
 
 
-def enable(model: Any) -> None:
+def enable(model: torch.nn.Module) -> None:
     """Recompute each layer's activations in backward: the model's own (transformers'
     ``activation_checkpointing_enable``, formerly ``gradient_checkpointing_enable``),
     non-reentrant implementation (the reentrant one needs inputs that require grad and breaks

@@ -32,6 +32,7 @@ from effitrain.errors import EffitrainError
 from effitrain.levers.spec import BuiltRun, Lever
 
 if TYPE_CHECKING:
+    import torch
     from accelerate import Accelerator
 
     from effitrain.config import TrainConfig
@@ -109,12 +110,14 @@ class LoRA(Lever):
                 "fits where full fine-tuning needed sharding"
             )
 
-    def apply_to_model(self, model: Any, config: TrainConfig, device: Any) -> Any:
+    def apply_to_model(
+        self, model: torch.nn.Module, config: TrainConfig, device: torch.device | None
+    ) -> Any:
         # peft wraps the model as it is then (dtype included: adapters over bf16 base weights
         # are created in fp32, peft's autocast_adapter_dtype).
         return apply(model, config)
 
-    def banner(self, config: TrainConfig, model: Any) -> str:
+    def banner(self, config: TrainConfig, model: torch.nn.Module) -> str:
         return describe(model, config)
 
     def after_final_save(self, run: BuiltRun, reporter: Reporter) -> None:
@@ -137,7 +140,7 @@ def require_peft() -> None:
         raise EffitrainError(f"--lora-rank needs peft, which is not installed: {INSTALL}")
 
 
-def head_modules(model: Any) -> list[str]:
+def head_modules(model: torch.nn.Module) -> list[str]:
     """The classification head: the top-level modules with parameters outside the base model,
     and the base model's ``pooler`` where the head reads it (BERT: ``bert.pooler``). A causal
     LM has none that trains in full: its ``lm_head`` is pretrained (often the embeddings)."""
@@ -182,7 +185,7 @@ def _leaf_names(names: list[str]) -> list[str]:
     return list(dict.fromkeys(name.rsplit(".", 1)[-1] for name in names))
 
 
-def linear_candidates(model: Any, head: list[str]) -> list[str]:
+def linear_candidates(model: torch.nn.Module, head: list[str]) -> list[str]:
     """Names that ``--lora-target-modules`` can take: the Linear layers outside the head."""
     linear = _linear_types()
     return _leaf_names(
@@ -194,7 +197,7 @@ def linear_candidates(model: Any, head: list[str]) -> list[str]:
     )
 
 
-def resolve_targets(model: Any, given: list[str] | None, head: list[str]) -> Any:
+def resolve_targets(model: torch.nn.Module, given: list[str] | None, head: list[str]) -> Any:
     """``target_modules`` for peft (``_why`` says why, for the banner).
 
     Raises:
@@ -238,7 +241,7 @@ def _why(given: list[str] | None) -> str:
     return "all linear layers" if given == [ALL_LINEAR] else "--lora-target-modules"
 
 
-def apply(model: Any, config: TrainConfig) -> Any:
+def apply(model: torch.nn.Module, config: TrainConfig) -> Any:
     """Wrap ``model`` in a peft LoRA model: adapters on the target modules, the head in full.
 
     Raises:
@@ -279,7 +282,7 @@ def apply(model: Any, config: TrainConfig) -> Any:
         ) from exc
 
 
-def original_parameters(model: Any) -> list[Any]:
+def original_parameters(model: torch.nn.Module) -> list[Any]:
     """The parameters of the model as it was before peft: without the adapters (``lora_``)
     and without the trained copies of the head (``modules_to_save``; the originals stay)."""
     return [
@@ -289,7 +292,7 @@ def original_parameters(model: Any) -> list[Any]:
     ]
 
 
-def describe(model: Any, config: TrainConfig) -> str:
+def describe(model: torch.nn.Module, config: TrainConfig) -> str:
     """One banner line: rank, alpha, dropout, the adapted layers, the head, what trains."""
     from effitrain.memory.ledger import logical_numel, trainable_parameter_count
 
@@ -327,7 +330,7 @@ def final_note(config: TrainConfig) -> str | None:
 
 
 def save_merged(
-    accelerator: Accelerator, model: Any, tokenizer: Any, output_dir: str | Path
+    accelerator: Accelerator, model: torch.nn.Module, tokenizer: Any, output_dir: str | Path
 ) -> Path:
     """Merge the adapters into the base weights and save a plain model to ``final-merged/``
     (:func:`effitrain.checkpoint.save_final`: temporary folder, then renamed into place).

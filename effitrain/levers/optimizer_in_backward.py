@@ -11,6 +11,8 @@ from effitrain.errors import EffitrainError
 from effitrain.levers.spec import BuiltRun, Lever, OptimizerBuilder
 
 if TYPE_CHECKING:
+    import torch
+
     from effitrain.config import TrainConfig
     from effitrain.distributed import Launch
 
@@ -74,7 +76,7 @@ class OptimizerInBackward(Lever):
         optimizer = getattr(run.optimizer, "optimizer", run.optimizer)
         optimizer.check_hooked(run.accelerator.unwrap_model(run.model))
 
-    def banner(self, config: TrainConfig, model: Any) -> str:
+    def banner(self, config: TrainConfig, model: torch.nn.Module) -> str:
         return (
             "optimizer step in backward: each parameter is updated as soon as its gradient is "
             "ready, then the gradient is freed (no clipping)"

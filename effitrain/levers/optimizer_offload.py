@@ -12,6 +12,8 @@ from effitrain.levers.spec import BuiltRun, Lever, OptimizerBuilder
 from effitrain.results import MemoryRow
 
 if TYPE_CHECKING:
+    import torch
+
     from effitrain.config import TrainConfig
     from effitrain.distributed import Launch
 
@@ -101,7 +103,7 @@ class OptimizerOffload(Lever):
         if isinstance(optimizer, EstimatedOffload):
             optimizer.step_host_optimizers()
 
-    def banner(self, config: TrainConfig, model: Any) -> str:
+    def banner(self, config: TrainConfig, model: torch.nn.Module) -> str:
         grads = (
             ", and each gradient once copied" if config.optimizer_offload == "state+grads" else ""
         )

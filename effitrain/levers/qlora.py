@@ -35,6 +35,8 @@ from effitrain.results import MemoryRow
 if TYPE_CHECKING:
     from pathlib import Path
 
+    import torch
+
     from effitrain.config import TrainConfig
     from effitrain.distributed import Launch
 
@@ -82,10 +84,12 @@ class QLoRA(Lever):
     def check_launch(self, config: TrainConfig, launch: Launch) -> None:
         require_bitsandbytes()  # under sharding, LoRA refuses the launch
 
-    def apply_to_model(self, model: Any, config: TrainConfig, device: Any) -> Any:
+    def apply_to_model(
+        self, model: torch.nn.Module, config: TrainConfig, device: torch.device | None
+    ) -> Any:
         return quantize_model(model, config, device)
 
-    def banner(self, config: TrainConfig, model: Any) -> str:
+    def banner(self, config: TrainConfig, model: torch.nn.Module) -> str:
         return describe(model, config)
 
     def metrics(self, run: BuiltRun) -> dict[str, Any]:
@@ -138,7 +142,7 @@ def quantization_config(config: TrainConfig) -> Any:
     )
 
 
-def kept_modules(model: Any) -> list[str]:
+def kept_modules(model: torch.nn.Module) -> list[str]:
     """The modules that keep their weights: the output layer (and what is tied to it) and the
     classification head, which trains in full (LoRA's ``modules_to_save``)."""
     from effitrain.levers.lora import head_modules
@@ -149,7 +153,7 @@ def kept_modules(model: Any) -> list[str]:
     return kept
 
 
-def replace_linear_layers(model: Any, config: TrainConfig) -> Any:
+def replace_linear_layers(model: torch.nn.Module, config: TrainConfig) -> Any:
     """Swap the Linear layers (outside :func:`kept_modules`) for bitsandbytes' ``Linear4bit``,
     each holding its original weight, not yet quantized (:func:`quantize_weights` does that on
     the run's device). Works on the meta device too (``effitrain estimate``)."""
@@ -181,7 +185,7 @@ def replace_linear_layers(model: Any, config: TrainConfig) -> Any:
     return model
 
 
-def quantize_weights(model: Any, device: Any) -> None:
+def quantize_weights(model: torch.nn.Module, device: torch.device | None) -> None:
     """Quantize every ``Linear4bit`` weight that is not yet quantized, on ``device``
     (``Params4bit.to`` runs bitsandbytes' ``quantize_4bit`` there; under ``effitrain
     estimate``'s fake tensors, its shape-only implementation)."""
@@ -192,7 +196,9 @@ def quantize_weights(model: Any, device: Any) -> None:
             module.weight = module.weight.to(device)
 
 
-def quantize_model(model: Any, config: TrainConfig, device: Any = None) -> Any:
+def quantize_model(
+    model: torch.nn.Module, config: TrainConfig, device: torch.device | None = None
+) -> Any:
     """:func:`replace_linear_layers`, then :func:`quantize_weights` on ``device`` (default: where
     the model is). Nothing is quantized on the meta device: ``effitrain estimate`` quantizes
     once it has fake tensors."""
@@ -247,7 +253,7 @@ class QuantizedStorage:
         return {**asdict(self), "bytes": self.bytes}
 
 
-def storage(model: Any) -> QuantizedStorage:
+def storage(model: torch.nn.Module) -> QuantizedStorage:
     """Measure the 4-bit weights' real storages (each storage once, as the ledger counts)."""
     import torch
 
@@ -287,7 +293,7 @@ def expected_storage(shapes: list[tuple[int, int]]) -> QuantizedStorage:
     return result
 
 
-def describe(model: Any, config: TrainConfig) -> str:
+def describe(model: torch.nn.Module, config: TrainConfig) -> str:
     """One banner line: what is 4-bit, what is kept, the compute dtype, the bytes."""
     import bitsandbytes as bnb
 
@@ -310,7 +316,7 @@ def describe(model: Any, config: TrainConfig) -> str:
     )
 
 
-def check_checkpoint_base(model: Any, checkpoint: Any) -> None:
+def check_checkpoint_base(model: torch.nn.Module, checkpoint: Any) -> None:
     """Before resuming: the checkpoint's 4-bit base (packed codes and quant states) must be the
     one just rebuilt from ``--model``, and every other entry must be there. Accelerate's strict
     load cannot take bitsandbytes' quant-state entries (``Linear4bit`` saves them but does not

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from contextlib import AbstractContextManager
     from pathlib import Path
 
+    import torch
+
     from effitrain.config import TrainConfig
     from effitrain.distributed import Launch
     from effitrain.models import LoadOptions
@@ -43,7 +45,7 @@ class BuiltRun(Protocol):
 
     config: TrainConfig
     accelerator: Any
-    model: Any
+    model: torch.nn.Module
     optimizer: Any
     loss: Any
     lever_contexts: dict[str, Any]
@@ -116,12 +118,14 @@ class Lever:
         while reading, where the weights go): the options to load with."""
         return options
 
-    def apply_to_model(self, model: Any, config: TrainConfig, device: Any) -> Any:
+    def apply_to_model(
+        self, model: torch.nn.Module, config: TrainConfig, device: torch.device | None
+    ) -> Any:
         """Turn it on in the loaded model (on the meta device for an estimate); return the
         model to train (a lever may wrap it). ``device``: where the run trains."""
         return model
 
-    def finish_model(self, model: Any, config: TrainConfig) -> None:
+    def finish_model(self, model: torch.nn.Module, config: TrainConfig) -> None:
         """After every lever applied to the model (e.g. what a wrapper added needs a dtype)."""
 
     # -- the loss, the optimizer, the step ------------------------------------------------------
@@ -143,7 +147,7 @@ class Lever:
         """Once Accelerate prepared the model and optimizer."""
 
     def step_context(
-        self, config: TrainConfig, model: Any, estimating: bool
+        self, config: TrainConfig, model: torch.nn.Module, estimating: bool
     ) -> AbstractContextManager[Any] | None:
         """A context around each micro-batch's forward and backward (``model``: unwrapped);
         what it returns is kept as ``run.lever_contexts[name]``."""
@@ -155,7 +159,7 @@ class Lever:
 
     # -- what is shown -------------------------------------------------------------------------
 
-    def banner(self, config: TrainConfig, model: Any) -> str | None:
+    def banner(self, config: TrainConfig, model: torch.nn.Module) -> str | None:
         """Its banner line (``model``: unwrapped, levers applied)."""
         return None
 
