@@ -178,6 +178,11 @@ def estimate(config: TrainConfig, launch: Launch | None = None) -> Estimate:
     tokenizer, max_tokens = _tokenizer_or_config(config, notes)
     spec = build.resolve_optimizer_spec(config, launch)
     notes += levers.estimate_notes(config) + _optimizer_notes(spec)
+    if launch.device_type != "cpu":
+        notes.append(
+            f"estimated for {launch.device_type}, on fake tensors on this machine's CPU: the "
+            "device's own workspaces and allocator rounding are not in the peak"
+        )
     device = torch.device("cpu")  # where the fake tensors live
     torch.manual_seed(config.seed)
     # Built on the meta device (shapes only; module conversions such as the bf16 cast work

@@ -234,23 +234,29 @@ def test_estimate_runs_the_loops_own_step(monkeypatch):
     assert result.memory.step_memory is not None  # the last step was measured
 
 
-def test_offload_levers_are_estimated_for_a_cuda_launch_only(train_cli, monkeypatch):
+def test_offload_levers_are_estimated_for_the_gpu_they_need(train_cli, monkeypatch):
     """--activation-offload moves activations off a GPU: train refuses it on a CPU, and so does
-    an estimate of a CPU run (this machine's device, unless --device says otherwise). An
-    estimate for --device cuda runs here, on fake tensors."""
+    an estimate told that the run is on a CPU (--device cpu). Estimating it from a CPU-only
+    machine is the point: without --device the estimate is for the device the lever needs, on
+    fake tensors here, and says so."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU machine, anywhere
     args = ("--activation-offload", "--max-length", "16", "--batch-size", "2")
-    for device in ([], ["--device", "cpu"]):
-        line = assert_clean_error(train_cli("estimate", *args, *device), "--activation-offload")
-        assert "this run's device is the CPU" in line
-    proc = train_cli("estimate", *args, "--device", "cuda", "--json")
-    assert proc.returncode == 0, proc.stderr
-    row = json.loads(proc.stdout)
-    assert row["levers"] == ["activation-offload"]
-    assert row["activation_offload_host_bytes"] > 0
-    assert row["activation_bytes"] > 0 and row["peak_tensor_bytes"] > 0
+    line = assert_clean_error(
+        train_cli("estimate", *args, "--device", "cpu"), "--activation-offload"
+    )
+    assert "this run's device is the CPU" in line
+    for device in ([], ["--device", "cuda"]):
+        proc = train_cli("estimate", *args, *device, "--json")
+        assert proc.returncode == 0, proc.stderr
+        row = json.loads(proc.stdout)
+        assert row["levers"] == ["activation-offload"]
+        assert row["activation_offload_host_bytes"] > 0
+        assert row["activation_bytes"] > 0 and row["peak_tensor_bytes"] > 0
+        assert any("estimated for cuda" in note for note in row["notes"]), row["notes"]
+    plain = json.loads(train_cli("estimate", *args[1:], "--json").stdout)
+    assert not any("estimated for" in note for note in plain["notes"])  # this machine: the CPU
 
 
 def test_launches_train_refuses_are_refused(train_cli):

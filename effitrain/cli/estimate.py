@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -107,8 +108,12 @@ def estimate(
     """
     with user_errors():
         quiet_libraries()
-        launch = _launch(num_processes, sharding, device)
-        results, skipped = _estimates(config_file, overrides, optim, launch)
+        results, skipped = _estimates(
+            config_file,
+            overrides,
+            optim,
+            lambda config: _launch(config, num_processes, sharding, device),
+        )
         measured = _load_metrics(compare_to) if compare_to else None
         against = _against(results, measured, compare_to) if measured is not None else None
         if as_json:
@@ -119,19 +124,24 @@ def estimate(
         print_estimates(results, against, skipped)
 
 
-def _launch(num_processes: int, sharding: str, device: str | None) -> Any:
-    """The launch the options describe (the device: this machine's where not given)."""
+def _launch(config: Any, num_processes: int, sharding: str, device: str | None) -> Any:
+    """The launch the options describe. Without --device: the device the levers need (an
+    offload lever: cuda, estimated from any machine), else this machine's."""
     from effitrain.distributed import Launch
+    from effitrain.levers import device_needed
 
     if device is None:
         import torch
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = device_needed(config) or ("cuda" if torch.cuda.is_available() else "cpu")
     return Launch.described(num_processes, sharding, device)
 
 
 def _estimates(
-    config_file: Path | None, overrides: dict[str, Any], optim: str | None, launch: Any
+    config_file: Path | None,
+    overrides: dict[str, Any],
+    optim: str | None,
+    launch_for: Callable[[Any], Any],
 ) -> tuple[list[Any], list[str]]:
     """One estimate per optimizer of ``--optim``, with the other options as given; and the
     reasons for those that ``--optim all`` skipped."""
@@ -142,6 +152,7 @@ def _estimates(
 
     fp32 = overrides.pop("fp32_embedding_state", None)  # see _for_optimizer
     from_file = checked_config(config_file, overrides)
+    launch = launch_for(from_file)
     names = _names(optim or from_file.optim, OPTIMIZERS)
     for name in names:
         get_spec(name)

@@ -116,6 +116,11 @@ def check_task(config: TrainConfig, task: str) -> None:
             lever.check_task(config, task)
 
 
+def device_needed(config: TrainConfig) -> str | None:
+    """The device type the levers that are on need (the first such lever's), else None."""
+    return next((lever.devices[0] for lever in active(config) if lever.devices), None)
+
+
 def check_launch(config: TrainConfig, launch: Launch) -> None:
     """Refuse what the launch rules out, for every lever that is on."""
     for lever in active(config):

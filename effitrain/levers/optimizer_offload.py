@@ -23,6 +23,7 @@ class OptimizerOffload(Lever):
     fields = ("optimizer_offload",)
     removes = "the optimizer state from the GPU (state+grads: the gradients too)"
     unclippable = True
+    devices = ("cuda",)
     search = ("off", "state", "state+grads")
     time_cost = "the step runs on the host: host bandwidth and CPU speed bound it"
 

@@ -67,6 +67,9 @@ class Lever:
     """What memory it removes, in words (docs, ``effitrain plan``'s reasons)."""
     task: str | None = None
     """The one task that takes it (the chunked loss: causal-lm); None: every task."""
+    devices: tuple[str, ...] = ()
+    """The device types it runs on (the offloads: cuda); empty: any. ``effitrain estimate``
+    estimates for such a device unless told another (``check_launch`` refuses that one)."""
     trains_adapters = False
     """Its trained parameters are new adapters: the optimizer's LoRA defaults apply."""
     unclippable = False
