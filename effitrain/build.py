@@ -85,6 +85,12 @@ def check_outputs(config: TrainConfig) -> None:
                 f"{config.output_dir} already holds checkpoints (newest: {latest.name}); "
                 "continue that run with --resume latest, or choose another --output-dir"
             )
+        final = Path(config.output_dir) / checkpoint.FINAL_DIR
+        if final.exists():
+            raise EffitrainError(
+                f"{config.output_dir} already holds a trained model ({final}); a new run would "
+                "replace it: choose another --output-dir (or move it away)"
+            )
 
 
 def check_launch(config: TrainConfig, launch: Launch) -> list[str]:

@@ -18,6 +18,7 @@ is built (:func:`effitrain.build.check_config`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -431,6 +432,12 @@ class TrainConfig:
             "max_length": self.max_length,
             "log_every": self.log_every,
         }
+        for f in dataclasses.fields(self):  # inf and nan pass every comparison below
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise EffitrainError(f"{option(f.name)} must be a finite number (got {value})")
+        if not 0 <= self.seed < 2**32:
+            raise EffitrainError(f"--seed must be from 0 to 2**32 - 1 (got {self.seed})")
         for name in ("lr", "max_steps", "eval_batch_size"):
             if getattr(self, name) is not None:
                 positive[name] = getattr(self, name)

@@ -206,6 +206,8 @@ def find_source(path: str | Path) -> Source:
         raise EffitrainError(f"no such file or folder: {path}")
     if path.is_file():
         return Source("torch.save file", [path])
+    if not path.is_dir():  # a FIFO, a socket, a device: reading it could block or mean nothing
+        raise EffitrainError(f"{path} is neither a file nor a folder: not a checkpoint")
     source = _folder_source(path)
     if source is not None:
         return source

@@ -51,6 +51,8 @@ def train(config: TrainConfig, reporter: Reporter) -> TrainResult:
     checkpointer = make_checkpointer(run)
     if config.resume:
         resume(run, progress, checkpointer, reporter)
+    if config.output_dir:  # before training, not after: final/ never goes back to an older model
+        checkpoint.check_final(config.output_dir, run.plan.total_steps)
     run.trackers.start(progress.global_step, reporter)
     with stop_on_signals() as stop:
         timer = fit(run, progress, checkpointer, reporter, stop)
@@ -63,7 +65,7 @@ def train(config: TrainConfig, reporter: Reporter) -> TrainResult:
     optim.set_train_mode(run.optimizer, False)  # schedule-free: save the weights it evaluated
     if config.output_dir:
         final_model_dir = checkpoint.save_final(
-            run.accelerator, run.model, run.tokenizer, config.output_dir
+            run.accelerator, run.model, run.tokenizer, config.output_dir, progress.global_step
         )
         reporter.saved_final(str(final_model_dir))
     result = summarize(run, progress, timer, checkpointer.last_path, final_model_dir)
@@ -89,8 +91,21 @@ def make_checkpointer(run: Run) -> checkpoint.Checkpointer:
             names.get(id(p), "?") for group in run.optimizer.param_groups for p in group["params"]
         ],
         parameter_shapes={name: list(p.shape) for name, p in model.named_parameters()},
+        lr_scheduler=run.lr_scheduler,
+        schedule=schedule_of(run),
         save_extra=levers.save_extra(run),
     )
+
+
+def schedule_of(run: Run) -> dict[str, Any]:
+    """The lr schedule the run follows, as checkpoints record it and a resume compares it."""
+    hyperparameters, plan = run.hyperparameters, run.plan
+    return {
+        "lr": hyperparameters.lr,
+        "scheduler": hyperparameters.scheduler,
+        "warmup_steps": plan.warmup_steps,
+        "total_steps": plan.total_steps,
+    }
 
 
 def resume(
@@ -100,10 +115,14 @@ def resume(
     reporter: Reporter,
 ) -> None:
     """Check the ``--resume`` checkpoint against this run, then load it (weights, optimizer,
-    scheduler, RNG states, the loop's progress)."""
+    scheduler, RNG states, the loop's progress), then check what it loaded before the first
+    step; say what was skipped and what is not restored (docs/checkpoints.md)."""
     config, accelerator = run.config, run.accelerator
-    path = checkpoint.resolve_resume(config.resume, config.output_dir)
+    path, skipped = checkpoint.resolve_resume(config.resume, config.output_dir)
+    for problem in skipped:
+        reporter.note(f"{problem}: skipped; resuming from {path.name}")
     meta = checkpoint.read_metadata(path)
+    checkpoint.check_step(meta, path)
     checkpoint.check_resumable(
         meta,
         path,
@@ -113,6 +132,8 @@ def resume(
         parameter_shapes=checkpointer.parameter_shapes,
         fp32_embedding_state=config.fp32_embedding_state,
     )
+    for note in checkpoint.check_schedule(meta, schedule_of(run), config, path):
+        reporter.note(note)
     differences = checkpoint.config_differences(meta, config, used=options_as_used)
     if differences:
         reporter.note(
@@ -125,8 +146,15 @@ def resume(
             f"{accelerator.num_processes}: data order and batch size differ from the original run"
         )
     levers.check_checkpoint(run, path)
+    unrestored = _random_state_problems(accelerator, path)
     checkpoint.load_checkpoint(accelerator, path, strict=levers.strict_load(config))
+    checkpoint.check_counters(meta, path, run.optimizer, run.lr_scheduler)
     levers.load_extra(run, path)
+    if unrestored:
+        reporter.note(
+            f"{'; '.join(unrestored)}: the random state is not restored, so this resume is not "
+            "an exact continuation (dropout and data order may differ from the original run)"
+        )
     progress.load_state_dict(meta)
     checkpointer.last_saved_step = progress.global_step
     reporter.resumed(str(path), progress.global_step, progress.epoch, progress.step_in_epoch)
@@ -134,6 +162,17 @@ def resume(
         reporter.note(
             f"the checkpoint is already at step {progress.global_step} of {run.plan.total_steps}"
         )
+
+
+def _random_state_problems(accelerator: Any, path: Path) -> list[str]:
+    """Every process's reason its RNG state in ``path`` cannot be restored (Accelerate would go
+    on without it, saying nothing), gathered so that the main process can say it."""
+    problem = checkpoint.random_state_problem(path, accelerator.process_index)
+    if accelerator.num_processes == 1:
+        return [problem] if problem else []
+    from accelerate.utils import gather_object
+
+    return [p for p in gather_object([problem]) if p]
 
 
 def options_as_used(values: dict[str, Any]) -> dict[str, Any]:

@@ -209,6 +209,7 @@ def test_estimate_a_causal_lm(train_cli):
         (("--model", "tiny-llama", "--task", "sequence-classification"), ("causal-LM preset",)),
         (("--packing",), ("--packing needs --task causal-lm",)),
         (("--task", "causal-lm", "--text-columns", "a,b"), ("one",)),
+        (("--task", "causal-lm", "--max-length", "1"), ("--max-length 1", "2 tokens")),
     ],
 )
 def test_option_refusals(train_cli, options, fragments):

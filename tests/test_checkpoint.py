@@ -92,7 +92,7 @@ def test_full_disk_during_save_keeps_previous_checkpoint(train_cli, monkeypatch,
         proc = train_cli(*args)
     assert calls[1].endswith(".tmp-checkpoint-4")  # written aside, never in place
     assert_clean_error(
-        proc, "could not write checkpoint", "No space left on device", "checkpoint-2 is intact"
+        proc, "no space left on device while saving checkpoint-4", "checkpoint-2 is intact"
     )
     # Rotation did not run: the last good checkpoint is there and nothing half-written is.
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2"]

@@ -8,6 +8,7 @@ from effitrain.build import checked_config
 from effitrain.config import TrainConfig, option
 from effitrain.errors import EffitrainError
 from effitrain.optim import get_spec, resolve_hyperparameters
+from tests.conftest import assert_clean_error
 
 
 def write(tmp_path, text: str):
@@ -176,3 +177,23 @@ def test_shipped_yaml_configs_load():
     assert configs, "configs/train/ should ship at least one example"
     for path in configs:
         checked_config(path)
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--seed", "-1"], "--seed must be from 0 to 2**32 - 1 (got -1)"),
+        (["--seed", str(2**32)], "--seed must be from 0 to 2**32 - 1"),
+        (["--lr", "inf"], "--lr must be a finite number (got inf)"),
+        (["--lr", "nan"], "--lr must be a finite number (got nan)"),
+        (["--weight-decay", "inf"], "--weight-decay must be a finite number"),
+    ],
+    ids=["seed-negative", "seed-too-large", "lr-inf", "lr-nan", "weight-decay-inf"],
+)
+@pytest.mark.parametrize("command", ["train", "estimate"])
+def test_out_of_range_numbers_are_refused_before_anything_is_built(
+    train_cli, command, args, fragment
+):
+    """train and estimate check the same config: a seed numpy cannot take (train raised
+    ValueError there), an lr that trains until the loss is NaN."""
+    assert_clean_error(train_cli(command, *args), fragment)

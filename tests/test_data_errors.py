@@ -65,3 +65,132 @@ def test_a_folder_names_the_file(tmp_path, capfd):
     config = TrainConfig(dataset=str(tmp_path))
     message = _error(capfd, lambda: load_splits(config))
     assert message.startswith(f"cannot read dataset folder '{tmp_path}': train.jsonl: line 3, ")
+
+
+# --- no row dropped without a word: folders of several formats, rows that differ ---
+
+
+def _folder(tmp_path, files: dict[str, str | bytes]):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for name, content in files.items():
+        if isinstance(content, bytes):
+            (folder / name).write_bytes(content)
+        else:
+            (folder / name).write_text(content)
+    return folder
+
+
+CSV_40 = "text,label\n" + "".join(f"row {i},{i % 2}\n" for i in range(40))
+PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 16
+
+
+@pytest.mark.parametrize(
+    "formats, found",
+    [
+        (None, "1 .csv file (a.csv), 1 .jsonl file (c.jsonl)"),
+        ("lm", "1 .csv file (a.csv), 1 .txt file (b.txt), 1 .jsonl file (c.jsonl)"),
+    ],
+)
+def test_a_folder_of_several_data_formats_is_refused(tmp_path, capfd, formats, found):
+    from effitrain.config import TrainConfig
+    from effitrain.tasks.lm_data import LM_FORMATS
+
+    folder = _folder(
+        tmp_path,
+        {
+            "a.csv": CSV_40,
+            "b.txt": "some notes\n",
+            "c.jsonl": json.dumps({"text": "one row", "label": 1}) + "\n",
+            "d.png": PNG,
+        },
+    )
+    config = TrainConfig(dataset=str(folder))
+    options = {"formats": LM_FORMATS} if formats else {}
+    message = _error(capfd, lambda: load_splits(config, **options))
+    assert message.startswith(f"dataset folder '{folder}' holds several data formats: {found};")
+    assert f"--dataset {folder}/a.csv" in message
+
+
+def test_a_folder_skips_what_is_not_data_with_a_note(tmp_path, monkeypatch):
+    from effitrain.config import TrainConfig
+    from effitrain.tasks.classification import load_data
+
+    _folder(tmp_path, {"a.csv": CSV_40, "d.png": PNG, "e.png": PNG, "notes.txt": "hi"})
+    monkeypatch.chdir(tmp_path)  # a relative path, as typed
+    data = load_data(TrainConfig(dataset="data"))
+    assert len(data.train) + len(data.validation) == 40
+    assert data.notes == [
+        "dataset folder 'data': skipped 2 .png files (d.png, e.png): not a data format",
+        "dataset folder 'data': skipped 1 .txt file (notes.txt): not a data format",
+    ]
+
+
+def test_a_folder_without_data_files_says_what_it_holds(tmp_path, capfd):
+    from effitrain.config import TrainConfig
+
+    folder = _folder(tmp_path, {"d.png": PNG})
+    message = _error(capfd, lambda: load_splits(TrainConfig(dataset=str(folder))))
+    assert message.startswith(f"dataset folder '{folder}' holds no data file (found 1 .png file")
+
+
+def _jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_jsonl_labels_mixing_integers_and_strings(tmp_path, capfd):
+    rows = [{"text": f"t{i}", "label": i % 2} for i in range(6)]
+    rows[3]["label"] = "pos"
+    path = _jsonl(tmp_path / "mixed.jsonl", rows)
+    message = _error(capfd, lambda: load_local_file(path, "train"))
+    assert message == (
+        f"cannot read '{path}': 'label' is a string (\"pos\") on line 4 but an integer on "
+        "line 1; every value of a column needs one type"
+    )
+
+
+@pytest.mark.parametrize(
+    "row, keys",
+    [({"text": "x"}, "text"), ({"txt": "x", "label": 1}, "txt, label")],
+)
+def test_jsonl_rows_with_different_keys(tmp_path, capfd, row, keys):
+    rows = [{"text": f"t{i}", "label": i % 2} for i in range(6)]
+    rows[4] = row
+    path = _jsonl(tmp_path / "keys.jsonl", rows)
+    message = _error(capfd, lambda: load_local_file(path, "train"))
+    assert message == (
+        f"cannot read '{path}': line 5 has keys {keys} but line 1 has text, label; every row "
+        "needs the same keys"
+    )
+
+
+def test_json_document_rows_with_different_keys(tmp_path, capfd):
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([{"text": "a", "label": 0}, {"text": "b"}]))
+    message = _error(capfd, lambda: load_local_file(str(path), "train"))
+    assert message.endswith(
+        "row 2 has keys text but row 1 has text, label; every row needs the same keys"
+    )
+
+
+def test_a_folder_names_the_jsonl_whose_rows_differ(tmp_path, capfd):
+    from effitrain.config import TrainConfig
+
+    rows = [{"text": f"t{i}", "label": i % 2} for i in range(6)]
+    folder = tmp_path / "data"
+    folder.mkdir()
+    _jsonl(folder / "train.jsonl", rows)
+    _jsonl(folder / "validation.jsonl", [*rows[:2], {"text": "c"}])
+    message = _error(capfd, lambda: load_splits(TrainConfig(dataset=str(folder))))
+    assert message == (
+        f"cannot read dataset folder '{folder}': validation.jsonl: line 3 has keys text but "
+        "line 1 has text, label; every row needs the same keys"
+    )
+
+
+def test_explicit_nulls_are_not_differing_keys(tmp_path):
+    rows = [{"text": f"t{i}", "label": i % 2} for i in range(6)]
+    rows[2]["text"] = None
+    path = _jsonl(tmp_path / "nulls.jsonl", rows)
+    assert load_local_file(path, "train")["text"][2] is None

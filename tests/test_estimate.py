@@ -73,6 +73,7 @@ def test_estimate_equals_a_run(train_cli, tmp_path, long_data):
     compare(train_cli, tmp_path, [*long_data, "--batch-size", "8", "--max-length", "64"])
 
 
+@pytest.mark.slow
 def test_estimate_equals_a_run_of_one_two_step_epoch(train_cli, tmp_path, long_data):
     """48 rows at batch 24: the run's last step ends the epoch, and the step before it is the
     first, whose backward runs before AdamW has created its state; the breakdown must measure
@@ -247,7 +248,7 @@ def test_offload_levers_are_estimated_for_the_gpu_they_need(train_cli, monkeypat
         train_cli("estimate", *args, "--device", "cpu"), "--activation-offload"
     )
     assert "this run's device is the CPU" in line
-    for device in ([], ["--device", "cuda"]):
+    for device in ([],):  # --device cuda: the same launch, given (test_offload.py estimates it)
         proc = train_cli("estimate", *args, *device, "--json")
         assert proc.returncode == 0, proc.stderr
         row = json.loads(proc.stdout)
@@ -257,6 +258,45 @@ def test_offload_levers_are_estimated_for_the_gpu_they_need(train_cli, monkeypat
         assert any("estimated for cuda" in note for note in row["notes"]), row["notes"]
     plain = json.loads(train_cli("estimate", *args[1:], "--json").stdout)
     assert not any("estimated for" in note for note in plain["notes"])  # this machine: the CPU
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (
+            ["--lora-rank", "8", "--num-processes", "2", "--sharding", "zero3"],
+            "--lora-rank is not supported under DeepSpeed ZeRO-3 over 2 processes",
+        ),
+        (
+            ["--weights-dtype", "bf16", "--num-processes", "2", "--sharding", "fsdp"],
+            "--weights-dtype bf16 is not supported under FSDP2 full shard over 2 processes",
+        ),
+        (
+            ["--optimizer-offload", "state", "--num-processes", "2"],
+            "--optimizer-offload cannot run on DDP over 2 processes",
+        ),
+        (["--optimizer-offload", "state", "--device", "cpu"], "this run's device is the CPU"),
+    ],
+    ids=["lora-zero3", "bf16-fsdp", "offload-ddp", "offload-cpu"],
+)
+def test_estimate_refuses_the_launches_train_refuses(train_cli, args, fragment):
+    """One list of launch checks (each lever's ``check_launch``) for train and estimate: the
+    launch estimate is told about is refused as train refuses it, in the same words."""
+    from effitrain.build import check_launch, checked_config
+    from effitrain.distributed import Launch
+    from effitrain.errors import EffitrainError
+
+    line = assert_clean_error(train_cli("estimate", "--max-length", "16", *args), fragment)
+    # The same words as train's check on the launch Accelerate would report.
+    options = dict(zip(args[::2], args[1::2], strict=True))
+    n = int(options.pop("--num-processes", 1))
+    sharding, device = options.pop("--sharding", "ddp"), options.pop("--device", "cuda")
+    overrides = {flag[2:].replace("-", "_"): value for flag, value in options.items()}
+    overrides["lora_rank"] = int(overrides["lora_rank"]) if "lora_rank" in overrides else None
+    config = checked_config(None, {k: v for k, v in overrides.items() if v is not None})
+    with pytest.raises(EffitrainError) as error:
+        check_launch(config, Launch.described(n, sharding, device))
+    assert line == f"error: {error.value}"
 
 
 def test_launches_train_refuses_are_refused(train_cli):
@@ -497,7 +537,9 @@ def test_torchao_state_from_its_own_allocation(train_cli, tmp_path, long_data, o
     assert any("torchao's own state allocation" in note for note in estimated["notes"])
 
 
-@pytest.mark.parametrize("optim", ["adamw-8bit-ao", "adamw-4bit"])
+@pytest.mark.parametrize(
+    "optim", ["adamw-8bit-ao", pytest.param("adamw-4bit", marks=pytest.mark.slow)]
+)
 def test_torchao_estimate_leaves_its_quantization_maps_real(optim):
     """torchao caches its quantization maps for the process on first use: built under the
     estimate's fake tensors they would be placeholders, and a later real run in the same

@@ -241,3 +241,10 @@ def test_inspect_state_help_imports_nothing_heavy():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert "--json" in proc.stdout and proc.stdout.strip().endswith("False"), proc.stdout
+
+
+def test_a_fifo_is_one_line(train_cli, tmp_path):
+    """A named pipe is neither a file nor a folder: reading it could block; one line instead."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    assert_clean_error(train_cli("inspect-state", str(fifo)), "is neither a file nor a folder")

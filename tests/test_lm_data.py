@@ -577,13 +577,18 @@ def test_error_completion_only_on_plain_text(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "messages",
-    ["hello", [], [{"role": "user"}], [{"role": "user", "content": None}]],
+    "messages, expected",
+    [
+        ("hello", "'messages' is a string (\"hello\") on line 4 but a list on line 1"),
+        ([], "training row index 3: 'messages' must be"),
+        ([{"role": "user"}], "training row index 3: 'messages' must be"),
+        ([{"role": "user", "content": None}], "training row index 3: 'messages' must be"),
+    ],
 )
-def test_error_messages_not_a_conversation(tmp_path, messages):
+def test_error_messages_not_a_conversation(tmp_path, messages, expected):
     rows = [*chat_rows(3), {"messages": messages}]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
-    assert "training row index 3: 'messages' must be" in error(lambda: load_lm_data(config(path)))
+    assert expected in error(lambda: load_lm_data(config(path)))
 
 
 def test_error_missing_prompt_or_completion(tmp_path):
@@ -658,3 +663,31 @@ def test_packing_refused_where_documents_would_mix(tmp_path):
     cfg = config(tmp_path / "t.txt", packing=True)
     with pytest.raises(EffitrainError, match="--no-packing"):
         check_packing(load_lm_data(cfg), "bloom", cfg)
+
+
+def test_error_unknown_chat_role(tmp_path):
+    rows = chat_rows(4)
+    rows[2]["messages"][3]["role"] = "wizard"
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    assert error(lambda: load_lm_data(config(path))) == (
+        "training row index 2: message 4 has role 'wizard'; roles allowed: system, user, "
+        "assistant, tool"
+    )
+
+
+def test_tool_turns_are_allowed(tmp_path):
+    rows = chat_rows(4)
+    rows[1]["messages"].insert(3, {"role": "tool", "content": "42"})
+    assert load_lm_data(config(write_jsonl(tmp_path / "d.jsonl", rows))).format == "messages"
+
+
+def test_error_packing_leaves_no_validation_token_to_train_on(tmp_path, tok):
+    """Packing drops a split's last partial block: a validation set whose one completion sits
+    there would otherwise evaluate no token (perplexity 1.00)."""
+    rows = [{"prompt": " ".join(SENTENCES), "completion": " yes"}]
+    train = write_jsonl(tmp_path / "train.jsonl", rows * 8)
+    dev = write_jsonl(tmp_path / "dev.jsonl", rows)
+    cfg = TrainConfig(train_file=str(train), validation_file=str(dev), max_length=16, packing=True)
+    message = error(lambda: build_lm_dataloaders(load_lm_data(cfg), tok, cfg))
+    assert message.startswith("no completion of the validation set is left to train on once packed")
+    assert "--no-packing" in message

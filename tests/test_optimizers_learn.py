@@ -63,7 +63,10 @@ def test_overfits_a_handful_of_examples(name, examples):
     overfit(name, examples)
 
 
-@pytest.mark.parametrize("name", TORCHAO)
+@pytest.mark.parametrize(
+    "name",
+    [n if n == "adamw-8bit-ao" else pytest.param(n, marks=pytest.mark.slow) for n in TORCHAO],
+)
 def test_torchao_overfits_with_its_update_run_eagerly(name, examples, uncompiled):
     overfit(name, examples)
 

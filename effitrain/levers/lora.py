@@ -341,7 +341,14 @@ def save_merged(
     Raises:
         EffitrainError: the folder cannot be written.
     """
-    from effitrain.checkpoint import save_final
+    from effitrain.checkpoint import final_step, save_final
 
     merged = accelerator.unwrap_model(model).merge_and_unload()
-    return save_final(accelerator, merged, tokenizer, output_dir, folder=MERGED_DIR)
+    return save_final(
+        accelerator,
+        merged,
+        tokenizer,
+        output_dir,
+        global_step=final_step(output_dir) or 0,
+        folder=MERGED_DIR,
+    )

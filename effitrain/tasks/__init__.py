@@ -106,6 +106,6 @@ def _task_name(config: TrainConfig) -> str:
     from effitrain.tasks.lm_data import LM_FORMATS, has_label_column
     from effitrain.tasks.sources import load_splits
 
-    splits, _ = load_splits(config, formats=LM_FORMATS)  # .txt files too
+    splits, _, _ = load_splits(config, formats=LM_FORMATS)  # .txt files too
     first = splits.get("train") or next(iter(splits.values()))
     return SEQUENCE_CLASSIFICATION if has_label_column(first.column_names) else CAUSAL_LM

@@ -79,7 +79,7 @@ class Task:
     """What throughput counts: ``samples`` or ``tokens`` (padding left out)."""
 
     def check_options(self, config: TrainConfig) -> None:
-        """Refuse options that belong to the other task (EffitrainError)."""
+        """Refuse options that belong to the other task or do not fit this one (EffitrainError)."""
 
     def load_data(self, config: TrainConfig) -> Any:
         """The raw training and validation splits, with columns and format resolved."""

@@ -13,6 +13,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import effitrain.models as models
+from effitrain.errors import EffitrainError
 from effitrain.tasks.base import CAUSAL_LM, Prepared, Task
 from effitrain.tasks.lm_data import (
     IGNORE_INDEX,
@@ -109,6 +110,14 @@ class CausalLMTask(Task):
 
     name = CAUSAL_LM
     speed_unit = "tokens"
+
+    def check_options(self, config: TrainConfig) -> None:
+        if config.max_length < 2:
+            raise EffitrainError(
+                f"--max-length {config.max_length} leaves no token to train on: a causal LM "
+                "learns to predict each token from the ones before it, so a sequence needs 2 "
+                "tokens or more; raise --max-length"
+            )
 
     def load_data(self, config: TrainConfig) -> LMData:
         return load_lm_data(config)

@@ -7,7 +7,7 @@ tokenizes with the model's tokenizer and pads each batch dynamically.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import effitrain.models as models
@@ -55,6 +55,8 @@ class LoadedData:
     label_names: list[str]
     source: str
     validation_source: str
+    notes: list[str] = field(default_factory=list)
+    """Things worth telling the user (files of a folder skipped as not data)."""
 
     @property
     def num_labels(self) -> int:
@@ -153,7 +155,7 @@ def load_data(config: TrainConfig) -> LoadedData:
     Raises:
         EffitrainError: missing files, no usable columns, bad labels, or an empty training set.
     """
-    splits, source = load_splits(config)
+    splits, source, notes = load_splits(config)
     train, validation, validation_source = train_and_validation(config, splits, source)
     if len(train) == 0:
         raise EffitrainError(f"the training set of {source} is empty")
@@ -183,6 +185,7 @@ def load_data(config: TrainConfig) -> LoadedData:
         label_names=names,
         source=source,
         validation_source=validation_source,
+        notes=notes,
     )
 
 

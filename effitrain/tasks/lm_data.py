@@ -50,6 +50,10 @@ FORMAT_COLUMNS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 """Data formats by the columns that identify them, tried in this order."""
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+"""The roles a message may have (as chat templates know them); any other is refused, not
+rendered as a turn the template may not know."""
+
 IGNORE_INDEX = -100
 """Label of a token that is not trained on (the loss of transformers' models skips it)."""
 
@@ -119,8 +123,8 @@ class LMData:
     completion_only: bool
     packing: bool
     notes: list[str] = field(default_factory=list)
-    """Things worth telling the user (fallbacks taken, rows dropped); build_lm_dataloaders adds
-    to them."""
+    """Things worth telling the user (fallbacks taken, rows dropped, files skipped);
+    build_lm_dataloaders adds to them."""
 
 
 def has_label_column(columns: Iterable[str]) -> bool:
@@ -180,6 +184,12 @@ def _check_rows(split: datasets.Dataset, fmt: str, name: str) -> None:
                     f"{name} row index {index}: 'messages' must be a non-empty list of "
                     f"{{role, content}} with string values, got {repr(messages)[:60]}"
                 )
+            for number, message in enumerate(messages, start=1):
+                if message["role"] not in CHAT_ROLES:
+                    raise EffitrainError(
+                        f"{name} row index {index}: message {number} has role "
+                        f"'{message['role']}'; roles allowed: {', '.join(CHAT_ROLES)}"
+                    )
         return
     needed = {
         "prompt-completion": ("prompt", "completion"),
@@ -202,12 +212,11 @@ def load_lm_data(config: TrainConfig) -> LMData:
     Raises:
         EffitrainError: missing or empty data, no usable column, options that do not fit the data.
     """
-    splits, source = load_splits(config, demo=_demo_corpus, formats=LM_FORMATS)
+    splits, source, notes = load_splits(config, demo=_demo_corpus, formats=LM_FORMATS)
     train, validation, validation_source = train_and_validation(config, splits, source, LM_FORMATS)
     if len(train) == 0:
         raise EffitrainError(f"the training set of {source} is empty")
     fmt, columns = _detect_format(list(train.column_names), config)
-    notes: list[str] = []
     if fmt == "text":
         kept = _drop_empty_texts(train, columns[0])
         if len(kept) == 0:
@@ -448,11 +457,27 @@ def _too_short(split: str, data: LMData, max_length: int, encoded: datasets.Data
             f"no example of the {split} set has an {what} to train on with completion-only "
             "loss; add assistant turns or use --full-loss"
         )
+    if data.packing:
+        return (
+            f"no {what} of the {split} set is left to train on once packed into blocks of "
+            f"--max-length {max_length} tokens (packing drops the last partial block, which "
+            f"held them); add {split} data or use --no-packing"
+        )
     return (
         f"every {what} of the {split} set is cut off by --max-length {max_length}, so no "
         f"token is left to train on (the longest example has {max(lengths)} tokens); raise "
         "--max-length"
     )
+
+
+def _has_target(packed: datasets.Dataset) -> bool:
+    """Whether a packed block has a label after its first token (the model predicts token i + 1
+    from token i, so the label at position 0 teaches nothing)."""
+    import pyarrow.compute as pc
+
+    labels = packed.with_format("arrow")[:].column("labels")
+    targets = pc.list_flatten(pc.list_slice(labels, 1))
+    return bool(pc.any(pc.not_equal(targets, IGNORE_INDEX)).as_py())
 
 
 def tokenize_lm(
@@ -498,7 +523,7 @@ def tokenize_lm(
                 batched=True,
                 fn_kwargs={"max_length": max_length, "split_long": data.format == "text"},
             ).filter(_trainable, batched=True)
-        if len(tokenized) == 0:
+        if len(tokenized) == 0 or (data.packing and not _has_target(tokenized)):
             raise EffitrainError(_too_short(split_name, data, max_length, encoded))
         dropped = len(encoded) - len(tokenized)
         if not data.packing and dropped > 0:
