@@ -169,13 +169,16 @@ def build_model(
     loaded: bool = True,
 ) -> torch.nn.Module:
     """The model to train, levers applied: loaded from the checkpoint as the levers say
-    (``loaded``), or built from its config alone (an estimate's, under the meta device).
+    (``loaded``: in the dtype it trains in, quantized while reading, straight onto a CUDA
+    device where they change how it is read), or built from its config alone (an estimate's,
+    under the meta device).
 
     Raises:
         EffitrainError: the model cannot be loaded or cannot take a lever.
     """
     if loaded:
-        model = task.load_model(config, data, tokenizer, levers.load_options(config, LoadOptions()))
+        options = levers.load_options(config, LoadOptions()).onto(device)
+        model = task.load_model(config, data, tokenizer, options)
         task.check_model(config, data, model)
     else:
         model = task.model_from_config(config, data, tokenizer)

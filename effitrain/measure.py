@@ -43,5 +43,5 @@ def memory_record(run: Run, progress: TrainingProgress) -> MemoryRecord:
         loss=run.loss.to_dict(),
         step_memory=step,
         lever_fields=lever_fields,
-        lever_rows=levers.memory_rows(lever_fields),
+        lever_rows=levers.memory_rows(lever_fields, step),
     )

@@ -8,7 +8,9 @@ read by ``--help``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -81,19 +83,51 @@ CAUSAL_PRESETS: dict[str, tuple[str, str, dict[str, Any]]] = {
 @dataclass(frozen=True)
 class LoadOptions:
     """How a checkpoint's weights are read (``from_pretrained``'s arguments); the levers say
-    what they change (``effitrain.levers.load_options``)."""
+    what they change (``effitrain.levers.load_options``). A preset (random init) is built in
+    ``dtype`` and takes nothing else: its levers act on the built model."""
 
     dtype: str = "float32"
-    """The dtype the weights are read in, whatever the checkpoint's."""
+    """The dtype the weights are read in (each tensor cast as it is read), whatever the
+    checkpoint's; a preset is built in it."""
     quantization_config: Any = None
-    """transformers' quantization config, to quantize while reading (None: read as they are)."""
+    """transformers' quantization config, to quantize tensor by tensor while reading (None:
+    read as they are)."""
+    keep_unquantized: Callable[[Any], list[str]] | None = None
+    """With ``quantization_config``: the names of the modules that keep their weights, given
+    the model built on the meta device before anything is read (None: transformers' choice)."""
     device_map: Any = None
     """Where the weights go as they are read (None: the host)."""
 
-    def from_pretrained_kwargs(self) -> dict[str, Any]:
+    def onto(self, device: Any) -> LoadOptions:
+        """These options, reading straight onto ``device`` where the run trains on CUDA and a
+        lever reads the checkpoint as it trains (in bf16, or quantized): nothing is converted on
+        the host afterwards, and Accelerate's ``prepare`` then finds the model in place. Not
+        for a plain fp32 read, which sharded launches load on the host."""
+        if getattr(device, "type", None) != "cuda" or self.device_map is not None:
+            return self
+        if self.dtype == LoadOptions.dtype and self.quantization_config is None:
+            return self
+        return dataclasses.replace(self, device_map={"": device})
+
+    def from_pretrained_kwargs(
+        self, auto_class: Any = None, model_config: Any = None
+    ) -> dict[str, Any]:
+        """``from_pretrained``'s arguments. With :attr:`keep_unquantized`, the model is first
+        built from ``model_config`` by ``auto_class`` on the meta device (no memory) to name the
+        modules the quantization leaves as they are."""
         kwargs: dict[str, Any] = {"dtype": self.dtype}
         if self.quantization_config is not None:
             kwargs["quantization_config"] = self.quantization_config
+            if self.keep_unquantized is not None:
+                import copy
+
+                import torch
+
+                with torch.device("meta"):
+                    skeleton = auto_class.from_config(copy.deepcopy(model_config))
+                quantization = copy.copy(self.quantization_config)
+                quantization.llm_int8_skip_modules = list(self.keep_unquantized(skeleton))
+                kwargs["quantization_config"] = quantization
         if self.device_map is not None:
             kwargs["device_map"] = self.device_map
         return kwargs
@@ -201,17 +235,19 @@ def load_model(
     Raises:
         EffitrainError: the model cannot be loaded.
     """
+    from transformers import AutoModelForSequenceClassification
+
     labels = _label_fields(label_names)
+    options = options or LoadOptions()
     if name in PRESETS:
-        from transformers import DistilBertConfig, DistilBertForSequenceClassification
+        from transformers import DistilBertConfig
 
         settings = preset_settings(name)
         settings["vocab_size"] = max(settings.get("vocab_size", 0), len(tokenizer))
         settings["pad_token_id"] = tokenizer.pad_token_id
         config = DistilBertConfig(**settings, **labels)
-        return DistilBertForSequenceClassification(config)
-
-    from transformers import AutoModelForSequenceClassification
+        # Built in the dtype it trains in: the same values as fp32's init, rounded.
+        return AutoModelForSequenceClassification.from_config(config, dtype=options.dtype)
 
     config = load_model_config(name, **labels)
     if getattr(config, "pad_token_id", None) is None:
@@ -223,7 +259,7 @@ def load_model(
             name,
             config=config,
             ignore_mismatched_sizes=True,
-            **(options or LoadOptions()).from_pretrained_kwargs(),
+            **options.from_pretrained_kwargs(AutoModelForSequenceClassification, config),
         )
     except (OSError, ValueError, KeyError) as exc:
         raise cannot_load("model", name, exc) from exc
@@ -274,8 +310,8 @@ def model_from_config(
         model_config.pad_token_id = (
             tokenizer.pad_token_id if tokenizer is not None else config_eos_token_id(model_config)
         )
-    # fp32 whatever the checkpoint's dtype, as load_model and load_causal_lm load it
-    # (from_config would take config.json's torch_dtype).
+    # fp32 whatever the checkpoint's dtype (from_config would take config.json's torch_dtype):
+    # on the meta device the levers' bf16 cast costs nothing, where a run reads in bf16.
     auto = AutoModelForCausalLM if causal_lm else AutoModelForSequenceClassification
     model = auto.from_config(model_config, dtype="float32")
     if causal_lm:
@@ -321,18 +357,21 @@ def load_causal_lm(
     """
     import transformers
 
+    options = options or LoadOptions()
+    auto = transformers.AutoModelForCausalLM
     if name in CAUSAL_PRESETS:
         settings = causal_preset_settings(name)
         settings["vocab_size"] = max(settings["vocab_size"], len(tokenizer))
         for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
             settings[key] = getattr(tokenizer, key)
         config = getattr(transformers, CAUSAL_PRESETS[name][1])(**settings)
-        return _for_training(transformers.AutoModelForCausalLM.from_config(config), tokenizer)
+        # Built in the dtype it trains in, as load_model builds its presets.
+        return _for_training(auto.from_config(config, dtype=options.dtype), tokenizer)
+    # The config only where the options need the model's modules (a quantization's kept ones).
+    config = load_model_config(name) if options.keep_unquantized is not None else None
     try:
         # In the options' dtype whatever the checkpoint's, as load_model.
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            name, **(options or LoadOptions()).from_pretrained_kwargs()
-        )
+        model = auto.from_pretrained(name, **options.from_pretrained_kwargs(auto, config))
     except ValueError as exc:
         if "Unrecognized configuration class" in str(exc):
             raise EffitrainError(

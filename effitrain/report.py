@@ -309,7 +309,8 @@ def memory_table(memory: MemoryRecord, optimizer: str, run: TrainResult | None =
         )
         for row in memory.lever_rows:
             if row.part_of == kind:
-                table.add_row(row.label, format_bytes(row.measured), "", "")
+                at = format_bytes(row.at_peak) if row.at_peak is not None else ""
+                table.add_row(row.label, format_bytes(row.measured), at, "")
     other = at_peak.get("buffers", 0) + at_peak.get("other", 0)
     if other:
         table.add_row("buffers, other", "", format_bytes(other), "")

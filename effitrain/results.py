@@ -78,6 +78,8 @@ class MemoryRow:
     part_of: str | None = None
     """Listed under this part of the step (``parameters``); None: host memory, in a section of
     its own, not in the device's peak."""
+    at_peak: int | None = None
+    """Its bytes when the measured step's tensors peaked, within its part's (None: not known)."""
 
 
 @dataclass(frozen=True)

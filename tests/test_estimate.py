@@ -102,6 +102,18 @@ def test_estimate_of_stochastic_rounding(train_cli, tmp_path, long_data, options
 
 
 @pytest.mark.slow
+def test_estimate_of_a_step_in_row_blocks(train_cli, tmp_path, long_data, monkeypatch):
+    """bf16 Adafactor with blocks of 8192 elements (every matrix but one in 2 to 4 blocks of
+    rows): the estimate runs the run's row blocks, so the state is equal to the byte and the
+    peak within 10 %."""
+    from effitrain.optim import stochastic_rounding
+
+    monkeypatch.setattr(stochastic_rounding, "ROW_BLOCK_ELEMENTS", 8192)
+    options = ["--optim", "adafactor", "--weights-dtype", "bf16"]
+    compare(train_cli, tmp_path, [*long_data, "--batch-size", "4", "--max-length", "32", *options])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("batch,length", [(4, 32), (16, 48), (2, 64)])
 def test_estimate_at_batch_and_length(train_cli, tmp_path, long_data, batch, length):
     estimated, _ = compare(

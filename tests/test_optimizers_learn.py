@@ -58,7 +58,19 @@ def overfit(name: str, examples) -> None:
     assert not still, f"{name} never updated {still}"
 
 
-@pytest.mark.parametrize("name", [name for name in OPTIMIZERS if name not in TORCHAO])
+FAST = ("adamw", "adafactor", "adafactor-hf", "adamw-8bit")
+"""The default comparison's optimizers (and the Trainer's Adafactor) learn in the fast tier; the
+others in the full suite."""
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        name if name in FAST else pytest.param(name, marks=pytest.mark.slow)
+        for name in OPTIMIZERS
+        if name not in TORCHAO
+    ],
+)
 def test_overfits_a_handful_of_examples(name, examples):
     overfit(name, examples)
 

@@ -58,6 +58,7 @@ def test_qlora_learns_and_says_what_is_4bit(qlora_run):
 
 def test_4bit_storage_is_counted_to_the_byte(qlora_run):
     from effitrain.levers.qlora import expected_storage
+    from effitrain.memory.ledger import format_bytes
 
     metrics = qlora_run.metrics
     shapes = tiny_llama_linear_shapes()
@@ -82,6 +83,12 @@ def test_4bit_storage_is_counted_to_the_byte(qlora_run):
     assert metrics["trainable_parameter_bytes"] == 4 * adapters
     # The fp32 AdamW baseline trains the original model: every weight, unpacked.
     assert metrics["baseline"]["parameter_bytes"] == 4 * (fp32 + numel)
+    # The step tracker counts the quant states with the parameters; the 4-bit row's "at peak".
+    step = metrics["step_memory"]
+    assert step["at_peak"]["parameters"] == metrics["parameter_bytes"]
+    assert step["quantized_at_peak"] == by_hand["bytes"]
+    row = next(line for line in qlora_run.proc.stdout.splitlines() if "4-bit NF4: packed" in line)
+    assert row.count(format_bytes(by_hand["bytes"])) == 2  # measured, at peak
 
 
 def test_resume_with_4bit_base_is_exact(qlora_run, tmp_path, train_cli):
@@ -150,10 +157,6 @@ def test_evaluation_leaves_the_4bit_weights_as_they_are():
     ("options", "fragment"),
     [
         (("--load-in-4bit",), "--load-in-4bit needs --lora-rank R"),
-        (
-            (*QLORA, "--weights-dtype", "bf16"),
-            "--load-in-4bit cannot combine with --weights-dtype bf16",
-        ),
         ((*QLORA, "--lora-merge"), "--load-in-4bit cannot combine with --lora-merge"),
     ],
 )

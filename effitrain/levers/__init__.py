@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
     from effitrain.config import TrainConfig
     from effitrain.distributed import Launch
+    from effitrain.memory.step import StepMemory
     from effitrain.models import LoadOptions
     from effitrain.optim import OptimizerSpec
     from effitrain.report import Reporter
@@ -245,9 +246,9 @@ def metrics(run: BuiltRun) -> dict[str, Any]:
     return fields
 
 
-def memory_rows(fields: dict[str, Any]) -> list[MemoryRow]:
-    """The levers' rows of the memory table, from their metrics fields."""
-    return [row for lever in LEVERS.values() for row in lever.memory_rows(fields)]
+def memory_rows(fields: dict[str, Any], step: StepMemory | None) -> list[MemoryRow]:
+    """The levers' rows of the memory table, from their metrics fields and the measured step."""
+    return [row for lever in LEVERS.values() for row in lever.memory_rows(fields, step)]
 
 
 def estimate_notes(config: TrainConfig) -> list[str]:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
     from effitrain.config import TrainConfig
     from effitrain.distributed import Launch
+    from effitrain.memory.step import StepMemory
 
 MIN_OFFLOAD_BYTES = 1024
 """trl's default: smaller saved tensors stay on the GPU."""
@@ -204,7 +205,7 @@ class ActivationOffload(Lever):
     def metrics(self, run: BuiltRun) -> dict[str, Any]:
         return {"activation_offload_host_bytes": run.lever_contexts[self.name].host_bytes.peak}
 
-    def memory_rows(self, metrics: dict[str, Any]) -> list[MemoryRow]:
+    def memory_rows(self, metrics: dict[str, Any], step: StepMemory | None) -> list[MemoryRow]:
         host = metrics.get("activation_offload_host_bytes")
         if host is None:
             return []

@@ -1,9 +1,15 @@
 """``--weights-dtype bf16``: the weights (and gradients, and the optimizer state where it can)
 in bf16, updated by an optimizer variant that keeps small steps (Kahan summation or stochastic
-rounding, :mod:`effitrain.optim.bf16`). Not autocast: that is ``--mixed-precision``."""
+rounding, :mod:`effitrain.optim.bf16`). Not autocast: that is ``--mixed-precision``.
+
+A checkpoint is read straight into bf16 (``from_pretrained(dtype=torch.bfloat16)``, each
+tensor cast as it is read) and a preset is built in bf16: no fp32 copy of the model exists.
+The cast after loading remains for what transformers leaves in fp32 (rotary ``inv_freq``
+buffers, a model's ``_keep_in_fp32_modules``); for the rest it changes nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from effitrain.errors import EffitrainError
@@ -14,6 +20,7 @@ if TYPE_CHECKING:
 
     from effitrain.config import TrainConfig
     from effitrain.distributed import Launch
+    from effitrain.models import LoadOptions
     from effitrain.optim import OptimizerSpec
 
 
@@ -62,9 +69,14 @@ class Bf16Weights(Lever):
         variant = variant_for(config.optim, adapters=config.lora_rank is not None)
         return spec if variant is None else variant_spec(spec, variant, config.seed)
 
+    def load_options(self, config: TrainConfig, options: LoadOptions) -> LoadOptions:
+        return dataclasses.replace(options, dtype="bfloat16")
+
     def apply_to_model(
         self, model: torch.nn.Module, config: TrainConfig, device: torch.device | None
     ) -> Any:
+        import torch
+
         from effitrain.optim import get_spec
         from effitrain.optim.bf16 import cast_model
 
@@ -74,6 +86,10 @@ class Bf16Weights(Lever):
                 f"--weights-dtype bf16 with --optim {spec.name} needs {spec.class_path} from the "
                 f"'{spec.module}' package, which is not installed: {spec.install}"
             )
+        if getattr(model, "is_quantized", False):
+            # transformers refuses .to(dtype) on a model it quantized while loading; torch's own
+            # Module.to casts floating-point tensors only: the 4-bit codes stay as they are.
+            return torch.nn.Module.to(model, torch.bfloat16)
         return cast_model(model)
 
     def finish_model(self, model: torch.nn.Module, config: TrainConfig) -> None:

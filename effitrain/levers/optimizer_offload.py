@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
     from effitrain.config import TrainConfig
     from effitrain.distributed import Launch
+    from effitrain.memory.step import StepMemory
 
 
 class OptimizerOffload(Lever):
@@ -118,7 +119,7 @@ class OptimizerOffload(Lever):
 
         return {"optimizer_offload": offload_ledger(run.optimizer)}
 
-    def memory_rows(self, metrics: dict[str, Any]) -> list[MemoryRow]:
+    def memory_rows(self, metrics: dict[str, Any], step: StepMemory | None) -> list[MemoryRow]:
         where = metrics.get("optimizer_offload") or {}
         if not where:
             return []

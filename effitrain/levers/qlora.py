@@ -2,27 +2,37 @@
 (bitsandbytes), under LoRA's adapters (``--lora-rank``).
 
 What is quantized: every ``nn.Linear`` (and GPT-2's ``Conv1D``) outside the output layer and the
-classification head, through transformers' own ``replace_with_bnb_linear``; each weight becomes a
-``bitsandbytes.nn.Params4bit`` (two 4-bit codes per byte) with a ``QuantState``: one absmax per
-block of 64 weights, the 16-value NF4 code, and with double quantization (on, as in the QLoRA
-paper) the absmaxes themselves stored as 8-bit blockwise codes (blocks of 256) with their own
-fp32 absmax, 256-value code and offset. Embeddings, norms, the output layer and the head stay as
-they are (fp32). The compute dtype (what each weight is dequantized to for its matmul) is bf16
-under ``--mixed-precision bf16``, else fp32.
+classification head (:func:`kept_modules`), through transformers' own ``replace_with_bnb_linear``;
+each weight becomes a ``bitsandbytes.nn.Params4bit`` (two 4-bit codes per byte) with a
+``QuantState``: one absmax per block of 64 weights, the 16-value NF4 code, and with double
+quantization (on, as in the QLoRA paper) the absmaxes themselves stored as 8-bit blockwise codes
+(blocks of 256) with their own fp32 absmax, 256-value code and offset. Embeddings, norms, the
+output layer and the head stay unquantized, in the dtype the model is read in: fp32, or bf16
+with ``--weights-dtype bf16`` (the head that trains in full then goes back to fp32, as LoRA's
+adapters are). The compute dtype (what each weight is dequantized to for its matmul) is bf16
+under ``--mixed-precision bf16`` or ``--weights-dtype bf16``, else fp32.
 
-The weights are quantized where the run trains (``Params4bit.to(device)``) from the model as
-loaded, the same way as transformers' ``Bnb4bitQuantize`` does while loading: the same fp32
-weights give the same 4-bit weights, so a resumed run rebuilds the identical frozen base.
+A checkpoint is quantized while it is read, tensor by tensor, by transformers' bitsandbytes
+integration (``from_pretrained(quantization_config=BitsAndBytesConfig(...))``, the kept modules
+named from the model built on the meta device first): no full-precision copy of the base
+exists. A preset (random init) is built first, then quantized where the run trains
+(``Params4bit.to(device)``), as ``effitrain estimate`` does on fake tensors. Both run
+bitsandbytes' ``quantize_4bit`` on each weight as read in: from fp32 (the default) the codes
+and quant states equal those of quantizing the fp32 model after loading, byte for byte; from
+bf16 the codes are the same and the quant state records bf16 as the weight's dtype. A resumed
+run reads ``--model`` the same way, so it rebuilds the identical frozen base.
 
 peft's ``prepare_model_for_kbit_training`` is not called: it casts fp16/bf16 parameters to fp32
-(these are fp32 already) and turns on reentrant gradient checkpointing behind the user's back;
-``--gradient-checkpointing`` is the explicit switch (non-reentrant, which needs no input grads).
+(the adapters are fp32 already) and turns on reentrant gradient checkpointing behind the user's
+back; ``--gradient-checkpointing`` is the explicit switch (non-reentrant, which needs no input
+grads).
 
 bitsandbytes is imported inside the functions: it is an optional extra (``effitrain[qlora]``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 from dataclasses import asdict, dataclass
@@ -39,6 +49,8 @@ if TYPE_CHECKING:
 
     from effitrain.config import TrainConfig
     from effitrain.distributed import Launch
+    from effitrain.memory.step import StepMemory
+    from effitrain.models import LoadOptions
 
 INSTALL = "pip install 'effitrain[qlora]'"
 BLOCKSIZE = 64
@@ -67,13 +79,6 @@ class QLoRA(Lever):
                 "--load-in-4bit needs --lora-rank R: 4-bit weights are frozen, only LoRA "
                 "adapters can train over them; add --lora-rank 8"
             )
-        if config.weights_dtype == "bf16":
-            raise EffitrainError(
-                "--load-in-4bit cannot combine with --weights-dtype bf16: casting the model "
-                "would turn the packed 4-bit codes into numbers; drop --weights-dtype (the "
-                "adapters train in fp32 either way) and use --mixed-precision bf16 for bf16 "
-                "compute"
-            )
         if config.lora_merge:
             raise EffitrainError(
                 "--load-in-4bit cannot combine with --lora-merge: merging into 4-bit weights "
@@ -84,9 +89,19 @@ class QLoRA(Lever):
     def check_launch(self, config: TrainConfig, launch: Launch) -> None:
         require_bitsandbytes()  # under sharding, LoRA refuses the launch
 
+    def load_options(self, config: TrainConfig, options: LoadOptions) -> LoadOptions:
+        return dataclasses.replace(
+            options,
+            quantization_config=quantization_config(config),
+            keep_unquantized=kept_modules,
+        )
+
     def apply_to_model(
         self, model: torch.nn.Module, config: TrainConfig, device: torch.device | None
     ) -> Any:
+        if getattr(model, "is_loaded_in_4bit", False):  # quantized while it was read
+            no_cpu_repacking(model)
+            return model
         return quantize_model(model, config, device)
 
     def banner(self, config: TrainConfig, model: torch.nn.Module) -> str:
@@ -95,7 +110,7 @@ class QLoRA(Lever):
     def metrics(self, run: BuiltRun) -> dict[str, Any]:
         return {"quantized_weights": storage(run.model).to_dict()}
 
-    def memory_rows(self, metrics: dict[str, Any]) -> list[MemoryRow]:
+    def memory_rows(self, metrics: dict[str, Any], step: StepMemory | None) -> list[MemoryRow]:
         quantized = metrics.get("quantized_weights")
         if not quantized:
             return []
@@ -107,6 +122,7 @@ class QLoRA(Lever):
                 f"{format_bytes(quantized['quant_state_bytes'])}",
                 quantized["bytes"],
                 part_of="parameters",
+                at_peak=step.quantized_at_peak if step else None,
             )
         ]
 
@@ -129,17 +145,23 @@ def require_bitsandbytes() -> None:
 
 def quantization_config(config: TrainConfig) -> Any:
     """transformers' ``BitsAndBytesConfig`` for the run: NF4, double quantization, the compute
-    dtype of ``--mixed-precision``."""
+    dtype of :func:`compute_dtype`."""
     import torch
     from transformers import BitsAndBytesConfig
 
-    compute = torch.bfloat16 if config.mixed_precision == "bf16" else torch.float32
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
-        bnb_4bit_compute_dtype=compute,
+        bnb_4bit_compute_dtype=getattr(torch, compute_dtype(config)),
         bnb_4bit_use_double_quant=DOUBLE_QUANT,
     )
+
+
+def compute_dtype(config: TrainConfig) -> str:
+    """What each 4-bit weight is dequantized to for its matmul: bf16 under bf16 autocast or
+    with bf16 weights (the hidden states are bf16 then), else fp32."""
+    bf16 = config.mixed_precision == "bf16" or config.weights_dtype == "bf16"
+    return "bfloat16" if bf16 else "float32"
 
 
 def kept_modules(model: torch.nn.Module) -> list[str]:
@@ -178,11 +200,19 @@ def replace_linear_layers(model: torch.nn.Module, config: TrainConfig) -> Any:
             )
             if bias is not None:
                 module.bias = bias  # frozen by peft with the rest of the base
-            # On a CPU with AVX512-BF16, bitsandbytes repacks a weight in place for inference at
-            # the first forward without grad (evaluation): other numerics, lossy on the way back,
-            # and shapes it cannot repack (rows not a multiple of the block) fail.
-            module.support_avx512bf16_for_cpu = False
+    no_cpu_repacking(model)
     return model
+
+
+def no_cpu_repacking(model: torch.nn.Module) -> None:
+    """On a CPU with AVX512-BF16, bitsandbytes repacks a 4-bit weight in place for inference at
+    the first forward without grad (evaluation): other numerics, lossy on the way back, and
+    shapes it cannot repack (rows not a multiple of the block) fail. Turned off."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
 
 
 def quantize_weights(model: torch.nn.Module, device: torch.device | None) -> None:
@@ -201,13 +231,15 @@ def quantize_model(
 ) -> Any:
     """:func:`replace_linear_layers`, then :func:`quantize_weights` on ``device`` (default: where
     the model is). Nothing is quantized on the meta device: ``effitrain estimate`` quantizes
-    once it has fake tensors."""
+    once it has fake tensors. The model is then marked as transformers marks one it quantized
+    while loading (``is_loaded_in_4bit``), so that peft gives it the same QLoRA layers."""
     import torch
 
     device = device if device is not None else next(model.parameters()).device
     replace_linear_layers(model, config)
     if torch.device(device).type != "meta":
         quantize_weights(model, device)
+    model.is_loaded_in_4bit = True
     return model
 
 
@@ -305,7 +337,7 @@ def describe(model: torch.nn.Module, config: TrainConfig) -> str:
     # Under peft the layer is "<name>.base_layer": name it by the layer it stands for.
     layers = [n.removesuffix(".base_layer").rsplit(".", 1)[-1] for n in names]
     measured = storage(base)
-    compute = "bf16" if config.mixed_precision == "bf16" else "fp32"
+    compute = {"bfloat16": "bf16", "float32": "fp32"}[compute_dtype(config)]
     kept = ", ".join(kept_modules(base)) or "no Linear layer"
     return (
         f"4-bit NF4 base (bitsandbytes, double quantization, blocks of {BLOCKSIZE}, compute "

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
     from effitrain.config import TrainConfig
     from effitrain.distributed import Launch
+    from effitrain.memory.step import StepMemory
     from effitrain.models import LoadOptions
     from effitrain.optim import OptimizerSpec, ParamGroups
     from effitrain.report import Reporter
@@ -170,8 +171,9 @@ class Lever:
         """Its fields of the metrics JSON (and of an estimate's), measured."""
         return {}
 
-    def memory_rows(self, metrics: dict[str, Any]) -> list[MemoryRow]:
-        """Its rows of the memory table, from :meth:`metrics`' fields."""
+    def memory_rows(self, metrics: dict[str, Any], step: StepMemory | None) -> list[MemoryRow]:
+        """Its rows of the memory table, from :meth:`metrics`' fields and the measured step
+        (None: not measured)."""
         return []
 
     def fake_tensor(self, original: Any, empty: Any) -> Any | None:

@@ -77,6 +77,10 @@ class StepMemory:
     cuda_max_reserved: int | None = None
     """``torch.cuda.max_memory_reserved`` over the same step: what the caching allocator held
     (CUDA only)."""
+    quantized_at_peak: int | None = None
+    """Of ``at_peak``'s parameters: the 4-bit weights, packed codes and quant states (None: the
+    model has none). They are tracked from the step's start and still alive at its end, so
+    all of them were alive at its peak."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -184,6 +188,7 @@ class StepMemoryProbe:
             total = counts.get("optimizer_state", 0)
             counts["optimizer_state"] = min(total, kept)
             counts["optimizer_temporaries"] = total - counts["optimizer_state"]
+        quantized = [p for p in self.model.parameters() if ledger.is_4bit(p)]
         cuda_peak = cuda_reserved = None
         if getattr(self.device, "type", str(self.device)) == "cuda":
             torch.cuda.synchronize(self.device)
@@ -197,6 +202,7 @@ class StepMemoryProbe:
             kind_peaks={kind: max(peaks.get(kind, 0), at_peak[kind]) for kind in KINDS},
             cuda_max_allocated=cuda_peak,
             cuda_max_reserved=cuda_reserved,
+            quantized_at_peak=ledger.parameter_bytes(quantized) if quantized else None,
         )
 
 
@@ -289,6 +295,11 @@ def _make_tracker() -> Any:
             # MemTracker hooks every parameter's gradient, and a frozen one (LoRA's base
             # weights) refuses hooks: hook only the parameters that train.
             counted = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+            # A 4-bit weight's quant state (absmax, codes, nested absmax) is neither a parameter
+            # nor a buffer of its module: tracked as part of the parameter it belongs to.
+            for param in module.parameters():
+                for tensor in ledger.quant_state_tensors(param):
+                    self._update_and_maybe_create_winfos(tensor, _MemRefType.PARAM)
             if install_grad_hooks:
                 for param in module.parameters():
                     if param.requires_grad and param not in self._param_to_grad_hook_handles:

@@ -10,10 +10,11 @@ rounds ``w + lr * step`` to the nearest bf16 (8 significant bits), so any step b
   the next step. Deterministic, but one more weight-sized buffer: right for AdamW and SGD, whose
   state is weight-sized anyway.
 - Stochastic rounding (:mod:`effitrain.optim.stochastic_rounding`): the update is computed in
-  fp32 on one parameter at a time and rounded up or down at random, exact in expectation. No
-  buffer: right for Adafactor, whose state is near zero (a Kahan buffer would be 2 bytes per
-  parameter, more than all of Adafactor's state). The rounding is torchao's and
-  pytorch-optimizer's bit trick, with a generator per parameter whose state is optimizer state.
+  fp32 on one parameter at a time (a large one block by block of rows) and rounded up or down
+  at random, exact in expectation. No buffer: right for Adafactor, whose state is near zero (a
+  Kahan buffer would be 2 bytes per parameter, more than all of Adafactor's state). The
+  rounding is torchao's and pytorch-optimizer's bit trick, with a generator per parameter whose
+  state is optimizer state.
 
 ===============  ======================================  ========================================
 --optim          bf16 variant                            state per parameter
@@ -155,7 +156,8 @@ BF16_VARIANTS: dict[str, Bf16Variant] = {
     ),
     "adafactor": Bf16Variant(
         "torch.optim.Adafactor + stochastic rounding",
-        "torch.optim.Adafactor in fp32 per parameter, stochastic rounding to bf16",
+        "torch.optim.Adafactor in fp32 per parameter (the largest by blocks of rows), "
+        "stochastic rounding to bf16",
         "step, row_var + col_var (>=2-D), variance (1-D) (fp32)" + _SR_STATE,
         _sr_adafactor,
         module="torch",
@@ -165,7 +167,8 @@ BF16_VARIANTS: dict[str, Bf16Variant] = {
     ),
     "adafactor-hf": Bf16Variant(
         "transformers.optimization.Adafactor + stochastic rounding",
-        "transformers' Adafactor in fp32 per parameter, stochastic rounding to bf16",
+        "transformers' Adafactor in fp32 per parameter (the largest by blocks of rows), "
+        "stochastic rounding to bf16",
         "step, exp_avg_sq_row/col (>=2-D) or exp_avg_sq, RMS (fp32)" + _SR_STATE,
         _sr_adafactor_hf,
         module="transformers",

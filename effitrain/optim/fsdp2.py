@@ -31,6 +31,11 @@ torch's distributed checkpointing (Accelerate's ``save_state`` under FSDP2) save
 it. Equal to the library: with one process op for op (tests/test_fsdp2_optim.py); with two
 processes, to a one-process run on the same batch, within fp32 rounding
 (tests/fsdp2_factored.py).
+
+The same updates also run in one process on blocks of a weight's rows
+(:meth:`_Sharded.row_blocked_update`, the bf16 step of :mod:`.stochastic_rounding`), so that the
+step's fp32 temporaries are one block's, not the whole weight's: each block stands where a rank's
+shard stands, and its sums are added up over the blocks instead of over ranks.
 """
 
 from __future__ import annotations
@@ -85,7 +90,8 @@ class _Layout:
     mesh: Any = None
     placements: tuple[Any, ...] = ()
     group: Any = None
-    """The process group over which dim 0 is split; None: nothing to reduce."""
+    """The process group over which dim 0 is split (:data:`ROW_BLOCKS`: one process's blocks of
+    rows); None: nothing to reduce."""
 
     @staticmethod
     def of(param: torch.Tensor) -> _Layout:
@@ -149,6 +155,12 @@ class _Layout:
         return DTensor.from_local(
             local, self.mesh, placements, run_check=False, shape=shape, stride=stride
         )
+
+
+ROW_BLOCKS = "blocks of rows"
+"""The :class:`_Layout` group of a weight updated block by block of rows in one process
+(:meth:`_Sharded.row_blocked_update`): its reductions yield each block's sums, which are added
+up over the blocks as FSDP2's are over ranks."""
 
 
 def _local(t: Any) -> Any:
@@ -222,28 +234,135 @@ class _Sharded:
                 _lockstep(bucket)
                 bucket, filled = [], 0
             layout = _Layout.of(p)
-            bucket.append((self._sharded_param(group, p, layout), layout.group))
+            bucket.append((self._sharded_param(group, p, self.state[p], layout), layout.group))
             filled += size
         _lockstep(bucket)
 
-    def _sharded_param(self, group: dict[str, Any], p: Any, layout: _Layout) -> Update:
+    def _sharded_param(
+        self, group: dict[str, Any], p: Any, state: dict[str, Any], layout: _Layout
+    ) -> Update:
+        """``p``'s update: ``p`` is a DTensor or a plain tensor holding the rows that this rank
+        or block updates (its ``.grad`` theirs too), ``state`` its state (its rows of the row-split
+        tensors), ``layout`` the whole weight's shape and how its rows are split."""
         raise NotImplementedError
+
+    def row_blocked_update(
+        self,
+        group: dict[str, Any],
+        p: torch.Tensor,
+        rows_per_block: int,
+        write: Callable[[slice, torch.Tensor], None],
+    ) -> None:
+        """Plain parameter ``p``'s update in ``group``, in fp32, block by block of
+        ``rows_per_block`` rows (dim 0): the update FSDP2's ranks run on their rows, with the
+        blocks in place of the ranks, so equal to the whole-tensor update within fp32 rounding.
+
+        A reduction needs every block's sums before any block can go on, and a block's
+        temporaries must be freed before the next block's are made: so each round, every block's
+        update runs again from the start, on fp32 copies of its rows and state, up to its next
+        reduction, and only its sum is kept; a last pass, given all the sums, updates the state
+        and hands over the blocks. Running time: about one update per reduction (four for the
+        Adafactors) on top of the last, for a step whose temporaries are one block's fp32
+        weight, gradient and update, not the whole weight's.
+
+        Args:
+            write: called with each block's rows and its updated fp32 copy, in order, to put it
+                into ``p``'s rows (``p`` itself is not written); the copy's ``.grad``, the
+                block's fp32 gradient, is spent and may be overwritten. The state is updated
+                once the last block has been written.
+        """
+        layout = _Layout(p.shape, group=ROW_BLOCKS)
+        state, ndim = self.state[p], p.dim()
+        blocks = [slice(i, i + rows_per_block) for i in range(0, p.shape[0], rows_per_block)]
+
+        def update(rows: slice, block_state: dict[str, Any]) -> tuple[torch.Tensor, Update]:
+            block = p.detach()[rows].to(torch.float32, copy=True)
+            block.grad = p.grad[rows].to(torch.float32, copy=True)
+            return block, self._sharded_param(group, block, block_state, layout)
+
+        sums: list[torch.Tensor] = []
+        while True:
+            total = None
+            for rows in blocks:
+                # Only the update holds this block's copies: they go when it is closed.
+                local = _replay(update(rows, _block_state(state, rows, ndim, copy=True))[1], sums)
+                if local is None:  # no reduction left: the last pass follows
+                    break
+                total = local.clone() if total is None else total.add_(local)
+            if total is None:
+                break
+            sums.append(total)
+
+        first = len(state) == 0
+        kept: dict[str, Any] = {}
+
+        def last_pass(rows: slice) -> None:  # its block is freed on return, before the next
+            block_state = _block_state(state, rows, ndim, copy=False)
+            block, last = update(rows, block_state)
+            _replay(last, sums)
+            for key, value in block_state.items():
+                if not _split_with_rows(key, value, ndim):
+                    kept[key] = value  # every block's copy: the same values
+                elif first:  # made by this block's update: its rows of the whole
+                    if key not in kept:
+                        kept[key] = value.new_empty((p.shape[0], *value.shape[1:]))
+                    kept[key][rows].copy_(value)
+            write(rows, block)
+
+        for rows in blocks:
+            last_pass(rows)
+        state.update(kept)
+
+
+def _replay(update: Update, sums: list[torch.Tensor]) -> torch.Tensor | None:
+    """Run ``update``, given the totals of its first reductions: its next local sum (the update
+    is then closed), or None when it has run to its end."""
+    try:
+        local = next(update)
+        for total in sums:
+            local = update.send(total.clone())  # the update may divide what it gets in place
+    except StopIteration:
+        return None
+    update.close()
+    return local
+
+
+def _split_with_rows(key: str, value: Any, param_ndim: int) -> bool:
+    """Whether state ``value`` is split on dim 0 like its parameter (else each rank or block
+    holds all of it: a number, a step count, a 2-D weight's column factor)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and not replicated(key, param_ndim)
+
+
+def _block_state(state: dict[str, Any], rows: slice, ndim: int, copy: bool) -> dict[str, Any]:
+    """A block's view of its parameter's state: its ``rows`` of each row-split tensor (copies
+    with ``copy``), and its own copy of each other tensor (every block updates the column
+    factors and the step count, as every rank updates its replica)."""
+    block = {}
+    for key, value in state.items():
+        if _split_with_rows(key, value, ndim):
+            value = value[rows].clone() if copy else value[rows]
+        elif isinstance(value, torch.Tensor):
+            value = value.clone()
+        block[key] = value
+    return block
 
 
 class Adafactor(_Sharded, torch.optim.Adafactor):
     """``torch.optim.Adafactor`` that also steps FSDP2's sharded parameters."""
 
-    def _sharded_param(self, group: dict[str, Any], p: Any, layout: _Layout) -> Update:
+    def _sharded_param(
+        self, group: dict[str, Any], p: Any, state: dict[str, Any], layout: _Layout
+    ) -> Update:
         # torch/optim/_adafactor.py::_single_tensor_adafactor, on local shards.
         if torch.is_complex(p) or p.grad.is_sparse:
             raise RuntimeError("Adafactor does not support complex parameters or sparse gradients")
         param, grad = _local(p), _local(p.grad)
         grad = -grad if group["maximize"] else grad
-        state = self.state[p]
+        numel = layout.shape.numel()
         if len(state) == 0:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             if p.dim() > 1:
-                shape, local = p.shape, grad.shape
+                shape, local = layout.shape, grad.shape
                 state["row_var"] = layout.zeros(grad, "row_var", [*shape[:-1], 1], [*local[:-1], 1])
                 state["col_var"] = layout.zeros(
                     grad, "col_var", [*shape[:-2], 1, shape[-1]], [*local[:-2], 1, local[-1]]
@@ -259,7 +378,7 @@ class Adafactor(_Sharded, torch.optim.Adafactor):
         step_float = step_t.item()
         one_minus_beta2_t = step_float ** group["beta2_decay"]
         rho_t = min(lr, 1 / (step_float**0.5))
-        alpha = max(eps2, (yield from layout.norm(param)).item() / (p.numel() ** 0.5)) * rho_t
+        alpha = max(eps2, (yield from layout.norm(param)).item() / (numel**0.5)) * rho_t
         if group["weight_decay"] != 0:
             param.mul_(1 - lr * group["weight_decay"])
         if grad.dim() > 1:
@@ -274,9 +393,7 @@ class Adafactor(_Sharded, torch.optim.Adafactor):
             var_estimate = variance.clone()
         update = var_estimate.clamp_(min=eps1 * eps1).rsqrt_()
         update.mul_(grad)
-        denom = max(
-            1.0, (yield from layout.norm(update)).item() / ((p.numel() ** 0.5) * group["d"])
-        )
+        denom = max(1.0, (yield from layout.norm(update)).item() / ((numel**0.5) * group["d"]))
         param.add_(update, alpha=-alpha / denom)
 
 
@@ -300,13 +417,14 @@ def _factor_zeros(layout: _Layout, grad: torch.Tensor, key: str) -> torch.Tensor
 class AdafactorHF(_Sharded, _AdafactorHF):
     """transformers' ``Adafactor`` that also steps FSDP2's sharded parameters."""
 
-    def _sharded_param(self, group: dict[str, Any], p: Any, layout: _Layout) -> Update:
+    def _sharded_param(
+        self, group: dict[str, Any], p: Any, state: dict[str, Any], layout: _Layout
+    ) -> Update:
         # transformers/optimization.py::Adafactor.step, on local shards.
         grad = _local(p.grad)
         if grad.dtype in {torch.float16, torch.bfloat16}:
             grad = grad.float()
-        state = self.state[p]
-        factored, use_first_moment = self._get_options(group, p.shape)
+        factored, use_first_moment = self._get_options(group, layout.shape)
         if len(state) == 0:
             state["step"] = 0
             if use_first_moment:
@@ -348,13 +466,14 @@ class AdafactorHF(_Sharded, _AdafactorHF):
             _local(p).copy_(p_data_fp32)
 
 
-def _came_update(optimizer: Any, group: dict[str, Any], p: Any, layout: _Layout) -> Update:
+def _came_update(
+    optimizer: Any, group: dict[str, Any], p: Any, state: dict[str, Any], layout: _Layout
+) -> Update:
     # pytorch_optimizer/optimizer/came.py::CAME.step (its per-parameter loop), on local shards.
     if p.grad.is_sparse or torch.is_complex(p):
         raise RuntimeError("CAME does not support sparse gradients or complex parameters")
     param, grad = _local(p), _local(p.grad)
-    state = optimizer.state[p]
-    factored = optimizer.get_options(p.shape)
+    factored = optimizer.get_options(layout.shape)
     if len(state) == 0:
         state["exp_avg"] = layout.state(torch.zeros_like(param))
         if factored:
@@ -420,8 +539,10 @@ def _came_class() -> type[torch.optim.Optimizer]:
             group["step"] += 1
             super()._sharded_group(group)
 
-        def _sharded_param(self, group: dict[str, Any], p: Any, layout: _Layout) -> Update:
-            return _came_update(self, group, p, layout)
+        def _sharded_param(
+            self, group: dict[str, Any], p: Any, state: dict[str, Any], layout: _Layout
+        ) -> Update:
+            return _came_update(self, group, p, state, layout)
 
     return CAME
 

@@ -1,12 +1,18 @@
 """Adafactor over bf16 weights: the library's own update in fp32, rounded back stochastically.
 
-Each step, one parameter at a time: the bf16 weight and its gradient are upcast to fp32 (a
-temporary the size of that one parameter), the library's Adafactor (torch's or transformers')
-updates the fp32 copy as it would an fp32 weight, and the result is rounded to bf16
-stochastically: up or down to the two nearest bf16 values, with probabilities that make the
-rounding exact in expectation. A step far below bf16's spacing (1/256 of the weight) still
-moves the weight on average, where rounding to nearest would drop it every time. Adafactor's
-factored state is made from the fp32 gradient, so it is fp32 (it is tiny).
+Each step, one parameter at a time: the bf16 weight and its gradient are upcast to fp32, the
+library's Adafactor (torch's or transformers') updates the fp32 copy as it would an fp32 weight,
+and the result is rounded to bf16 stochastically: up or down to the two nearest bf16 values,
+with probabilities that make the rounding exact in expectation. A step far below bf16's spacing
+(1/256 of the weight) still moves the weight on average, where rounding to nearest would drop it
+every time. Adafactor's factored state is made from the fp32 gradient, so it is fp32 (it is
+tiny).
+
+The fp32 copies and the update's own temporaries are the step's memory. A weight of up to
+:data:`ROW_BLOCK_ELEMENTS` is updated whole, by the library's ``step``; a larger one (an
+embedding, an output layer) block by block of rows, by the same update that runs on FSDP2's
+ranks' rows (:meth:`effitrain.optim.fsdp2._Sharded.row_blocked_update`: the column factors and
+the norms summed over the blocks first), so its temporaries are one block's.
 
 The rounding is the bit trick of torchao's ``_fp32_to_bf16_sr`` (which its
 ``_AdamW(bf16_stochastic_round=True)`` uses) in the form of pytorch-optimizer's
@@ -26,7 +32,18 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from transformers.optimization import Adafactor as _HFAdafactor
+
+from effitrain.optim import fsdp2
+
+ROW_BLOCK_ELEMENTS = 2**27
+"""The most elements a block of the bf16 step holds (512 MiB in fp32): a larger weight is updated
+in the fewest blocks of rows that hold no more. A weight in blocks takes three to four times as
+long to update (:meth:`~effitrain.optim.fsdp2._Sharded.row_blocked_update` runs each block's
+update again for each reduction), so a block is as large as the largest transformer-layer
+weights of 7-14B models (Qwen2.5-7B's and Gemma-7B's MLP weights: 68-76M elements), which keep
+the one-shot step: only embeddings and output layers, whose whole-tensor step set the peak, pay
+the time. The step's fp32 temporaries are then at most three (torch's rule: 1.5 GiB) or four
+(transformers': 2 GiB) fp32 copies of a block."""
 
 GENERATOR_KEY = "rounding_generator"
 """The state key of a parameter's generator state (uint8, on the host: 5056 bytes for the CPU's
@@ -59,6 +76,17 @@ def round_stochastic_(
     target.copy_(noise.view(torch.float32))
 
 
+def rows_per_block(shape: torch.Size) -> int | None:
+    """How many rows (dim 0) of a bf16 weight of ``shape`` one block of its step holds: the
+    fewest blocks of at most :data:`ROW_BLOCK_ELEMENTS` (or one row), their rows evened out.
+    None: the weight is updated whole (no larger than a block, or one row)."""
+    if shape.numel() <= ROW_BLOCK_ELEMENTS or shape[0] < 2:
+        return None
+    fit = max(1, ROW_BLOCK_ELEMENTS // (shape.numel() // shape[0]))
+    blocks = -(-shape[0] // fit)
+    return -(-shape[0] // blocks)
+
+
 def _generator(device: torch.device, seed: int, saved: torch.Tensor | None) -> torch.Generator:
     generator = torch.Generator(device=device)
     if saved is None:
@@ -69,9 +97,11 @@ def _generator(device: torch.device, seed: int, saved: torch.Tensor | None) -> t
 
 
 class StochasticRounding:
-    """Mixin for an optimizer class (first in the bases): bf16 parameters are updated by the
-    base class's own ``step`` on fp32 copies, one parameter at a time, then rounded back with
-    :func:`round_stochastic_`; other parameters are stepped as the base class steps them.
+    """Mixin for an :mod:`effitrain.optim.fsdp2` optimizer class (first in the bases): bf16
+    parameters are updated in fp32, one parameter at a time, by the base class's own ``step``
+    (or block by block of rows, by its :meth:`~effitrain.optim.fsdp2._Sharded.row_blocked_update`)
+    and rounded back with :func:`round_stochastic_`; other parameters are stepped as the base
+    class steps them.
 
     Args:
         params, *args, **kwargs: the base optimizer's.
@@ -80,6 +110,7 @@ class StochasticRounding:
 
     state: Any
     param_groups: list[dict[str, Any]]
+    row_blocked_update: Callable[..., None]
 
     def __init__(self, params: Any, *args: Any, seeds: Sequence[int], **kwargs: Any) -> None:
         super().__init__(params, *args, **kwargs)  # type: ignore[call-arg]
@@ -109,6 +140,23 @@ class StochasticRounding:
         return loss
 
     def _step_bf16(self, param: torch.Tensor) -> None:
+        state = self.state[param]
+        # Out of the update's way (a row-blocked update would split it with the rows).
+        saved = state.pop(GENERATOR_KEY, None)
+        generator = _generator(param.device, self._seeds[param], saved)
+        rows = rows_per_block(param.shape)
+        if rows is None:
+            self._step_whole(param, generator)
+        else:
+
+            def round_into(block_rows: slice, block: torch.Tensor) -> None:
+                # The block's fp32 gradient is spent: the random bits reuse its memory.
+                round_stochastic_(param.data[block_rows], block, generator, scratch=block.grad)
+
+            self.row_blocked_update(self.param_groups[0], param, rows, round_into)
+        state[GENERATOR_KEY] = generator.get_state()
+
+    def _step_whole(self, param: torch.Tensor, generator: torch.Generator) -> None:
         weight, grad = param.data, param.grad
         # The grad must leave before the data changes dtype (torch checks that they match).
         param.grad = None
@@ -116,11 +164,8 @@ class StochasticRounding:
         param.grad = grad.float()
         try:
             super().step()  # type: ignore[misc]
-            state = self.state[param]
-            generator = _generator(weight.device, self._seeds[param], state.get(GENERATOR_KEY))
             # The fp32 gradient is spent: the random bits reuse its memory.
             round_stochastic_(weight, param.data, generator, scratch=param.grad)
-            state[GENERATOR_KEY] = generator.get_state()
         finally:
             param.grad = None
             param.data = weight
@@ -141,9 +186,9 @@ class StochasticRounding:
                     self.state[param][key] = value.to(device=device)
 
 
-class Adafactor(StochasticRounding, torch.optim.Adafactor):
+class Adafactor(StochasticRounding, fsdp2.Adafactor):
     """``torch.optim.Adafactor`` over bf16 weights, rounded stochastically."""
 
 
-class AdafactorHF(StochasticRounding, _HFAdafactor):
+class AdafactorHF(StochasticRounding, fsdp2.AdafactorHF):
     """transformers' ``Adafactor`` over bf16 weights, rounded stochastically."""

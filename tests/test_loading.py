@@ -1,0 +1,340 @@
+"""Checkpoints read in the dtype they train in: ``--weights-dtype bf16`` (full and under LoRA)
+reads a bf16 checkpoint straight into bf16, ``--load-in-4bit`` quantizes it tensor by tensor
+while reading, and no fp32 copy of the model exists on the way (issue 37, items 1 and 2)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import weakref
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests.checkpoint_helpers import assert_identical, load_tensors
+
+LM = ("--task", "causal-lm")
+SHAPE = ("--batch-size", "2", "--max-length", "32")
+QLORA_BF16 = (*LM, "--load-in-4bit", "--lora-rank", "8", "--weights-dtype", "bf16", *SHAPE)
+
+
+@pytest.fixture(scope="module")
+def bf16_lm_dir(tmp_path_factory) -> Path:
+    """The tiny-llama preset saved in bf16, as hub checkpoints are published."""
+    import torch
+
+    from effitrain.models import load_causal_lm, load_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-llama-bf16")
+    tokenizer = load_tokenizer("tiny-llama")
+    load_causal_lm("tiny-llama", tokenizer).to(torch.bfloat16).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+class Float32Peak:
+    """The most float32 bytes alive at once among the tensors that operators create while it is
+    on (a dispatch mode: it sees this thread's operators, so transformers must read in this
+    thread, ``HF_DEACTIVATE_ASYNC_LOAD=1``). Reading a bf16 checkpoint into fp32 creates each
+    fp32 tensor by a cast it sees; tensors memory-mapped from the file are not counted."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        peak = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                peak.created(out)
+                return out
+
+        self.mode = Mode()
+        self.live: dict[int, int] = {}
+        self.peak = 0
+
+    def created(self, out) -> None:
+        import torch
+        from torch.utils._pytree import tree_leaves
+
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.is_meta:
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key in self.live or storage.nbytes() == 0:
+                continue
+            self.live[key] = storage.nbytes()
+            self.peak = max(self.peak, sum(self.live.values()))
+            weakref.finalize(storage, self.live.pop, key, None)
+
+
+@pytest.fixture
+def loading_spy(monkeypatch):
+    """Records the arguments of every ``from_pretrained`` call; ``build(*options)`` builds the
+    model that ``effitrain train OPTIONS`` trains (``build.build_model``, the train command's
+    own loading, levers applied) under a :class:`Float32Peak`."""
+    import transformers
+
+    seen = SimpleNamespace(calls=[], model=None, peak=None)
+    monkeypatch.setenv("HF_DEACTIVATE_ASYNC_LOAD", "1")
+
+    def build(*options: str) -> None:
+        import torch
+
+        import effitrain.build as build
+        from effitrain.cli.compare import train_config
+        from effitrain.models import load_tokenizer
+
+        config = train_config([*LM, *SHAPE, *options])
+        task = build.resolve_task(config)
+        data, tokenizer = task.load_data(config), load_tokenizer(config.model)
+        meter = Float32Peak()
+        with meter.mode:
+            seen.model = build.build_model(config, task, data, tokenizer, torch.device("cpu"))
+        seen.peak = meter.peak
+
+    seen.build = build
+    for auto in (
+        transformers.AutoModelForCausalLM,
+        transformers.AutoModelForSequenceClassification,
+    ):
+        original = auto.from_pretrained
+
+        def spied_load(*args, _original=original, **kwargs):
+            seen.calls.append(kwargs)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(auto, "from_pretrained", spied_load)
+    return seen
+
+
+def fp32_allowance(model) -> int:
+    """The fp32 bytes a run may hold at once while it loads: its fp32 parameters as built
+    (adapters; embeddings, norms and the output layer of a fp32 QLoRA base), one 4-bit weight
+    in fp32 (read one at a time, then quantized) and 4 KiB of buffers (rotary inv_freq)."""
+    import torch
+
+    from effitrain.memory.ledger import is_4bit, logical_numel
+
+    kept = sum(4 * p.numel() for p in model.parameters() if p.dtype == torch.float32)
+    largest = max((logical_numel(p) for p in model.parameters() if is_4bit(p)), default=0)
+    return kept + 4 * largest + 4096
+
+
+def model_fp32_bytes(model) -> int:
+    """The model (adapters left out) in fp32: what loading in fp32 holds."""
+    from effitrain.memory.ledger import logical_numel
+
+    return 4 * sum(logical_numel(p) for n, p in model.named_parameters() if "lora_" not in n)
+
+
+def plain(state: dict) -> dict:
+    """A state dict without bitsandbytes' tensor subclass (compared as plain tensors)."""
+    import torch
+
+    return {key: value.detach().as_subclass(torch.Tensor) for key, value in state.items()}
+
+
+def dtypes(model) -> dict[str, set[str]]:
+    """The dtypes of the model's parameters, by what they are: LoRA's adapters, 4-bit weights,
+    norms (1-D), and the other matrices (embeddings, output layer, unquantized Linear layers)."""
+    from effitrain.memory.ledger import is_4bit
+
+    parts: dict[str, set[str]] = {}
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            part = "adapters"
+        elif is_4bit(p):
+            part = "4-bit"
+        elif p.dim() == 1:
+            part = "norms"
+        else:
+            part = "matrices"
+        parts.setdefault(part, set()).add(str(p.dtype).removeprefix("torch."))
+    return parts
+
+
+@pytest.mark.parametrize(
+    ("options", "read_in", "quantized", "expected"),
+    [
+        (
+            ("--weights-dtype", "bf16"),
+            "bfloat16",
+            False,
+            {"norms": {"bfloat16"}, "matrices": {"bfloat16"}},
+        ),
+        (
+            ("--weights-dtype", "bf16", "--lora-rank", "8"),
+            "bfloat16",
+            False,
+            {
+                "adapters": {"float32"},
+                "norms": {"bfloat16"},
+                "matrices": {"bfloat16"},
+            },
+        ),
+        (
+            ("--load-in-4bit", "--lora-rank", "8"),
+            "float32",
+            True,
+            {
+                "adapters": {"float32"},
+                "4-bit": {"uint8"},
+                "norms": {"float32"},
+                "matrices": {"float32"},
+            },
+        ),
+        (
+            ("--load-in-4bit", "--lora-rank", "8", "--weights-dtype", "bf16"),
+            "bfloat16",
+            True,
+            {
+                "adapters": {"float32"},
+                "4-bit": {"uint8"},
+                "norms": {"bfloat16"},
+                "matrices": {"bfloat16"},
+            },
+        ),
+    ],
+    ids=["bf16", "lora-bf16", "qlora", "qlora-bf16"],
+)
+def test_a_bf16_checkpoint_is_read_as_it_trains(
+    bf16_lm_dir, loading_spy, options, read_in, quantized, expected
+):
+    loading_spy.build("--model", str(bf16_lm_dir), *options)
+    (call,) = loading_spy.calls
+    assert call["dtype"] == read_in
+    quantization = call.get("quantization_config")
+    assert (quantization is not None) == quantized
+    if quantized:
+        assert quantization.load_in_4bit and quantization.bnb_4bit_quant_type == "nf4"
+        assert quantization.bnb_4bit_use_double_quant
+        assert quantization.llm_int8_skip_modules == ["lm_head"]  # kept: the output layer
+        compute = "bfloat16" if "bf16" in options else "float32"
+        assert str(quantization.bnb_4bit_compute_dtype) == f"torch.{compute}"
+    model = loading_spy.model
+    assert dtypes(model) == expected
+    for module in model.modules():  # read quantized: no repacking for CPU inference either
+        assert not getattr(module, "support_avx512bf16_for_cpu", False)
+    # No fp32 copy of the model: the float32 bytes alive at once while it was read and the
+    # levers applied stay within what the run keeps in fp32 and one weight read at a time.
+    assert loading_spy.peak <= fp32_allowance(model) < model_fp32_bytes(model) / 2
+
+
+def test_presets_are_built_in_bf16(loading_spy):
+    loading_spy.build("--weights-dtype", "bf16")
+    assert loading_spy.calls == []  # random init: built, not read
+    bf16 = {"bfloat16"}
+    assert dtypes(loading_spy.model) == {"norms": bf16, "matrices": bf16}
+    assert loading_spy.peak <= 4096  # the rotary inv_freq buffer
+
+
+def test_quantizing_while_reading_gives_the_same_4bit_weights(tiny_model_dir):
+    """A classification checkpoint: the head (pre_classifier, classifier) stays unquantized,
+    and every 4-bit code and quant state equals what quantizing the fp32 model after loading
+    gives (so checkpoints written before resume as before)."""
+    from effitrain.config import TrainConfig
+    from effitrain.levers import load_options
+    from effitrain.levers.qlora import quantize_model
+    from effitrain.models import LoadOptions, load_model, load_tokenizer
+
+    config = TrainConfig(model=str(tiny_model_dir), lora_rank=8, load_in_4bit=True)
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    labels = ["no", "yes"]
+    after = quantize_model(load_model(str(tiny_model_dir), labels, tokenizer), config)
+    options = load_options(config, LoadOptions())
+    while_read = load_model(str(tiny_model_dir), labels, tokenizer, options)
+    assert while_read.is_loaded_in_4bit
+    expected = plain(after.state_dict())
+    assert assert_identical(expected, plain(while_read.state_dict())) == len(expected)
+    assert type(while_read.classifier).__name__ == "Linear"
+    assert type(while_read.pre_classifier).__name__ == "Linear"
+    attention = while_read.distilbert.transformer.layer[0].attention
+    assert type(attention.q_lin).__name__ == "Linear4bit"
+
+
+def test_a_bf16_read_quantizes_to_the_same_codes(bf16_lm_dir):
+    """Read into bf16, a bf16 checkpoint gives the codes and scales of its exact fp32 copy
+    quantized after loading; only the quant state's record of the weight's dtype differs."""
+    import dataclasses
+
+    import torch
+
+    from effitrain.config import TrainConfig
+    from effitrain.levers import load_options
+    from effitrain.levers.qlora import quantize_model
+    from effitrain.models import LoadOptions, load_causal_lm, load_tokenizer
+
+    name = str(bf16_lm_dir)
+    config = TrainConfig(task="causal-lm", model=name, lora_rank=8, load_in_4bit=True)
+    tokenizer = load_tokenizer(name)
+    after = plain(quantize_model(load_causal_lm(name, tokenizer), config).state_dict())
+    bf16 = load_options(dataclasses.replace(config, weights_dtype="bf16"), LoadOptions())
+    assert bf16.dtype == "bfloat16"
+    in_bf16 = plain(load_causal_lm(name, tokenizer, bf16).state_dict())
+    quantized = [key for key in after if "proj.weight" in key]
+    # q, k, v, o, gate, up, down in 2 layers: codes, absmax, code, nested absmax and code, and
+    # the quant state's record (its dtype)
+    assert len(quantized) == 2 * 7 * 6
+    for key in quantized:
+        same = torch.equal(in_bf16[key], after[key])
+        assert same != key.endswith("bitsandbytes__nf4"), key
+    assert in_bf16["lm_head.weight"].dtype == torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def qlora_bf16_run(tmp_path_factory, bf16_lm_dir):
+    """QLoRA over the bf16 checkpoint with --weights-dtype bf16: 4 steps, saving at 2 and 4."""
+    from tests.conftest import train_in_process
+
+    folder = tmp_path_factory.mktemp("qlora-bf16")
+    out, metrics = folder / "out", folder / "metrics.json"
+    model = ("--model", str(bf16_lm_dir), *QLORA_BF16)
+    options = (*model, "--lr", "1e-2", "--log-every", "1", "--max-steps", "4", "--save-every", "2")
+    proc = train_in_process(
+        "train", *options, "--output-dir", str(out), "--metrics-json", str(metrics)
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return SimpleNamespace(
+        out=out, proc=proc, metrics=json.loads(metrics.read_text()), options=options, model=model
+    )
+
+
+def test_qlora_with_bf16_weights_learns(qlora_bf16_run):
+    metrics = qlora_bf16_run.metrics
+    losses = [entry["loss"] for entry in metrics["loss_history"]]
+    assert losses[-1] < losses[0]
+    assert {"load-in-4bit", "bf16-weights", "lora"} <= set(metrics["levers"])
+    assert "compute bf16" in qlora_bf16_run.proc.stdout
+    # The quant states are in the step's peak, as part of the parameters, in the 4-bit row.
+    step = metrics["step_memory"]
+    assert step["at_peak"]["parameters"] == metrics["parameter_bytes"]
+    assert step["quantized_at_peak"] == metrics["quantized_weights"]["bytes"]
+
+
+@pytest.mark.slow
+def test_qlora_with_bf16_weights_resumes_exactly(qlora_bf16_run, tmp_path, train_cli):
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(qlora_bf16_run.out / "checkpoint-2", resumed / "checkpoint-2")
+    args = ("train", *qlora_bf16_run.options, "--output-dir", str(resumed), "--resume", "latest")
+    proc = train_cli(*args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "not an exact continuation" not in proc.stdout
+    straight = load_tensors(qlora_bf16_run.out / "checkpoint-4")
+    assert assert_identical(straight, load_tensors(resumed / "checkpoint-4")) > 100
+
+
+@pytest.mark.slow  # 1 s: the fake-tensor step through bitsandbytes' shape-only kernels
+def test_qlora_with_bf16_weights_estimate_equals_the_run(qlora_bf16_run, train_cli):
+    proc = train_cli("estimate", *qlora_bf16_run.model, "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    estimate = json.loads(proc.stdout)
+    measured = qlora_bf16_run.metrics
+    for key in ("parameter_bytes", "trainable_parameter_bytes", "gradient_bytes"):
+        assert estimate[key] == measured[key], key
+    assert estimate["optimizer_state"]["bytes"] == measured["optimizer_state"]["bytes"]
+    assert estimate["quantized_weights"] == measured["quantized_weights"]
+    assert estimate["step_memory"]["quantized_at_peak"] == measured["quantized_weights"]["bytes"]
