@@ -94,6 +94,14 @@ CONFIGURATIONS = {
         "QLoRA: LoRA r=16 on a 4-bit NF4 base (the rest fp32), checkpointing",
         ["--lora-rank", "16", "--load-in-4bit", "--gradient-checkpointing"],
     ),
+    "qlora-bf16": (
+        "QLoRA as torchtune's recipe: LoRA r=16 without dropout on a 4-bit NF4 base, the rest "
+        "bf16, checkpointing",
+        [
+            *("--lora-rank", "16", "--lora-dropout", "0", "--load-in-4bit"),
+            *("--weights-dtype", "bf16", "--gradient-checkpointing"),
+        ],
+    ),
 }
 """Short name -> (what it is, ``effitrain estimate`` options besides model, batch and length)."""
 FULL = ("plain", "lean", "lean-8bit", "lean-offload")
@@ -102,6 +110,8 @@ CARDS_GB = (24, 48, 80)
 """Cards' memory as sold: a "24 GB" card holds 24 GiB (24,564 MiB on an RTX 4090)."""
 GOAL = ("Llama-3.1-8B", 20 * 2**30)
 """Issue 29's goal: full-parameter fine-tuning of this model at 1 x 2048 within this peak."""
+QLORA_GOAL = ("Llama-3.1-8B", "qlora-bf16", int(7.4 * 2**30))
+"""Issue 37's goal: this QLoRA configuration at 1 x 2048 within torchtune's measured peak."""
 PARTS = (
     ("parameters", "parameter_bytes"),
     ("gradients", "gradient_bytes"),
@@ -210,6 +220,17 @@ def goal_line(run: common.Run) -> str:
     )
 
 
+def qlora_goal_line(run: common.Run) -> str:
+    """Whether the QLoRA row of the issue's goal is within torchtune's figure."""
+    model, key, limit = QLORA_GOAL
+    rows = [r for r in run["rows"] if (r["model"], r["configuration"]) == (model, key)]
+    goal = f"**Goal:** {model} `{key}` at ≤ {common.size(limit)} peak (torchtune's measured figure)"
+    if not rows or "peak_tensor_bytes" not in rows[0]:
+        return f"{goal}: not estimated."
+    peak = rows[0]["peak_tensor_bytes"]
+    return f"{goal}: {'met' if peak <= limit else 'not met'}, {common.size(peak)}."
+
+
 def render(run: common.Run) -> str:
     configurations = run["settings"]["configurations"]
     legend = common.markdown_table(
@@ -234,7 +255,8 @@ def render(run: common.Run) -> str:
         if "refused" in row:
             refusals.setdefault(row["configuration"], row["refused"])
     lines = [f"- `{key}` refused: {why}" for key, why in refusals.items()]
-    return "\n\n".join([legend, table, goal_line(run), *(["\n".join(lines)] if lines else [])])
+    goals = [goal_line(run), qlora_goal_line(run)]
+    return "\n\n".join([legend, table, *goals, *(["\n".join(lines)] if lines else [])])
 
 
 def main(argv: list[str] | None = None) -> int:
