@@ -37,10 +37,10 @@ from effitrain.distributed import Launch
 from effitrain.errors import EffitrainError
 from effitrain.loop import StepGuard, train_steps, updates_in_backward
 from effitrain.measure import memory_record
-from effitrain.memory import ledger
+from effitrain.memory import host, ledger
 from effitrain.memory.step import StepMemoryProbe
 from effitrain.progress import TrainingProgress
-from effitrain.results import Estimate, EstimateSettings, MemoryRecord, PerDevice
+from effitrain.results import Estimate, EstimateSettings, HostMemory, MemoryRecord, PerDevice
 from effitrain.run import Plan
 from effitrain.signals import StopRequest
 from effitrain.tracking import Trackers
@@ -204,6 +204,7 @@ def estimate(config: TrainConfig, launch: Launch | None = None) -> Estimate:
         if spec.module == "torchao":
             scope.enter_context(_without_compiled_update())
         _materialize(model, device, config)
+        landed = host.landed_weights(model)
         accelerator = build.build_accelerator(config, cpu=True)
         batch = task.fake_batch(tokenizer, config.batch_size, length)
         run = build.assemble(
@@ -228,6 +229,7 @@ def estimate(config: TrainConfig, launch: Launch | None = None) -> Estimate:
         if launch.num_processes > 1:
             layout = fsdp2_layout(run.model, run.optimizer) if launch.strategy == "fsdp" else None
             per = per_device(memory, spec.name, launch.num_processes, launch.strategy, layout)
+    step = (per or memory).peak_tensor_bytes
     return Estimate(
         optimizer=spec.name,
         optimizer_class=spec.class_path,
@@ -243,6 +245,28 @@ def estimate(config: TrainConfig, launch: Launch | None = None) -> Estimate:
         ),
         per_device=per,
         notes=notes,
+        host=_host_memory(config, model, landed, launch, step),
+    )
+
+
+def _host_memory(
+    config: TrainConfig, model: Any, landed: host.LandedWeights, launch: Launch, step: int | None
+) -> HostMemory:
+    """The host memory of one machine (:mod:`effitrain.memory.host`): the checkpoint read as
+    the run reads it (the facts from its safetensors headers; for a config alone, its parameter
+    count in the config's dtype; a preset reads none)."""
+    import torch
+
+    from effitrain.models import LoadOptions, base_model, is_preset
+
+    checkpoint = None
+    if not is_preset(config.model):
+        checkpoint = host.checkpoint_facts(config.model) or host.facts_from_config(
+            base_model(model).config, landed.elements
+        )
+    options = levers.load_options(config, LoadOptions()).onto(torch.device(launch.device_type))
+    return host.host_memory(
+        checkpoint, landed, options, launch.num_processes, launch.device_type, step
     )
 
 

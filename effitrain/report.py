@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from effitrain.memory.ledger import OptimizerStateLedger
     from effitrain.results import (
         Estimate,
+        HostMemory,
         MemoryRecord,
         RunInfo,
         StateReport,
@@ -542,6 +543,8 @@ def print_estimates(
             "Not included: FSDP's all-gathered layer (one layer's full parameters at a time) and "
             "DDP's gradient buckets."
         )
+    if results[0].host is not None:
+        console.print(host_line(results[0].host), soft_wrap=True)
     console.print(
         "Peak tensor memory: the most bytes of live tensors at once in one optimizer step (the "
         "run's memory table); a process holds more (libraries, the CUDA context, allocator "
@@ -592,7 +595,38 @@ def estimates_table(results: list[Estimate], against: dict[str, Any] | None = No
             table.add_row(row_label, *_lever_cells(results, row_label, against))
     for row_label in _lever_row_labels(results, None):  # host memory, not in the device's peak
         table.add_row(f"host: {row_label}", *_lever_cells(results, row_label, against))
+    if any(result.host is not None for result in results):
+        cells = [format_bytes(r.host.host_peak_bytes) if r.host else "-" for r in results]
+        table.add_row("host RAM, one machine", *cells, *(["", ""] if against else []))
     return table
+
+
+def host_line(host: HostMemory) -> str:
+    """How an estimate's host figure is made up, in one sentence."""
+    checkpoint = host.checkpoint
+    read = (
+        f"the {format_bytes(checkpoint.bytes)} {checkpoint.dtype} checkpoint read as "
+        f"{host.read_dtype} onto the {host.read_onto}"
+        if checkpoint is not None
+        else f"the preset built in {host.read_dtype}"
+    )
+    per_copy = (
+        f"{format_bytes(host.load_peak_bytes)} while loading (pages read "
+        f"{format_bytes(host.mapped_bytes)} + weights made {format_bytes(host.weights_bytes)}"
+        + (
+            f" + quantizing {format_bytes(host.quantize_buffer_bytes)}"
+            if host.quantize_buffer_bytes
+            else ""
+        )
+        + ")"
+    )
+    step = f", the step {format_bytes(host.step_bytes)} of host tensors" if host.step_bytes else ""
+    copies = f" × {host.copies} copies" if host.copies > 1 else ""
+    return (
+        f"Host RAM {format_bytes(host.host_peak_bytes)}, at its peak in {host.peak_at}: "
+        f"{read}; {per_copy}{copies}{step}; libraries "
+        f"{format_bytes(host.library_bytes)} × {host.processes} process(es)."
+    )
 
 
 def _lever_row_labels(results: list[Estimate], part: str | None) -> list[str]:
@@ -617,6 +651,7 @@ def estimates_by_row(results: list[Estimate]) -> Any:
     columns = [
         (short.get(label, label), key) for label, key in ESTIMATE_FIELDS[:1] + ESTIMATE_FIELDS[2:]
     ]
+    columns.append(("host RAM", "host_peak_bytes"))
     table = Table(title=_estimate_title(results[0]), title_justify="left")
     table.add_column("optimizer")
     for label, _ in columns:

@@ -223,6 +223,54 @@ class PerDevice:
     """How the split was modeled."""
 
 
+@dataclass(frozen=True)
+class CheckpointFacts:
+    """What a checkpoint holds on disk, read from its safetensors headers (or its config)."""
+
+    bytes: int
+    elements: int
+    dtype: str
+    """The dtype of most of its bytes (torch's name: ``bfloat16``)."""
+    source: str
+    """Where the facts come from (the headers, the index, the config)."""
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """The host memory (resident set) one machine needs for a run, modeled
+    (``effitrain.memory.host``): the libraries of each process, the checkpoint as it is read by
+    each copy, and on the CPU each process's step."""
+
+    host_peak_bytes: int
+    peak_at: str
+    """``loading`` or ``the training step``: when the host holds the most."""
+    processes: int
+    copies: int
+    """Full copies of the checkpoint read on one machine (one per process today)."""
+    library_bytes: int
+    """Per process: Python, torch, transformers, the pipeline."""
+    checkpoint: CheckpointFacts | None
+    """What is read (None: a preset, built in the dtype it trains in)."""
+    read_dtype: str
+    read_onto: str
+    """``host``, or the device the weights go to as they are read."""
+    mapped_bytes: int
+    """Per copy: the checkpoint's pages resident while it loads."""
+    weights_bytes: int
+    """Per copy: the weights made from them (cast or quantized; a view of the file owns none)."""
+    quantize_buffer_bytes: int
+    """Per copy: the fp32 working copy of the largest weight quantized while reading."""
+    load_peak_bytes: int
+    """Per copy: mapped + weights + buffer."""
+    step_bytes: int
+    """Per process on the CPU: the estimated step's peak tensors (0 on a GPU)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        del data["host_peak_bytes"]
+        return data
+
+
 @dataclass
 class Estimate:
     """What ``effitrain estimate`` predicts ``effitrain train`` would measure; ``to_dict`` has
@@ -235,6 +283,8 @@ class Estimate:
     settings: EstimateSettings
     per_device: PerDevice | None = None
     notes: list[str] = field(default_factory=list)
+    host: HostMemory | None = None
+    """The host memory of one machine (``host_peak_bytes``), beside the device's step."""
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -245,6 +295,9 @@ class Estimate:
             "estimate": asdict(self.settings),
             "notes": list(self.notes),
         }
+        if self.host is not None:
+            data["host_peak_bytes"] = self.host.host_peak_bytes
+            data["host_memory"] = self.host.to_dict()
         if self.per_device is not None:
             data["per_device"] = asdict(self.per_device)
         return data

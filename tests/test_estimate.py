@@ -191,6 +191,10 @@ def test_cli_json_uses_the_metrics_field_names(train_cli, long_data):
     assert [r["optimizer"] for r in rows] == ["adamw", "sgd"]
     for key in ("parameter_bytes", "gradient_bytes", "activation_bytes", "peak_tensor_bytes"):
         assert rows[0][key] > 0
+    # A preset reads no checkpoint; on the CPU the step's tensors are the host's.
+    host = rows[0]["host_memory"]
+    assert host["checkpoint"] is None and host["peak_at"] == "the training step"
+    assert rows[0]["host_peak_bytes"] == host["library_bytes"] + rows[0]["peak_tensor_bytes"]
     # AdamW: two moments and a step per tensor; SGD: one momentum buffer.
     tensors = rows[0]["optimizer_state"]["by_key"]["step"]["tensors"]
     assert (
