@@ -133,6 +133,46 @@ class LoadOptions:
         return kwargs
 
 
+def release_read_pages() -> int:
+    """Drop from this process the pages of the safetensors files it still maps, where none was
+    written: transformers keeps a checkpoint's files mapped for as long as a weight read in its
+    own dtype is a view of them (QLoRA's embeddings, head and norms), and with them every page
+    read for the weights it quantized or cast: on a 1.78B checkpoint, 2.5 GiB of resident
+    pages the run never reads again (benchmarks/loading). The views stay valid: a page dropped
+    from a private file mapping is read again from the file when touched. A mapping with a
+    written (copy-on-write) page is left alone, as is any system without ``/proc/self/smaps``
+    and ``madvise``. Returns the bytes dropped."""
+    import ctypes
+    import mmap
+
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    regions: list[tuple[int, int, dict[str, int]]] = []
+    for line in lines:
+        fields = line.split()
+        if (
+            "-" in fields[0] and len(fields) >= 5
+        ):  # a mapping's header: range perms offset dev inode [path]
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if len(fields) >= 6 and fields[-1].endswith(".safetensors"):
+                regions.append((start, end, {}))
+            else:
+                regions.append((start, end, {"skip": 1}))
+        elif regions and line.endswith("kB"):
+            regions[-1][2][fields[0].rstrip(":")] = int(fields[1]) * 1024
+    dropped = 0
+    for start, end, sizes in regions:
+        if sizes.get("skip") or sizes.get("Anonymous", 1) or not sizes.get("Rss"):
+            continue
+        if madvise(start, end - start, mmap.MADV_DONTNEED) == 0:
+            dropped += sizes["Rss"]
+    return dropped
+
+
 def is_preset(name: str) -> bool:
     """A built-in preset of either task (random init: trained from scratch)."""
     return name in PRESETS or name in CAUSAL_PRESETS
@@ -263,6 +303,7 @@ def load_model(
         )
     except (OSError, ValueError, KeyError) as exc:
         raise cannot_load("model", name, exc) from exc
+    release_read_pages()
     return model
 
 
@@ -381,6 +422,7 @@ def load_causal_lm(
         raise cannot_load("model", name, exc) from exc
     except (OSError, KeyError) as exc:
         raise cannot_load("model", name, exc) from exc
+    release_read_pages()
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return _for_training(model, tokenizer)

@@ -137,3 +137,25 @@ def test_estimate_reads_a_folders_headers_and_the_levers_dtype(lm_model_dir):
     assert result["host_peak_bytes"] == memory["library_bytes"] + max(
         memory["load_peak_bytes"], result["peak_tensor_bytes"]
     )
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux's /proc/self/smaps")
+def test_pages_read_from_a_mapped_checkpoint_are_dropped_and_read_again(tmp_path):
+    """What stays mapped after loading (a view of the file) keeps its values when its pages are
+    dropped; a mapping with a written page is left as it is."""
+    from safetensors import safe_open
+
+    from effitrain.models import release_read_pages
+
+    values = torch.arange(2**20, dtype=torch.float32)
+    save_file({"clean": values, "written": values.clone()}, tmp_path / "w.safetensors")
+    save_file({"other": values.clone()}, tmp_path / "x.safetensors")
+    with safe_open(tmp_path / "w.safetensors", framework="pt") as f:
+        clean = f.get_tensor("clean")
+    with safe_open(tmp_path / "x.safetensors", framework="pt") as f:
+        written = f.get_tensor("other")
+    assert float(clean.sum()) == float(values.sum())  # every page read
+    written[0] = -1.0  # a copy-on-write page in x's mapping
+    assert release_read_pages() >= values.nbytes
+    assert torch.equal(clean, values)
+    assert written[0] == -1.0 and torch.equal(written[1:], values[1:])
