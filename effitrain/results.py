@@ -259,7 +259,7 @@ class HostMemory:
     weights_bytes: int
     """Per copy: the weights made from them (cast or quantized; a view of the file owns none)."""
     quantize_buffer_bytes: int
-    """Per copy: the fp32 working copy of the largest weight quantized while reading."""
+    """Per copy: quantizing's working memory (the largest weight's fp32 copy, the loader's)."""
     load_peak_bytes: int
     """Per copy: mapped + weights + buffer."""
     step_bytes: int

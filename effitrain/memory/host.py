@@ -8,10 +8,12 @@ and what it assumes is what that benchmark saw (transformers 5 on the CPU):
   checkpoint at once and closes them when the model is loaded. A weight read in its own dtype,
   on the host, with nothing quantized, stays a view of the mapping: nothing is read while
   loading (its pages become resident when the step touches them, counted as parameters then).
-  A weight cast to another dtype or quantized is read whole: its pages stay resident until the
-  files close, beside the new tensor (:attr:`~effitrain.results.HostMemory.mapped_bytes` and
-  ``weights_bytes``); while quantizing, the weights kept as they are are copies too. Reading
-  onto a GPU (``device_map``) leaves only the pages read on the host.
+  A weight cast to another dtype or quantized is read whole: its pages stay resident while the
+  model loads, beside the new tensor (:attr:`~effitrain.results.HostMemory.mapped_bytes` and
+  ``weights_bytes``); quantizing also holds working memory (:data:`QUANTIZING_WORKSPACE`).
+  Once loaded, effitrain drops the pages of the files still mapped
+  (:func:`effitrain.models.release_read_pages`). Reading onto a GPU (``device_map``) leaves
+  only the pages read on the host.
 - **Copies per machine** (:func:`host_copies`) and **the libraries' resident memory** per
   process (:data:`LIBRARY_BYTES`).
 - **On the CPU, the step itself**: the device is the host, so the estimated step's peak tensor
@@ -43,6 +45,13 @@ LIBRARY_BYTES = 600 * 2**20
 accelerate, datasets, peft, the tokenizer and the data pipeline: the peak RSS of a one-step
 causal-LM run of the tiny-llama preset (tensors under 10 MiB) on the CPU build of torch
 (``benchmarks/loading``'s ``libraries`` row)."""
+
+QUANTIZING_WORKSPACE = 0.3
+"""Bytes of working memory per byte of checkpoint read for quantizing: the anonymous memory a
+4-bit load holds beyond the weights it makes (transformers' loader threads, bitsandbytes' fp32
+copies, the allocator's arenas). Measured: 0.7 GiB for 2.44 GiB quantized, for effitrain's load
+and transformers' alike (``benchmarks/loading``, 1.78B parameters); one checkpoint's
+measurement, not a law."""
 
 SAFETENSORS_NAMES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
@@ -229,8 +238,8 @@ def host_memory(
         cast = DTYPE_BYTES.get(checkpoint.dtype) != read
         # What is converted is read whole; a view of the mapping is read by the step.
         mapped = int(per_element * (weights.elements if cast else weights.quantized_elements))
-        views = not cast and not quantized
-        landed = q_bytes + (0 if views else weights.unquantized_bytes)
+        landed = q_bytes + (weights.unquantized_bytes if cast else 0)
+        buffer += int(QUANTIZING_WORKSPACE * mapped) if quantized else 0
         if options.device_map is not None:  # onto the device as it is read
             mapped, landed, buffer = checkpoint.bytes, 0, 0
     load_peak = mapped + landed + buffer
