@@ -544,7 +544,8 @@ def print_estimates(
             "DDP's gradient buckets."
         )
     if results[0].host is not None:
-        console.print(host_line(results[0].host), soft_wrap=True)
+        which = f" ({results[0].optimizer})" if len(results) > 1 else ""
+        console.print(host_line(results[0].host, which))
     console.print(
         "Peak tensor memory: the most bytes of live tensors at once in one optimizer step (the "
         "run's memory table); a process holds more (libraries, the CUDA context, allocator "
@@ -601,8 +602,9 @@ def estimates_table(results: list[Estimate], against: dict[str, Any] | None = No
     return table
 
 
-def host_line(host: HostMemory) -> str:
-    """How an estimate's host figure is made up, in one sentence."""
+def host_line(host: HostMemory, which: str = "") -> str:
+    """How an estimate's host figure is made up, in one sentence (``which``: of which
+    estimate)."""
     checkpoint = host.checkpoint
     read = (
         f"the {format_bytes(checkpoint.bytes)} {checkpoint.dtype} checkpoint read as "
@@ -610,22 +612,19 @@ def host_line(host: HostMemory) -> str:
         if checkpoint is not None
         else f"the preset built in {host.read_dtype}"
     )
-    per_copy = (
-        f"{format_bytes(host.load_peak_bytes)} while loading (pages read "
-        f"{format_bytes(host.mapped_bytes)} + weights made {format_bytes(host.weights_bytes)}"
-        + (
-            f" + quantizing {format_bytes(host.quantize_buffer_bytes)}"
-            if host.quantize_buffer_bytes
-            else ""
-        )
-        + ")"
-    )
-    step = f", the step {format_bytes(host.step_bytes)} of host tensors" if host.step_bytes else ""
-    copies = f" × {host.copies} copies" if host.copies > 1 else ""
+    parts = [
+        (host.mapped_bytes, "pages read"),
+        (host.weights_bytes, "weights made"),
+        (host.quantize_buffer_bytes, "quantizing"),
+    ]
+    held = " + ".join(f"{label} {format_bytes(value)}" for value, label in parts if value)
+    loading = f"loading {format_bytes(host.load_peak_bytes)}" + (f" ({held})" if held else "")
+    loading += f" × {host.copies} copies" if host.copies > 1 else ""
+    step = f", the step's tensors {format_bytes(host.step_bytes)}" if host.step_bytes else ""
     return (
-        f"Host RAM {format_bytes(host.host_peak_bytes)}, at its peak in {host.peak_at}: "
-        f"{read}; {per_copy}{copies}{step}; libraries "
-        f"{format_bytes(host.library_bytes)} × {host.processes} process(es)."
+        f"Host RAM{which} {format_bytes(host.host_peak_bytes)} (one machine, at its peak in "
+        f"{host.peak_at}): {read}; {loading}{step}; libraries {format_bytes(host.library_bytes)}"
+        f" × {host.processes} process{'es' if host.processes > 1 else ''}."
     )
 
 
@@ -658,9 +657,8 @@ def estimates_by_row(results: list[Estimate]) -> Any:
         table.add_column(label, justify="right")
     for result in results:
         fields = result.to_dict()
-        table.add_row(
-            result.optimizer, *(format_bytes(metrics_field(fields, k) or 0) for _, k in columns)
-        )
+        cells = [metrics_field(fields, k) for _, k in columns]
+        table.add_row(result.optimizer, *(format_bytes(c) if c is not None else "-" for c in cells))
     return table
 
 

@@ -454,6 +454,16 @@ def test_report_renders_columns_rows_and_errors():
     state = next(line for line in table.splitlines() if "optimizer state" in line)
     assert [cell.strip() for cell in state.split("│")[3:6]] == ["1000 B", "1.2 KiB", "-20.0%"]
     assert "note: the measured run used batch_size 8, the estimate 4" in table
+    from effitrain.memory import host
+    from effitrain.memory.ledger import format_bytes
+    from effitrain.models import LoadOptions
+
+    weights = host.LandedWeights(elements=250, unquantized_bytes=1000)
+    with_host = _result("adamw", 2000)
+    with_host.host = host.host_memory(None, weights, LoadOptions(), 1, "cpu", 4000)
+    text = shown([with_host])
+    assert f"host RAM, one machine │ {format_bytes(host.LIBRARY_BYTES + 4000)}" in text
+    assert "the preset built in float32; loading 1000 B (weights made 1000 B)" in text
 
 
 def test_per_device_splits_what_each_strategy_shards():
