@@ -198,8 +198,10 @@ def test_blocks_are_the_fewest_that_fit_with_their_rows_evened_out(monkeypatch):
     rows_per_block = stochastic_rounding.rows_per_block
     assert stochastic_rounding.ROW_BLOCK_ELEMENTS == 2**27
     assert rows_per_block(torch.Size([14336, 4096])) is None  # Llama-3.1-8B's MLP: whole
-    assert rows_per_block(torch.Size([128256, 4096])) == 32064  # its output layer: 4 blocks
-    assert rows_per_block(torch.Size([151936, 896])) == 75968  # Qwen2.5-0.5B's embedding: 2
+    assert stochastic_rounding.BLOCK_ELEMENTS == 2**25
+    assert rows_per_block(torch.Size([128256, 4096])) == 8016  # its output layer: 16 blocks
+    assert rows_per_block(torch.Size([151936, 896])) == 30388  # Qwen2.5-0.5B's embedding: 5
+    assert rows_per_block(torch.Size([151936, 1536])) == 21706  # a 1.5B's: 7 blocks
     monkeypatch.setattr(stochastic_rounding, "ROW_BLOCK_ELEMENTS", 12)
     assert rows_per_block(torch.Size([12])) is None
     assert rows_per_block(torch.Size([13])) == 7  # 7 + 6, not 12 + 1

@@ -10,9 +10,10 @@ tiny).
 
 The fp32 copies and the update's own temporaries are the step's memory. A weight of up to
 :data:`ROW_BLOCK_ELEMENTS` is updated whole, by the library's ``step``; a larger one (an
-embedding, an output layer) block by block of rows, by the same update that runs on FSDP2's
-ranks' rows (:meth:`effitrain.optim.fsdp2._Sharded.row_blocked_update`: the column factors and
-the norms summed over the blocks first), so its temporaries are one block's.
+embedding, an output layer) block by block of rows of at most :data:`BLOCK_ELEMENTS`, by the
+same update that runs on FSDP2's ranks' rows
+(:meth:`effitrain.optim.fsdp2._Sharded.row_blocked_update`: the column factors and the norms
+summed over the blocks first), so its temporaries are one block's.
 
 The rounding is the bit trick of torchao's ``_fp32_to_bf16_sr`` (which its
 ``_AdamW(bf16_stochastic_round=True)`` uses) in the form of pytorch-optimizer's
@@ -43,7 +44,16 @@ update again for each reduction), so a block is as large as the largest transfor
 weights of 7-14B models (Qwen2.5-7B's and Gemma-7B's MLP weights: 68-76M elements), which keep
 the one-shot step: only embeddings and output layers, whose whole-tensor step set the peak, pay
 the time. The step's fp32 temporaries are then at most three (torch's rule: 1.5 GiB) or four
-(transformers': 2 GiB) fp32 copies of a block."""
+(transformers': 2 GiB) fp32 copies of the largest weight updated whole."""
+
+BLOCK_ELEMENTS = 2**25
+"""The most elements in one block of a weight updated in blocks (128 MiB in fp32): its
+temporaries are three or four fp32 copies of a block (384-512 MiB), not of a block as large as
+:data:`ROW_BLOCK_ELEMENTS`. Smaller blocks cost no time of their own (a blocked weight's update
+runs once per reduction whatever the number of blocks), and the peak is the embedding's or the
+output layer's update: 1.3 GiB of temporaries in blocks of :data:`ROW_BLOCK_ELEMENTS` for a
+1.78B model's 233M-element embedding, 0.4 GiB in these (``benchmarks/loading``). Tests lower
+:data:`ROW_BLOCK_ELEMENTS` to make small weights blocked: the block is the smaller of the two."""
 
 GENERATOR_KEY = "rounding_generator"
 """The state key of a parameter's generator state (uint8, on the host: 5056 bytes for the CPU's
@@ -78,11 +88,13 @@ def round_stochastic_(
 
 def rows_per_block(shape: torch.Size) -> int | None:
     """How many rows (dim 0) of a bf16 weight of ``shape`` one block of its step holds: the
-    fewest blocks of at most :data:`ROW_BLOCK_ELEMENTS` (or one row), their rows evened out.
-    None: the weight is updated whole (no larger than a block, or one row)."""
+    fewest blocks of at most :data:`BLOCK_ELEMENTS` (or one row), their rows evened out.
+    None: the weight is updated whole (no larger than :data:`ROW_BLOCK_ELEMENTS`, or one
+    row)."""
     if shape.numel() <= ROW_BLOCK_ELEMENTS or shape[0] < 2:
         return None
-    fit = max(1, ROW_BLOCK_ELEMENTS // (shape.numel() // shape[0]))
+    block = min(BLOCK_ELEMENTS, ROW_BLOCK_ELEMENTS)
+    fit = max(1, block // (shape.numel() // shape[0]))
     blocks = -(-shape[0] // fit)
     return -(-shape[0] // blocks)
 
