@@ -19,9 +19,9 @@ from this process's Accelerate state).
 
 What it cannot know: values. Where an optimizer reads a number back from a tensor (``.item()``:
 step counts, norms), it gets 1; that can change a value, never a shape, so no state size. Peak
-RSS (libraries, the allocator) is not estimated; on CUDA the allocator's rounding and
-workspaces are not either (the tracker's total is what ``max_memory_allocated`` would be,
-less those).
+RSS is modeled beside it, not measured (:mod:`effitrain.memory.host`: ``host_peak_bytes``); on
+CUDA the allocator's rounding and workspaces are not estimated (the tracker's total is what
+``max_memory_allocated`` would be, less those).
 """
 
 from __future__ import annotations
