@@ -378,7 +378,8 @@ def _versus(value: int, baseline: int | None) -> str:
 
 
 def ranks_table(result: TrainResult) -> Any:
-    """Per process: optimizer state, parameters, peak memory; then the total over processes.
+    """Per process: how it got the model's weights, optimizer state, parameters, peak memory;
+    then the total over processes.
 
     The title names the sharding in use (DDP replicates, FSDP/ZeRO shard: the totals say what
     the whole job holds).
@@ -389,6 +390,7 @@ def ranks_table(result: TrainResult) -> Any:
     table = Table(title=f"Per rank: {description}", title_justify="left")
     table.add_column("rank", justify="right")
     table.add_column("device")
+    table.add_column("weights")
     table.add_column("optimizer state", justify="right")
     table.add_column("parameters", justify="right")
     table.add_column("peak memory", justify="right")
@@ -396,6 +398,7 @@ def ranks_table(result: TrainResult) -> Any:
         table.add_row(
             str(entry["rank"]),
             entry["device"],
+            entry.get("weights", "read"),
             format_bytes(entry["optimizer_state_bytes"]),
             format_bytes(entry["parameter_bytes"]),
             format_bytes(entry["peak_memory_bytes"]),
@@ -405,6 +408,7 @@ def ranks_table(result: TrainResult) -> Any:
         table.add_section()
         table.add_row(
             "[bold]total[/]",
+            "",
             "",
             f"[bold]{format_bytes(totals['optimizer_state_bytes'])}[/]",
             format_bytes(totals["parameter_bytes"]),
