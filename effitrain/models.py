@@ -271,9 +271,9 @@ def load_model(
     config = load_model_config(name, **labels)
     if getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = tokenizer.pad_token_id
-    if options.receives:
-        return empty_model(AutoModelForSequenceClassification, config, options.dtype)
     try:
+        if options.receives:
+            return empty_model(AutoModelForSequenceClassification, config, options.dtype)
         # In the options' dtype (fp32 by default), whatever the checkpoint's (transformers 5
         # keeps it by default): the weights' dtype is the levers' choice.
         model = AutoModelForSequenceClassification.from_pretrained(
@@ -390,16 +390,16 @@ def load_causal_lm(
             return _for_training(empty_model(auto, config, options.dtype), tokenizer)
         # Built in the dtype it trains in, as load_model builds its presets.
         return _for_training(auto.from_config(config, dtype=options.dtype), tokenizer)
-    if options.receives:
-        model = empty_model(auto, load_model_config(name), options.dtype, generation_from=name)
-        if model.config.pad_token_id is None:
-            model.config.pad_token_id = tokenizer.pad_token_id
-        return _for_training(model, tokenizer)
-    # The config only where the options need the model's modules (a quantization's kept ones).
-    config = load_model_config(name) if options.keep_unquantized is not None else None
+    # The config where the model is built from it alone (a process that receives its weights),
+    # or where the options need the model's modules (a quantization's kept ones).
+    needed = options.receives or options.keep_unquantized is not None
+    config = load_model_config(name) if needed else None
     try:
-        # In the options' dtype whatever the checkpoint's, as load_model.
-        model = auto.from_pretrained(name, **options.from_pretrained_kwargs(auto, config))
+        if options.receives:
+            model = empty_model(auto, config, options.dtype, generation_from=name)
+        else:
+            # In the options' dtype whatever the checkpoint's, as load_model.
+            model = auto.from_pretrained(name, **options.from_pretrained_kwargs(auto, config))
     except ValueError as exc:
         if "Unrecognized configuration class" in str(exc):
             raise EffitrainError(

@@ -616,3 +616,17 @@ def test_adam_mini_is_refused_on_flat_shards(state, where):
 @pytest.mark.parametrize("state", [fsdp(2), fake_state("MULTI_GPU")])
 def test_adam_mini_runs_on_fsdp2_and_ddp(state):
     assert distributed.optimizer_notes(state, "adam-mini") == []
+
+
+def test_only_the_main_process_reads_where_the_launch_can_send_the_weights():
+    def rank(state: SimpleNamespace, index: int) -> str | None:
+        state.process_index = index
+        return distributed.Launch.of(state).receives_weights
+
+    efficient = fsdp(2)
+    efficient.fsdp_plugin.cpu_ram_efficient_loading = True
+    assert [rank(efficient, 0), rank(efficient, 1)] == [None, "meta"]
+    assert [rank(fake_state("MULTI_CPU"), 0), rank(fake_state("MULTI_CPU"), 3)] == [None, "empty"]
+    # Every rank reads: FSDP2 without the setting, FSDP1 (not tried), DeepSpeed, one process.
+    for state in (fsdp(2), fsdp(1), deepspeed(3), fake_state("NO", 1)):
+        assert rank(state, 1) is None

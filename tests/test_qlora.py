@@ -204,3 +204,23 @@ def test_qlora_under_fsdp2_runs_only_as_tested():
         with pytest.raises(EffitrainError) as error:
             check_launch(refused, launch)
         assert fragment in str(error.value) and "\n" not in str(error.value)
+
+
+def test_estimate_counts_the_quant_state_whole_on_every_fsdp2_rank():
+    """``estimate --num-processes 2 --sharding fsdp``: the 4-bit codes, the rest of the frozen
+    base and the adapters split in two, each 4-bit weight's quant state whole on every rank (the
+    two-process run in tests/test_fsdp2_lora.py measures the same to the byte)."""
+    from effitrain.cli.compare import train_config
+    from effitrain.demo.lm import tiny_llama_config
+    from effitrain.distributed import Launch
+    from effitrain.estimation import estimate
+    from effitrain.levers.qlora import expected_storage
+
+    result = estimate(train_config([*QLORA, *SHAPE[:4]]), Launch.described(2, "fsdp", "cpu"))
+    quant_state = expected_storage(tiny_llama_linear_shapes()).quant_state_bytes
+    one_process = result.memory.parameter_bytes
+    per_rank = result.per_device.parameter_bytes
+    # Within one embedding row: rank 0 takes the extra row of an odd dim 0 (the vocabulary's).
+    row = 4 * tiny_llama_config()["hidden_size"]
+    assert per_rank == pytest.approx(quant_state + (one_process - quant_state) / 2, abs=row)
+    assert per_rank - one_process / 2 > quant_state / 2 - row  # not simply half
