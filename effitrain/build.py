@@ -20,10 +20,10 @@ import effitrain.levers as levers
 import effitrain.optim as optim
 import effitrain.tasks as tasks
 from effitrain.config import TrainConfig
-from effitrain.distributed import Launch, configure_deepspeed, cpu_for_launch
+from effitrain.distributed import WEIGHTS_RECEIVED, Launch, configure_deepspeed, cpu_for_launch
 from effitrain.errors import EffitrainError
 from effitrain.memory import ledger
-from effitrain.models import LoadOptions, base_model, load_tokenizer
+from effitrain.models import LoadOptions, base_model, load_tokenizer, materialize_empty
 from effitrain.results import RunInfo
 from effitrain.run import Plan, Run
 from effitrain.tracking import Trackers
@@ -160,6 +160,17 @@ def resolve_task(config: TrainConfig) -> Task:
     return task
 
 
+def load_options(
+    config: TrainConfig, device: torch.device | None, launch: Launch | None = None
+) -> LoadOptions:
+    """How this process gets the checkpoint's weights: read as the levers say (in the dtype
+    they train in, quantized while reading, straight onto a CUDA device where they change how
+    it is read), or not read at all where the launch sends it the main process's
+    (:attr:`Launch.receives_weights`)."""
+    receive = launch.receives_weights if launch is not None else None
+    return levers.load_options(config, LoadOptions(receive=receive)).onto(device)
+
+
 def build_model(
     config: TrainConfig,
     task: Task,
@@ -167,22 +178,27 @@ def build_model(
     tokenizer: PreTrainedTokenizerBase | None,
     device: torch.device | None,
     loaded: bool = True,
+    launch: Launch | None = None,
 ) -> torch.nn.Module:
-    """The model to train, levers applied: loaded from the checkpoint as the levers say
-    (``loaded``: in the dtype it trains in, quantized while reading, straight onto a CUDA
-    device where they change how it is read), or built from its config alone (an estimate's,
+    """The model to train, levers applied and made ready for ``launch``: loaded as
+    :func:`load_options` says (``loaded``), or built from its config alone (an estimate's,
     under the meta device).
 
     Raises:
         EffitrainError: the model cannot be loaded or cannot take a lever.
     """
+    options = load_options(config, device, launch)
     if loaded:
-        options = levers.load_options(config, LoadOptions()).onto(device)
         model = task.load_model(config, data, tokenizer, options)
         task.check_model(config, data, model)
     else:
         model = task.model_from_config(config, data, tokenizer)
-    return levers.apply_to_model(model, config, device)
+    model = levers.apply_to_model(model, config, device)
+    if launch is not None:
+        levers.for_launch(model, config, launch)
+    if loaded and options.receives == "empty":
+        materialize_empty(model, device)  # the launch's wrap broadcasts the main process's
+    return model
 
 
 def build_loss(
@@ -243,10 +259,11 @@ def assemble(
     plan: Plan,
     trackers: Trackers,
     estimating: bool = False,
+    weights: str = "read",
 ) -> Run:
     """The optimizer, scheduler and the levers' step contexts for a model and its data, prepared
     by Accelerate, put together as the :class:`Run` (a run's, and an estimate's on fake
-    tensors, whose model is already where it trains)."""
+    tensors, whose model is already where it trains; ``weights``: :attr:`Run.weights`)."""
     hyperparameters = resolve_hyperparameters(config)
     spec = resolve_optimizer_spec(config, launch)
     optimizer = build_optimizer(config, model, spec, hyperparameters.lr, estimating)
@@ -283,6 +300,7 @@ def assemble(
         lever_contexts=levers.step_contexts(
             config, accelerator.unwrap_model(model), estimating=estimating
         ),
+        weights=weights,
     )
     levers.after_prepare(run)
     return run
@@ -315,7 +333,8 @@ def build_run(config: TrainConfig, reporter: Reporter) -> Run:
         task = resolve_task(config)
         data = task.load_data(config)
     tokenizer = load_tokenizer(config.model)
-    model = build_model(config, task, data, tokenizer, accelerator.device)
+    model = build_model(config, task, data, tokenizer, accelerator.device, launch=launch)
+    received = load_options(config, accelerator.device, launch).receives
     loss = build_loss(config, task, model, launch, accelerator.device)
     with accelerator.main_process_first():
         pad_to_multiple_of = 8 if config.mixed_precision != "no" else None
@@ -337,6 +356,7 @@ def build_run(config: TrainConfig, reporter: Reporter) -> Run:
         eval_loader=eval_loader,
         plan=Plan.from_config(config, len(train_loader), warmup_ratio),
         trackers=Trackers(accelerator, config),
+        weights=WEIGHTS_RECEIVED if received else "read",
     )
 
 

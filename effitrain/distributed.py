@@ -210,6 +210,29 @@ class Launch:
         return self.sharding.num_processes
 
     @property
+    def process_index(self) -> int:
+        """This process's rank over all machines (0: the main process)."""
+        return int(getattr(self.state, "process_index", 0) or 0)
+
+    @property
+    def receives_weights(self) -> str | None:
+        """How this process gets the model's weights when the launch sends it the main
+        process's, so that only the main process reads the checkpoint (one host copy in the whole
+        job), in :class:`effitrain.models.LoadOptions`' words: ``"empty"`` under DDP (its wrap
+        broadcasts the main process's parameters and buffers), ``"meta"`` under FSDP2 with
+        ``fsdp_cpu_ram_efficient_loading`` (Accelerate shards the model on the meta device and
+        sends each rank its shard of the main process's state dict). None: this process reads
+        them (the main process, one process, FSDP1, DeepSpeed, FSDP2 without that setting)."""
+        if self.process_index == 0:
+            return None
+        if self.sharding.kind == "ddp":
+            return "empty"
+        plugin = getattr(self.state, "fsdp_plugin", None)
+        if self.sharding.kind == "fsdp2" and getattr(plugin, "cpu_ram_efficient_loading", False):
+            return "meta"
+        return None
+
+    @property
     def single_process(self) -> bool:
         """One process, unsharded: what the levers that update from a gradient hook need."""
         return self.sharding.kind == "single" and self.sharding.num_processes == 1
@@ -249,6 +272,14 @@ class RankMemory:
     parameter_checksum: float
     """Sum of this rank's local parameter values in float64: equal on every DDP rank."""
     device: str
+    weights: str = "read"
+    """How this rank got the model's weights: ``read`` (from the checkpoint, or a preset built
+    here) or ``from rank 0`` (built empty and sent the main process's by the launch:
+    :attr:`Launch.receives_weights`)."""
+
+
+WEIGHTS_RECEIVED = "from rank 0"
+""":attr:`RankMemory.weights` of a rank that did not read the checkpoint."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -517,13 +548,16 @@ CHECKSUM_CHUNK = 2**20
 
 
 def parameter_checksum(model: Any) -> float:
-    """Sum of this rank's local parameter values in float64 (DTensors: the local shard)."""
+    """Sum of this rank's local parameter values in float64 (DTensors: the local shard; 4-bit
+    weights: their packed bytes, whatever dtype stores them)."""
     import torch
 
     total = torch.zeros((), dtype=torch.float64)
     with torch.no_grad():
         for p in _local_parameters(model):
             local = p.to_local() if hasattr(p, "to_local") else p
+            if ledger.is_4bit(p):
+                local = local.as_subclass(torch.Tensor).view(torch.uint8)
             # In chunks: a whole float64 copy of an embedding is 8 bytes a weight (1.8 GiB
             # for a 1.5B model's, on top of the run's peak).
             for chunk in local.detach().reshape(-1).split(CHECKSUM_CHUNK):
@@ -531,8 +565,10 @@ def parameter_checksum(model: Any) -> float:
     return float(total)
 
 
-def local_rank_memory(accelerator: Accelerator, model: Any, optimizer: Any) -> RankMemory:
-    """Measure what this process holds now."""
+def local_rank_memory(
+    accelerator: Accelerator, model: Any, optimizer: Any, weights: str = "read"
+) -> RankMemory:
+    """Measure what this process holds now (``weights``: how it got them, :class:`RankMemory`)."""
     peak, kind = ledger.peak_memory_bytes(accelerator.device)
     return RankMemory(
         rank=accelerator.process_index,
@@ -542,6 +578,7 @@ def local_rank_memory(accelerator: Accelerator, model: Any, optimizer: Any) -> R
         peak_memory_kind=kind,
         parameter_checksum=parameter_checksum(model),
         device=str(accelerator.device),
+        weights=weights,
     )
 
 
@@ -560,16 +597,17 @@ def _reshard(model: Any) -> None:
 
 
 def gather_rank_memory(
-    accelerator: Accelerator, model: Any, optimizer: Any
+    accelerator: Accelerator, model: Any, optimizer: Any, weights: str = "read"
 ) -> list[dict[str, Any]]:
-    """Every rank's :class:`RankMemory` as dicts, sorted by rank, on every process.
+    """Every rank's :class:`RankMemory` as dicts, sorted by rank, on every process
+    (``weights``: how this process got the model's weights).
 
     A collective: every process must call it.
     """
     from accelerate.utils import gather_object
 
     _reshard(model)
-    mine = [asdict(local_rank_memory(accelerator, model, optimizer))]
+    mine = [asdict(local_rank_memory(accelerator, model, optimizer, weights))]
     ranks = gather_object(mine) if accelerator.num_processes > 1 else mine
     return sorted(ranks, key=lambda entry: entry["rank"])
 

@@ -26,8 +26,10 @@ CUDA the allocator's rounding and workspaces are not estimated (the tracker's to
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import effitrain.build as build
@@ -265,8 +267,13 @@ def _host_memory(
             base_model(model).config, landed.elements
         )
     options = levers.load_options(config, LoadOptions()).onto(torch.device(launch.device_type))
+    receive = None
+    if launch.num_processes > 1:  # how a process other than the main one would get them
+        other = SimpleNamespace(**{**vars(launch.state), "process_index": 1})
+        wanted = dataclasses.replace(launch, state=other).receives_weights
+        receive = dataclasses.replace(options, receive=wanted).receives
     return host.host_memory(
-        checkpoint, landed, options, launch.num_processes, launch.device_type, step
+        checkpoint, landed, options, launch.num_processes, launch.device_type, step, receive
     )
 
 
@@ -334,22 +341,31 @@ def _rank0_rows(rows: int, n: int) -> int:
 def fsdp2_layout(model: torch.nn.Module, optimizer: Any) -> dict[str, dict[str, int]]:
     """How FSDP2 splits this run's tensors: per kind (``parameters``, ``gradients``,
     ``optimizer_state``), bytes by the size of the dim 0 they are split on (``"rows:<n>"``) and
-    the bytes every rank holds whole (``"whole"``: the column factors of 2-D weights, scalars).
-    Gradients are the trainable parameters' shapes."""
+    the bytes every rank holds whole (``"whole"``: the column factors of 2-D weights, scalars,
+    a 4-bit weight's quant state). Gradients are the trainable parameters' shapes. A 4-bit
+    weight's packed codes are split as FSDP2 splits them: stored as 2-byte elements in one
+    column (:data:`effitrain.levers.qlora.SHARDABLE_STORAGE`)."""
     import torch
 
     from effitrain.distributed import replicated_under_fsdp2
 
     layout: dict[str, dict[str, int]] = {"parameters": {}, "gradients": {}, "optimizer_state": {}}
 
-    def add(kind: str, tensor: Any, whole: bool = False) -> None:
+    def add(kind: str, tensor: Any, whole: bool = False, rows: int | None = None) -> None:
         nbytes = ledger.optimizer_state_ledger({0: {"t": tensor}}).bytes
-        key = "whole" if whole or tensor.dim() == 0 else f"rows:{tensor.shape[0]}"
+        rows = tensor.shape[0] if rows is None and tensor.dim() else rows
+        key = "whole" if whole or not rows else f"rows:{rows}"
         layout[kind][key] = layout[kind].get(key, 0) + nbytes
 
     state = ledger.unwrap_optimizer(optimizer).state
     for p in model.parameters():
-        add("parameters", p)
+        if ledger.is_4bit(p):
+            codes = p.as_subclass(torch.Tensor)
+            add("parameters", codes, rows=codes.numel() * codes.element_size() // 2)
+            for tensor in ledger.quant_state_tensors(p):
+                add("parameters", tensor, whole=True)
+        else:
+            add("parameters", p)
         if p.requires_grad:
             add("gradients", p)
         for key, value in state.get(p, {}).items():

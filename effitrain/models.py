@@ -97,6 +97,21 @@ class LoadOptions:
     the model built on the meta device before anything is read (None: transformers' choice)."""
     device_map: Any = None
     """Where the weights go as they are read (None: the host)."""
+    receive: str | None = None
+    """How this process gets the weights when it does not read them, because the launch sends
+    it the main process's (:attr:`effitrain.distributed.Launch.receives_weights`): the model is
+    built from its config with its parameters on the meta device (buffers, computed at init,
+    real), then ``"meta"``: left there, for Accelerate's FSDP2 ``prepare`` to fill each shard
+    from the main process's (``fsdp_cpu_ram_efficient_loading``); ``"empty"``: materialized
+    uninitialized where the run trains (:func:`materialize_empty`), for DDP's wrap to broadcast
+    the main process's parameters and buffers. None: read here. See :attr:`receives`."""
+
+    @property
+    def receives(self) -> str | None:
+        """:attr:`receive`, unless a quantization reads the checkpoint: bitsandbytes' quant
+        state is neither a parameter nor a buffer, so no broadcast would carry it (Accelerate's
+        FSDP2 loading skips a model with 4-bit weights too): every process reads and quantizes."""
+        return self.receive if self.quantization_config is None else None
 
     def onto(self, device: Any) -> LoadOptions:
         """These options, reading straight onto ``device`` where the run trains on CUDA and a
@@ -105,6 +120,8 @@ class LoadOptions:
         for a plain fp32 read, which sharded launches load on the host."""
         if getattr(device, "type", None) != "cuda" or self.device_map is not None:
             return self
+        if self.receives:
+            return self  # nothing is read here
         if self.dtype == LoadOptions.dtype and self.quantization_config is None:
             return self
         return dataclasses.replace(self, device_map={"": device})
@@ -286,6 +303,8 @@ def load_model(
         settings["vocab_size"] = max(settings.get("vocab_size", 0), len(tokenizer))
         settings["pad_token_id"] = tokenizer.pad_token_id
         config = DistilBertConfig(**settings, **labels)
+        if options.receives:
+            return empty_model(AutoModelForSequenceClassification, config, options.dtype)
         # Built in the dtype it trains in: the same values as fp32's init, rounded.
         return AutoModelForSequenceClassification.from_config(config, dtype=options.dtype)
 
@@ -293,6 +312,8 @@ def load_model(
     if getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = tokenizer.pad_token_id
     try:
+        if options.receives:
+            return empty_model(AutoModelForSequenceClassification, config, options.dtype)
         # In the options' dtype (fp32 by default), whatever the checkpoint's (transformers 5
         # keeps it by default): the weights' dtype is the levers' choice.
         model = AutoModelForSequenceClassification.from_pretrained(
@@ -406,13 +427,20 @@ def load_causal_lm(
         for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
             settings[key] = getattr(tokenizer, key)
         config = getattr(transformers, CAUSAL_PRESETS[name][1])(**settings)
+        if options.receives:
+            return _for_training(empty_model(auto, config, options.dtype), tokenizer)
         # Built in the dtype it trains in, as load_model builds its presets.
         return _for_training(auto.from_config(config, dtype=options.dtype), tokenizer)
-    # The config only where the options need the model's modules (a quantization's kept ones).
-    config = load_model_config(name) if options.keep_unquantized is not None else None
+    # The config where the model is built from it alone (a process that receives its weights),
+    # or where the options need the model's modules (a quantization's kept ones).
+    needed = options.receives or options.keep_unquantized is not None
+    config = load_model_config(name) if needed else None
     try:
-        # In the options' dtype whatever the checkpoint's, as load_model.
-        model = auto.from_pretrained(name, **options.from_pretrained_kwargs(auto, config))
+        if options.receives:
+            model = empty_model(auto, config, options.dtype, generation_from=name)
+        else:
+            # In the options' dtype whatever the checkpoint's, as load_model.
+            model = auto.from_pretrained(name, **options.from_pretrained_kwargs(auto, config))
     except ValueError as exc:
         if "Unrecognized configuration class" in str(exc):
             raise EffitrainError(
@@ -426,6 +454,51 @@ def load_causal_lm(
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return _for_training(model, tokenizer)
+
+
+def empty_model(
+    auto_class: Any, model_config: Any, dtype: str, generation_from: str | None = None
+) -> PreTrainedModel:
+    """The model ``from_pretrained`` would give, with no weight read: built from its config with
+    the parameters on the meta device (no memory) and the buffers real (computed at init, as
+    position ids and rotary frequencies are; not every one is in a checkpoint), tied weights
+    tied, in eval mode as ``from_pretrained`` leaves it; ``generation_from``: the folder or hub
+    id whose ``generation_config.json`` it reads, as ``from_pretrained`` does (a few bytes).
+    For a process that receives its weights (:attr:`LoadOptions.receive`)."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = auto_class.from_config(model_config, dtype=dtype)
+    model.tie_weights()  # init_empty_weights replaces each parameter it registers: tie again
+    if generation_from is not None and model.can_generate():
+        import contextlib
+
+        from transformers import GenerationConfig
+
+        with contextlib.suppress(OSError):  # none saved: from_config's, from the model config
+            model.generation_config = GenerationConfig.from_pretrained(generation_from)
+    return model.eval()
+
+
+def materialize_empty(model: Any, device: Any) -> None:
+    """Give every meta parameter and buffer of ``model`` uninitialized storage on ``device``
+    (a tensor shared by several modules, tied weights, stays shared), for a process whose
+    launch then sends it the main process's values (:attr:`LoadOptions.receive`: ``empty``)."""
+    import torch
+
+    made: dict[int, Any] = {}
+
+    def empty(t: Any, parameter: bool) -> Any:
+        if id(t) not in made:
+            new = torch.empty_like(t, device=device)
+            made[id(t)] = torch.nn.Parameter(new, t.requires_grad) if parameter else new
+        return made[id(t)]
+
+    for module in model.modules():
+        for tensors, parameter in ((module._parameters, True), (module._buffers, False)):
+            for name, t in tensors.items():
+                if t is not None and t.device.type == "meta":
+                    tensors[name] = empty(t, parameter)
 
 
 def _for_training(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:

@@ -379,7 +379,8 @@ def _versus(value: int, baseline: int | None) -> str:
 
 
 def ranks_table(result: TrainResult) -> Any:
-    """Per process: optimizer state, parameters, peak memory; then the total over processes.
+    """Per process: how it got the model's weights, optimizer state, parameters, peak memory;
+    then the total over processes.
 
     The title names the sharding in use (DDP replicates, FSDP/ZeRO shard: the totals say what
     the whole job holds).
@@ -390,6 +391,7 @@ def ranks_table(result: TrainResult) -> Any:
     table = Table(title=f"Per rank: {description}", title_justify="left")
     table.add_column("rank", justify="right")
     table.add_column("device")
+    table.add_column("weights")
     table.add_column("optimizer state", justify="right")
     table.add_column("parameters", justify="right")
     table.add_column("peak memory", justify="right")
@@ -397,6 +399,7 @@ def ranks_table(result: TrainResult) -> Any:
         table.add_row(
             str(entry["rank"]),
             entry["device"],
+            entry.get("weights", "read"),
             format_bytes(entry["optimizer_state_bytes"]),
             format_bytes(entry["parameter_bytes"]),
             format_bytes(entry["peak_memory_bytes"]),
@@ -406,6 +409,7 @@ def ranks_table(result: TrainResult) -> Any:
         table.add_section()
         table.add_row(
             "[bold]total[/]",
+            "",
             "",
             f"[bold]{format_bytes(totals['optimizer_state_bytes'])}[/]",
             format_bytes(totals["parameter_bytes"]),
@@ -619,7 +623,10 @@ def host_line(host: HostMemory, which: str = "") -> str:
     ]
     held = " + ".join(f"{label} {format_bytes(value)}" for value, label in parts if value)
     loading = f"loading {format_bytes(host.load_peak_bytes)}" + (f" ({held})" if held else "")
-    loading += f" × {host.copies} copies" if host.copies > 1 else ""
+    loading += f" × {host.copies} processes reading" if host.copies > 1 else ""
+    receivers = host.processes - host.copies
+    if receivers:
+        loading += f", {receivers} receiving the weights ({format_bytes(host.received_bytes)} each)"
     step = f", the step's tensors {format_bytes(host.step_bytes)}" if host.step_bytes else ""
     return (
         f"Host RAM{which} {format_bytes(host.host_peak_bytes)} (one machine, at its peak in "

@@ -246,7 +246,9 @@ class HostMemory:
     """``loading`` or ``the training step``: when the host holds the most."""
     processes: int
     copies: int
-    """Full copies of the checkpoint read on one machine (one per process today)."""
+    """Processes on the machine that read the checkpoint (1 where the others receive it)."""
+    received_bytes: int
+    """Per other process, where they receive the main process's weights: what it holds then."""
     library_bytes: int
     """Per process: Python, torch, transformers, the pipeline."""
     checkpoint: CheckpointFacts | None

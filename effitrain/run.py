@@ -100,3 +100,6 @@ class Run:
     trackers: Trackers
     lever_contexts: dict[str, Any]
     """What each lever runs each micro-batch's forward and backward in, by lever name."""
+    weights: str = "read"
+    """How this process got the model's weights (``effitrain.distributed.RankMemory.weights``):
+    ``read``, or ``from rank 0`` where the launch sent them."""

@@ -196,7 +196,7 @@ def summarize(
     """What the run cost, measured from the real storage (a collective: all ranks call it)."""
     accelerator = run.accelerator
     peak_bytes, peak_kind = ledger.peak_memory_bytes(accelerator.device)
-    ranks = distributed.gather_rank_memory(accelerator, run.model, run.optimizer)
+    ranks = distributed.gather_rank_memory(accelerator, run.model, run.optimizer, run.weights)
     final_eval: dict[str, Any] = progress.eval_history[-1]
     train_seconds = timer.train_seconds
     return TrainResult(

@@ -101,8 +101,8 @@ def max_abs_difference(a: dict, b: dict) -> float:
 
 @pytest.fixture(scope="module")
 def two_process_run(tmp_path_factory, no_dropout_model_dir):
-    """One uninterrupted two-process Adam-mini run (``-m effitrain`` form) with a checkpoint at
-    step 3.
+    """One uninterrupted two-process Adam-mini run with a checkpoint at step 3, each file of
+    safetensors that a rank opens recorded (``tests/read_spy.py``, otherwise ``-m effitrain``).
 
     Without ``ACCELERATE_USE_CPU`` where there is no GPU: the config file alone must give two
     processes that train together.
@@ -125,6 +125,8 @@ def two_process_run(tmp_path_factory, no_dropout_model_dir):
         "--metrics-json",
         str(out / "metrics.json"),
         use_cpu_env=torch.cuda.is_available(),
+        script=Path(__file__).with_name("read_spy.py"),
+        extra_env={"READ_SPY_DIR": str(out)},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return SimpleNamespace(
@@ -204,6 +206,8 @@ def test_token_weighted_loss_over_two_processes_equals_one_big_batch(
 def test_two_processes_match_one_process(
     two_process_run, no_dropout_model_dir, train_cli, tmp_path
 ):
+    from tests.read_spy import reads
+
     run = two_process_run
     data = run.metrics
     # Two real processes, each on its half of every global batch.
@@ -212,6 +216,11 @@ def test_two_processes_match_one_process(
     assert data["sharding"]["kind"] == "ddp" and "gloo" in data["sharding"]["description"]
     first, second = data["ranks"]
     assert first["parameter_checksum"] == second["parameter_checksum"]
+    # Only the main process read the checkpoint: DDP's wrap sent rank 1, built empty, its
+    # parameters and buffers (the equality with one process below says they arrived).
+    assert reads(run.out, 0) == [str(no_dropout_model_dir / "model.safetensors")]
+    assert reads(run.out, 1) == []
+    assert [first["weights"], second["weights"]] == ["read", "from rank 0"]
     assert first["optimizer_state_bytes"] == second["optimizer_state_bytes"] > 0
     assert data["ranks_total"]["optimizer_state_bytes"] == 2 * first["optimizer_state_bytes"]
     # Every validation example counted once (400 is not a multiple of the global eval batch 32).
@@ -607,3 +616,17 @@ def test_adam_mini_is_refused_on_flat_shards(state, where):
 @pytest.mark.parametrize("state", [fsdp(2), fake_state("MULTI_GPU")])
 def test_adam_mini_runs_on_fsdp2_and_ddp(state):
     assert distributed.optimizer_notes(state, "adam-mini") == []
+
+
+def test_only_the_main_process_reads_where_the_launch_can_send_the_weights():
+    def rank(state: SimpleNamespace, index: int) -> str | None:
+        state.process_index = index
+        return distributed.Launch.of(state).receives_weights
+
+    efficient = fsdp(2)
+    efficient.fsdp_plugin.cpu_ram_efficient_loading = True
+    assert [rank(efficient, 0), rank(efficient, 1)] == [None, "meta"]
+    assert [rank(fake_state("MULTI_CPU"), 0), rank(fake_state("MULTI_CPU"), 3)] == [None, "empty"]
+    # Every rank reads: FSDP2 without the setting, FSDP1 (not tried), DeepSpeed, one process.
+    for state in (fsdp(2), fsdp(1), deepspeed(3), fake_state("NO", 1)):
+        assert rank(state, 1) is None

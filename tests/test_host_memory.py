@@ -103,13 +103,27 @@ def test_4bit_holds_what_it_quantizes_the_codes_and_its_working_memory():
     assert "4-bit" in memory.read_dtype
 
 
-def test_every_process_reads_its_own_copy_and_a_gpu_step_is_not_host_memory():
+def test_where_no_process_receives_each_reads_and_a_gpu_step_is_not_host_memory():
     weights = host.LandedWeights(elements=100 * MIB, unquantized_bytes=400 * MIB)
     memory = _host(
         LoadOptions(dtype="float32"), weights, step=10**12, num_processes=4, device_type="cuda"
     )
     assert (memory.copies, memory.step_bytes) == (4, 0)
     assert memory.host_peak_bytes == 4 * host.LIBRARY_BYTES + 4 * 600 * MIB
+
+
+def test_one_process_reads_where_the_others_receive():
+    """DDP on the CPU: the main process reads (600 MiB while loading), the 3 others hold their
+    model, empty, as it arrives (400 MiB each); on a GPU that is the GPU's."""
+    weights = host.LandedWeights(elements=100 * MIB, unquantized_bytes=400 * MIB)
+    options = LoadOptions(dtype="float32")
+    on_cpu = _host(options, weights, step=0, num_processes=4, receive="empty")
+    assert (on_cpu.copies, on_cpu.received_bytes) == (1, 400 * MIB)
+    assert on_cpu.host_peak_bytes == 4 * host.LIBRARY_BYTES + (600 + 3 * 400) * MIB
+    fsdp = _host(options, weights, step=0, num_processes=4, receive="meta")
+    assert fsdp.received_bytes == 100 * MIB  # its shard
+    on_gpu = _host(options, weights, step=0, num_processes=4, device_type="cuda", receive="empty")
+    assert on_gpu.host_peak_bytes == 4 * host.LIBRARY_BYTES + 600 * MIB
 
 
 def test_a_preset_is_built_in_the_dtype_it_trains_in():

@@ -338,3 +338,36 @@ def test_qlora_with_bf16_weights_estimate_equals_the_run(qlora_bf16_run, train_c
     assert estimate["optimizer_state"]["bytes"] == measured["optimizer_state"]["bytes"]
     assert estimate["quantized_weights"] == measured["quantized_weights"]
     assert estimate["step_memory"]["quantized_at_peak"] == measured["quantized_weights"]["bytes"]
+
+
+# --------------------------------------------------------------------------------------------
+# A process that receives its weights under accelerate launch reads none
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("receive", ["meta", "empty"])
+def test_a_receiving_process_builds_the_model_without_reading_it(lm_model_dir, receive):
+    """The model ``from_pretrained`` gives, with no weight read: parameters on the meta device
+    (``meta``, for FSDP2's loading) or in uninitialised memory (``empty``, for DDP's broadcast),
+    buffers computed at init, tied weights tied, the saved generation config; QLoRA reads."""
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    from effitrain.models import LoadOptions, load_causal_lm, load_tokenizer, materialize_empty
+
+    tokenizer = load_tokenizer(str(lm_model_dir))
+    read = load_causal_lm(str(lm_model_dir), tokenizer)
+    model = load_causal_lm(str(lm_model_dir), tokenizer, LoadOptions(receive=receive))
+    if receive == "empty":
+        materialize_empty(model, torch.device("cpu"))
+    params = dict(model.named_parameters())
+    assert params.keys() == dict(read.named_parameters()).keys()
+    assert {p.device.type for p in params.values()} == {"meta" if receive == "meta" else "cpu"}
+    assert {p.dtype for p in params.values()} == {torch.float32}
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    for name, buffer in read.named_buffers():
+        assert torch.equal(dict(model.named_buffers())[name], buffer), name
+    assert model.generation_config.to_dict() == read.generation_config.to_dict()
+    assert model.training == read.training and model.config.use_cache == read.config.use_cache
+    quantized = LoadOptions(receive=receive, quantization_config=BitsAndBytesConfig())
+    assert LoadOptions(receive=receive).receives == receive and quantized.receives is None

@@ -294,29 +294,45 @@ def launch_state(kind: str, **extra):
 
 
 @pytest.mark.parametrize(
-    ("state", "shown"),
+    ("state", "shown", "why"),
     [
-        (launch_state("FSDP", fsdp_plugin=SimpleNamespace(fsdp_version=2)), "FSDP2"),
         (
             launch_state("FSDP", fsdp_plugin=SimpleNamespace(fsdp_version=1, use_orig_params=True)),
             "FSDP1",
+            "flattens the frozen base and the trained adapters",
         ),
         (
             launch_state("DEEPSPEED", deepspeed_plugin=SimpleNamespace(zero_stage=2)),
             "DeepSpeed ZeRO-2",
+            "has not run peft's adapters under DeepSpeed",
         ),
     ],
 )
-def test_lora_under_sharding_is_refused(state, shown):
+def test_lora_under_flat_sharding_is_refused_with_a_reason(state, shown, why):
     from effitrain.distributed import Launch
     from effitrain.errors import EffitrainError
     from effitrain.levers import check_launch
 
     launch = Launch.of(state)
-    with pytest.raises(EffitrainError, match=f"--lora-rank is not supported under {shown}"):
+    with pytest.raises(EffitrainError) as error:
         check_launch(lora_config(lora_rank=4), launch)
+    message = str(error.value)
+    assert "\n" not in message and f"--lora-rank is not supported under {shown}" in message
+    assert why in message and "use FSDP2 (fsdp_version: 2) or DDP" in message
     check_launch(lora_config(), launch)  # without LoRA: not this rule's business
-    check_launch(lora_config(lora_rank=4), Launch.of(launch_state("MULTI_CPU")))  # DDP is fine
+
+
+def test_lora_runs_under_fsdp2_and_ddp():
+    """FSDP2 shards the frozen base and the adapters tensor by tensor (the two-process runs in
+    tests/test_fsdp2_lora.py); DDP replicates them."""
+    from effitrain.distributed import Launch
+    from effitrain.levers import check_launch
+
+    fsdp2 = launch_state(
+        "FSDP", fsdp_plugin=SimpleNamespace(fsdp_version=2, reshard_after_forward=True)
+    )
+    for state in (fsdp2, launch_state("MULTI_CPU")):
+        check_launch(lora_config(lora_rank=4), Launch.of(state))
 
 
 def test_lora_combines_with_the_other_levers_in_the_config():

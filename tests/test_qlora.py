@@ -4,6 +4,7 @@ exactly, ``estimate`` predicts it, and what cannot work is refused in one line."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from types import SimpleNamespace
@@ -170,7 +171,9 @@ def test_missing_bitsandbytes_gives_the_install_line(train_cli, monkeypatch):
     assert_clean_error(proc, "--load-in-4bit needs bitsandbytes", "pip install 'effitrain[qlora]'")
 
 
-def test_qlora_under_sharding_is_refused():
+def test_qlora_under_fsdp2_runs_only_as_tested():
+    """FSDP2 with sharded checkpoints and bf16 or no mixed precision (the two-process runs in
+    tests/test_fsdp2_lora.py); FSDP1 and DeepSpeed refuse LoRA itself."""
     from types import SimpleNamespace as State
 
     from effitrain.config import TrainConfig
@@ -178,8 +181,46 @@ def test_qlora_under_sharding_is_refused():
     from effitrain.errors import EffitrainError
     from effitrain.levers import check_launch
 
-    plugin = State(fsdp_version=2)
-    state = State(distributed_type="FSDP", num_processes=2, backend="nccl", fsdp_plugin=plugin)
+    def fsdp(version: int, state_dict_type: str = "SHARDED_STATE_DICT") -> Launch:
+        plugin = State(
+            fsdp_version=version,
+            use_orig_params=True,
+            reshard_after_forward=True,
+            state_dict_type=State(name=state_dict_type),
+        )
+        return Launch.of(
+            State(distributed_type="FSDP", num_processes=2, backend="gloo", fsdp_plugin=plugin)
+        )
+
     config = TrainConfig(task="causal-lm", lora_rank=8, load_in_4bit=True)
-    with pytest.raises(EffitrainError, match="--lora-rank is not supported under"):
-        check_launch(config, Launch.of(state))
+    check_launch(config, fsdp(2))
+    check_launch(dataclasses.replace(config, mixed_precision="bf16"), fsdp(2))
+    refusals = [
+        (config, fsdp(1), "--lora-rank is not supported under FSDP1"),
+        (config, fsdp(2, "FULL_STATE_DICT"), "needs fsdp_state_dict_type: SHARDED_STATE_DICT"),
+        (dataclasses.replace(config, mixed_precision="fp16"), fsdp(2), "--mixed-precision fp16"),
+    ]
+    for refused, launch, fragment in refusals:
+        with pytest.raises(EffitrainError) as error:
+            check_launch(refused, launch)
+        assert fragment in str(error.value) and "\n" not in str(error.value)
+
+
+def test_estimate_counts_the_quant_state_whole_on_every_fsdp2_rank():
+    """``estimate --num-processes 2 --sharding fsdp``: the 4-bit codes, the rest of the frozen
+    base and the adapters split in two, each 4-bit weight's quant state whole on every rank (the
+    two-process run in tests/test_fsdp2_lora.py measures the same to the byte)."""
+    from effitrain.cli.compare import train_config
+    from effitrain.demo.lm import tiny_llama_config
+    from effitrain.distributed import Launch
+    from effitrain.estimation import estimate
+    from effitrain.levers.qlora import expected_storage
+
+    result = estimate(train_config([*QLORA, *SHAPE[:4]]), Launch.described(2, "fsdp", "cpu"))
+    quant_state = expected_storage(tiny_llama_linear_shapes()).quant_state_bytes
+    one_process = result.memory.parameter_bytes
+    per_rank = result.per_device.parameter_bytes
+    # Within one embedding row: rank 0 takes the extra row of an odd dim 0 (the vocabulary's).
+    row = 4 * tiny_llama_config()["hidden_size"]
+    assert per_rank == pytest.approx(quant_state + (one_process - quant_state) / 2, abs=row)
+    assert per_rank - one_process / 2 > quant_state / 2 - row  # not simply half

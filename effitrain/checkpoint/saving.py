@@ -217,6 +217,26 @@ def check_final(output_dir: str | Path, last_step: int) -> None:
         )
 
 
+def final_state_dict(accelerator: Accelerator, model: Any) -> dict[str, Any]:
+    """What ``final/`` is written from, on the main process (a collective: every process calls
+    it). A peft model under FSDP2 saves its adapters only, so only the trained parameters are
+    gathered, one at a time: gathering the frozen base too would put the whole model on the
+    main process's host, a 70B's for a QLoRA run that sharded it to fit."""
+    unwrapped = accelerator.unwrap_model(model)
+    if getattr(unwrapped, "peft_config", None) is None or not getattr(
+        accelerator, "is_fsdp2", False
+    ):
+        return accelerator.get_state_dict(model)
+    state_dict: dict[str, Any] = {}
+    for name, param in unwrapped.named_parameters():
+        if not param.requires_grad:
+            continue
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param
+        if accelerator.is_main_process:
+            state_dict[name] = full.detach().cpu()
+    return state_dict
+
+
 def save_final(
     accelerator: Accelerator,
     model: Any,
@@ -240,7 +260,7 @@ def save_final(
     final = output_dir / folder
     tmp = output_dir / f"{TMP_PREFIX}{folder}"
     check_final(output_dir, global_step)
-    state_dict = accelerator.get_state_dict(model)
+    state_dict = final_state_dict(accelerator, model)
     if accelerator.is_main_process:
         try:
             output_dir.mkdir(parents=True, exist_ok=True)

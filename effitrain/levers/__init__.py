@@ -156,6 +156,13 @@ def apply_to_model(
     return model
 
 
+def for_launch(model: torch.nn.Module, config: TrainConfig, launch: Launch) -> None:
+    """What each lever that is on changes in the model (levers applied) for ``launch``, before
+    the optimizer is built and Accelerate prepares it."""
+    for lever in active(config):
+        lever.for_launch(model, config, launch)
+
+
 def loss_options(config: TrainConfig) -> dict[str, Any]:
     """The options the levers give the task's loss."""
     options: dict[str, Any] = {}

@@ -40,6 +40,12 @@ if TYPE_CHECKING:
     from effitrain.report import Reporter
 
 INSTALL = "pip install 'effitrain[lora]'"
+UNTRIED_SHARDING = {
+    "fsdp1": "it flattens the frozen base and the trained adapters into shared flat parameters, "
+    "which effitrain has not run",
+    "deepspeed": "effitrain has not run peft's adapters under DeepSpeed, which needs GPUs",
+}
+"""The shardings LoRA is refused under, and why (docs/distributed.md)."""
 ALL_LINEAR = "all-linear"
 MERGED_DIR = "final-merged"
 
@@ -100,14 +106,13 @@ class LoRA(Lever):
 
     def check_launch(self, config: TrainConfig, launch: Launch) -> None:
         require_peft()
-        if launch.sharding.sharded:
-            # Refused, not left unverified: peft under FSDP needs its own wrap policy and mixed
-            # frozen/trainable shards, and the adapters would have to be gathered from the
-            # shards for the final save.
+        why = UNTRIED_SHARDING.get(launch.sharding.kind)
+        if why:
+            # FSDP2 shards the frozen base and the adapters tensor by tensor, and its checkpoints
+            # and final save gather them (tested on two processes); these have not been run.
             raise EffitrainError(
-                f"--lora-rank is not supported under {launch.sharding.description}: LoRA's base "
-                "weights are frozen, so plain DDP (accelerate launch --multi_gpu) or one process "
-                "fits where full fine-tuning needed sharding"
+                f"--lora-rank is not supported under {launch.sharding.description}: {why}; use "
+                "FSDP2 (fsdp_version: 2) or DDP (accelerate launch --multi_gpu)"
             )
 
     def apply_to_model(

@@ -87,7 +87,31 @@ class QLoRA(Lever):
             )
 
     def check_launch(self, config: TrainConfig, launch: Launch) -> None:
-        require_bitsandbytes()  # under sharding, LoRA refuses the launch
+        require_bitsandbytes()  # under FSDP1 and DeepSpeed, LoRA refuses the launch
+        if launch.sharding.kind != "fsdp2":
+            return
+        if config.mixed_precision == "fp16":
+            raise EffitrainError(
+                "--load-in-4bit with --mixed-precision fp16 cannot run under FSDP2: its "
+                "all-gather casts every parameter to fp16, and the 4-bit codes are stored as "
+                "bf16 there (so that they shard); use --mixed-precision bf16 or no"
+            )
+        plugin = getattr(launch.state, "fsdp_plugin", None)
+        kind = getattr(plugin, "state_dict_type", None)
+        if kind is not None and "SHARDED" not in str(getattr(kind, "name", kind)):
+            raise EffitrainError(
+                f"--load-in-4bit under FSDP2 needs fsdp_state_dict_type: SHARDED_STATE_DICT "
+                f"(this config has {getattr(kind, 'name', kind)}): a resume checks the sharded "
+                "checkpoint's 4-bit base against --model, and the full format has not been run"
+            )
+
+    def for_launch(self, model: torch.nn.Module, config: TrainConfig, launch: Launch) -> None:
+        if launch.sharding.kind == "fsdp2":
+            shardable_codes(model)
+
+    def after_prepare(self, run: BuiltRun) -> None:
+        if run.launch.sharding.kind == "fsdp2":
+            mark_sharded_weights(run.accelerator.unwrap_model(run.model))
 
     def load_options(self, config: TrainConfig, options: LoadOptions) -> LoadOptions:
         return dataclasses.replace(
@@ -132,7 +156,11 @@ class QLoRA(Lever):
         return quantized_like(original, empty) if is_4bit(original) else None
 
     def check_checkpoint(self, run: BuiltRun, checkpoint: Path) -> None:
-        check_checkpoint_base(run.accelerator.unwrap_model(run.model), checkpoint)
+        model = run.accelerator.unwrap_model(run.model)
+        if run.launch.sharding.kind == "fsdp2":
+            check_sharded_checkpoint_base(run.accelerator, model, checkpoint)
+        else:
+            check_checkpoint_base(model, checkpoint)
 
 
 def require_bitsandbytes() -> None:
@@ -243,6 +271,59 @@ def quantize_model(
     return model
 
 
+SHARDABLE_STORAGE = "bfloat16"
+"""The dtype that holds the packed 4-bit codes under FSDP2, which shards floating-point
+parameters only (Accelerate leaves uint8 ones whole on every rank): bitsandbytes'
+``bnb_4bit_quant_storage``, as Answer.AI's FSDP-QLoRA uses it. The same bytes, four codes per
+element instead of two."""
+
+
+def shardable_codes(model: torch.nn.Module) -> None:
+    """Store every 4-bit weight's packed codes as :data:`SHARDABLE_STORAGE`: a view of the same
+    bytes (bitsandbytes' own ``quantize_4bit(quant_storage=...)`` makes exactly that view), so
+    the weights, their quant states and every matmul stay what they were; a weight not yet
+    quantized (on the meta device) will be quantized into that storage."""
+    import bitsandbytes as bnb
+    import torch
+
+    storage = getattr(torch, SHARDABLE_STORAGE)
+    for module in model.modules():
+        if not isinstance(module, bnb.nn.Linear4bit):
+            continue
+        module.quant_storage = storage
+        weight = module.weight
+        if not weight.bnb_quantized or weight.dtype == storage:
+            weight.quant_storage = storage
+            continue
+        codes = weight.data.reshape(-1).view(storage).unsqueeze(1)
+        module.weight = bnb.nn.Params4bit(
+            codes,
+            requires_grad=False,
+            quant_state=weight.quant_state,
+            blocksize=weight.blocksize,
+            compress_statistics=weight.compress_statistics,
+            quant_type=weight.quant_type,
+            quant_storage=storage,
+            module=module,
+            bnb_quantized=True,
+        )
+
+
+def mark_sharded_weights(model: torch.nn.Module) -> None:
+    """After FSDP2 sharded the model: each 4-bit weight is a DTensor of its codes, its
+    ``QuantState`` left on its module (where bitsandbytes finds it again for each forward).
+    Point the weight at it (:data:`effitrain.memory.ledger.SHARDED_QUANT_STATE`), so that the
+    ledger counts it (whole, on every rank) and the banner and checks know the weight is 4-bit."""
+    import bitsandbytes as bnb
+
+    from effitrain.memory.ledger import SHARDED_QUANT_STATE
+
+    for module in model.modules():
+        state = getattr(module, "quant_state", None)
+        if isinstance(module, bnb.nn.Linear4bit) and state is not None:
+            setattr(module.weight, SHARDED_QUANT_STATE, state)
+
+
 def quantized_like(param: Any, weight: Any) -> Any:
     """``weight`` quantized as ``param`` (an unquantized ``Params4bit``) would be, through
     bitsandbytes' own ``quantize_4bit``, for ``effitrain estimate``'s fake tensors: a plain
@@ -292,7 +373,9 @@ def storage(model: torch.nn.Module) -> QuantizedStorage:
     from effitrain.memory.ledger import is_4bit, logical_numel, parameter_bytes
 
     params = [p for p in model.parameters() if is_4bit(p)]
-    packed = parameter_bytes([p.as_subclass(torch.Tensor) for p in params])
+    # The codes alone: this rank's shard of them under FSDP2.
+    codes = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    packed = parameter_bytes([c.as_subclass(torch.Tensor) for c in codes])
     total = parameter_bytes(params)
     return QuantizedStorage(
         weights=len(params),
@@ -382,3 +465,62 @@ def check_checkpoint_base(model: torch.nn.Module, checkpoint: Any) -> None:
                 f"cannot resume from {checkpoint}: its 4-bit base weight {key} differs from the "
                 "one quantized from --model now; resume with the base model it was trained on"
             )
+
+
+SHARDED_MODEL_DIR = "pytorch_model_fsdp_0"
+"""Where Accelerate's ``save_state`` writes an FSDP2 model in ``SHARDED_STATE_DICT`` form
+(torch.distributed.checkpoint), under the keys ``model.<name>``."""
+
+
+def check_sharded_checkpoint_base(
+    accelerator: Any, model: torch.nn.Module, checkpoint: Any
+) -> None:
+    """:func:`check_checkpoint_base` for an FSDP2 checkpoint in ``SHARDED_STATE_DICT`` form:
+    the same keys, and each rank's shard of every 4-bit weight's packed codes equal to the one
+    just quantized from ``--model`` (read by torch.distributed.checkpoint into this rank's
+    layout). A collective: every process calls it, and every one raises.
+
+    Raises:
+        EffitrainError: as :func:`check_checkpoint_base`.
+    """
+    from pathlib import Path
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from effitrain.memory.ledger import is_4bit
+
+    folder = Path(checkpoint) / SHARDED_MODEL_DIR
+    expected = model.state_dict(keep_vars=True)
+    found = (
+        {
+            key.removeprefix("model.")
+            for key in dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+        }
+        if folder.is_dir()
+        else set()
+    )
+    odd = sorted(set(expected) ^ found)
+    if odd:
+        raise EffitrainError(
+            f"cannot resume from {checkpoint}: its model does not match this one ({odd[0]} "
+            "is in one of them only); resume with the options it was saved with"
+        )
+    codes = {key: value.detach() for key, value in expected.items() if is_4bit(value)}
+    saved = {key: torch.empty_like(value) for key, value in codes.items()}
+    dcp.load({"model": saved}, checkpoint_id=str(folder))
+    # As bytes: codes stored as bf16 read as floats include NaNs, never equal to themselves.
+    differ = [
+        key
+        for key in codes
+        if not torch.equal(
+            saved[key].to_local().view(torch.uint8), codes[key].to_local().view(torch.uint8)
+        )
+    ]
+    flag = torch.tensor(float(bool(differ)), device=accelerator.device)
+    if float(accelerator.reduce(flag, "sum")) > 0:
+        where = differ[0] if differ else "a 4-bit base weight on another process"
+        raise EffitrainError(
+            f"cannot resume from {checkpoint}: its 4-bit base weight {where} differs from the "
+            "one quantized from --model now; resume with the base model it was trained on"
+        )

@@ -132,6 +132,10 @@ class Lever:
     def finish_model(self, model: torch.nn.Module, config: TrainConfig) -> None:
         """After every lever applied to the model (e.g. what a wrapper added needs a dtype)."""
 
+    def for_launch(self, model: torch.nn.Module, config: TrainConfig, launch: Launch) -> None:
+        """What ``launch`` needs changed in the model (levers applied) before the optimizer is
+        built and Accelerate prepares it (FSDP2 shards floating-point parameters only)."""
+
     # -- the loss, the optimizer, the step ------------------------------------------------------
 
     def loss_options(self, config: TrainConfig) -> dict[str, Any]:

@@ -14,8 +14,11 @@ and what it assumes is what that benchmark saw (transformers 5 on the CPU):
   Once loaded, effitrain drops the pages of the files still mapped
   (:func:`effitrain.models.release_read_pages`). Reading onto a GPU (``device_map``) leaves
   only the pages read on the host.
-- **Copies per machine** (:func:`host_copies`) and **the libraries' resident memory** per
-  process (:data:`LIBRARY_BYTES`).
+- **Who reads it.** One process per launch where the others receive the main process's weights
+  (DDP; FSDP2 with ``cpu_ram_efficient_loading``; not a 4-bit load, which every process reads:
+  :attr:`effitrain.models.LoadOptions.receives`), each process otherwise
+  (:func:`received_bytes`); and **the libraries' resident memory** per process
+  (:data:`LIBRARY_BYTES`).
 - **On the CPU, the step itself**: the device is the host, so the estimated step's peak tensor
   memory (parameters included) is host memory.
 
@@ -64,12 +67,15 @@ DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int8": 
 """Bytes per element of the floating dtypes a checkpoint or ``LoadOptions.dtype`` names."""
 
 
-def host_copies(num_processes: int) -> int:
-    """How many full copies of the checkpoint one machine's host reads while a run loads.
-    Today every process of ``accelerate launch`` calls ``from_pretrained`` itself: one each.
-    (Where a launch comes to read it once per machine and hand the other processes their
-    weights, this is the one place to say so.)"""
-    return num_processes
+def received_bytes(receive: str | None, weights: LandedWeights, processes: int, device: str) -> int:
+    """What a process that does not read the checkpoint holds on the host while it gets the main
+    process's weights (``receive``: :attr:`effitrain.models.LoadOptions.receives`): under DDP
+    (``empty``) its whole model, uninitialized, where the run trains; under FSDP2's
+    ``cpu_ram_efficient_loading`` (``meta``) its shard. On a GPU, neither is on the host."""
+    if receive is None or device != "cpu":
+        return 0
+    whole = weights.unquantized_bytes + weights.quantized_bytes
+    return whole if receive == "empty" else -(-whole // processes)
 
 
 # -- the checkpoint, from its headers ----------------------------------------------------------
@@ -213,6 +219,7 @@ def host_memory(
     num_processes: int,
     device_type: str,
     step_bytes: int | None,
+    receive: str | None = None,
 ) -> HostMemory:
     """The host memory one machine needs for a run: each process's libraries, each copy's
     peak while the model loads, and on the CPU each process's step, whichever is larger.
@@ -225,6 +232,8 @@ def host_memory(
         num_processes: processes on the machine.
         device_type: where the step runs (``cpu``: the step is host memory).
         step_bytes: one process's estimated peak tensor memory in a step.
+        receive: how the processes other than the main one get their weights (the options'
+            ``receives`` on such a process; None: each reads the checkpoint).
     """
     read = DTYPE_BYTES.get(options.dtype, 4)
     quantized = options.quantization_config is not None and weights.quantized_elements > 0
@@ -243,14 +252,17 @@ def host_memory(
         if options.device_map is not None:  # onto the device as it is read
             mapped, landed, buffer = checkpoint.bytes, 0, 0
     load_peak = mapped + landed + buffer
-    copies = host_copies(num_processes)
+    copies = 1 if receive else num_processes
+    received = received_bytes(receive, weights, num_processes, device_type)
     step = (step_bytes or 0) if device_type == "cpu" else 0
-    loading_total, step_total = copies * load_peak, num_processes * step
+    loading_total = copies * load_peak + (num_processes - copies) * received
+    step_total = num_processes * step
     return HostMemory(
         host_peak_bytes=num_processes * LIBRARY_BYTES + max(loading_total, step_total),
         peak_at="the training step" if step_total > loading_total else "loading",
         processes=num_processes,
         copies=copies,
+        received_bytes=received,
         library_bytes=LIBRARY_BYTES,
         checkpoint=checkpoint,
         read_dtype=options.dtype + (" (Linear weights 4-bit NF4)" if quantized else ""),

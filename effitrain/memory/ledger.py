@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BNB_QUANT_STATE_KEY",
     "PYTHON_SCALAR_BYTES",
+    "SHARDED_QUANT_STATE",
     "OptimizerStateLedger",
     "StateKeyUsage",
     "adamw_equivalent_bytes",
@@ -36,6 +37,7 @@ __all__ = [
     "fp32_adamw_baseline",
     "gradient_bytes",
     "is_4bit",
+    "local_logical_numel",
     "logical_numel",
     "optimizer_state_ledger",
     "parameter_bytes",
@@ -169,7 +171,8 @@ def tensor_storage(t: torch.Tensor) -> list[tuple[StorageKey | None, int, int, s
     - plain tensor: one entry for ``t.untyped_storage()``; ``nbytes`` is the whole storage
       (a view of a bigger tensor reports the bigger storage) and ``elements`` is
       ``nbytes // element_size``;
-    - DTensor: the storages of its local shard;
+    - DTensor: the storages of its local shard (a 4-bit weight sharded by FSDP2: its packed
+      codes' shard, and the whole ``QuantState``, which every rank holds);
     - traceable wrapper subclass (torchao ``OptimState8bit`` …): the storages of its inner
       tensors, recursively;
     - bitsandbytes 4-bit weight (``Params4bit``, ``--load-in-4bit``): the packed codes and
@@ -184,7 +187,10 @@ def tensor_storage(t: torch.Tensor) -> list[tuple[StorageKey | None, int, int, s
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
     if _is_dtensor(t):
-        return tensor_storage(_dtensor_local(t))
+        out = tensor_storage(_dtensor_local(t))
+        for x in quant_state_tensors(t):
+            out.extend(tensor_storage(x))
+        return out
     inner = _inner_tensors(t)
     if inner is not None:
         out: list[tuple[StorageKey | None, int, int, str]] = []
@@ -219,10 +225,26 @@ def tensor_storage(t: torch.Tensor) -> list[tuple[StorageKey | None, int, int, s
     return [((ptr, str(t.device)), nbytes, nbytes // max(t.element_size(), 1), dtype)]
 
 
+SHARDED_QUANT_STATE = "sharded_quant_state"
+"""The attribute under which a 4-bit weight sharded by FSDP2 (a DTensor of its packed codes,
+which lost the ``Params4bit`` and its ``quant_state``) carries its module's ``QuantState``
+(``effitrain.levers.qlora``). Not ``quant_state``: bitsandbytes would then save the quant state
+in the sharded checkpoint too."""
+
+
 def is_4bit(tensor: Any) -> bool:
-    """A bitsandbytes 4-bit weight: a ``Params4bit`` (two 4-bit codes per uint8), or any tensor
-    that carries a ``quant_state`` as it does (``effitrain estimate``'s fake stand-in)."""
-    return type(tensor).__name__ == "Params4bit" or hasattr(tensor, "quant_state")
+    """A bitsandbytes 4-bit weight: a ``Params4bit`` (two 4-bit codes per byte of its storage
+    dtype), any tensor that carries a ``quant_state`` as it does (``effitrain estimate``'s fake
+    stand-in), or its FSDP2 shard (:data:`SHARDED_QUANT_STATE`)."""
+    return (
+        type(tensor).__name__ == "Params4bit"
+        or hasattr(tensor, "quant_state")
+        or hasattr(tensor, SHARDED_QUANT_STATE)
+    )
+
+
+def _quant_state(t: Any) -> Any:
+    return getattr(t, "quant_state", None) or getattr(t, SHARDED_QUANT_STATE, None)
 
 
 def quant_state_tensors(t: Any) -> list[torch.Tensor]:
@@ -231,7 +253,7 @@ def quant_state_tensors(t: Any) -> list[torch.Tensor]:
     weight not yet quantized."""
     import torch
 
-    state = getattr(t, "quant_state", None) if is_4bit(t) else None
+    state = _quant_state(t) if is_4bit(t) else None
     tensors: list[torch.Tensor] = []
     while state is not None:
         tensors += [v for v in vars(state).values() if isinstance(v, torch.Tensor)]
@@ -244,8 +266,17 @@ def logical_numel(param: Any) -> int:
     stores two per byte); any other, ``numel()``."""
     import math
 
-    state = getattr(param, "quant_state", None) if is_4bit(param) else None
+    state = _quant_state(param) if is_4bit(param) else None
     return math.prod(state.shape) if state is not None else param.numel()
+
+
+def local_logical_numel(param: Any) -> int:
+    """:func:`logical_numel` of this rank's share: a DTensor's local shard (a sharded 4-bit
+    weight's: two weights per byte of its local codes)."""
+    if not _is_dtensor(param):
+        return logical_numel(param)
+    local = _dtensor_local(param)
+    return 2 * local.numel() * local.element_size() if is_4bit(param) else local.numel()
 
 
 class _Dedup:
@@ -540,7 +571,7 @@ def fp32_adamw_baseline(model: Any) -> dict[str, int]:
     """What the same model would hold trained whole, in fp32, with fp32 AdamW and no levers:
     every parameter 4 bytes, a gradient for each, and AdamW's state for each (local shards; a
     4-bit weight counts the weights it stands for)."""
-    numels = [logical_numel(_local(p)) for p in _parameters(model)]
+    numels = [local_logical_numel(p) for p in _parameters(model)]
     return {
         "parameter_bytes": 4 * sum(numels),
         "gradient_bytes": 4 * sum(numels),
