@@ -198,26 +198,3 @@ def saved_run(tmp_path_factory, data):
     proc = train_in_process(*train_args(data, out, *options))
     assert proc.returncode == 0, proc.stderr
     return SimpleNamespace(data=data, out=out, options=options, proc=proc)
-
-
-@pytest.fixture(scope="session")
-def fsdp_facts_dir(tmp_path_factory) -> Path:
-    """One launch of two CPU processes with torch's FSDP1 and FSDP2 over gloo
-    (``fsdp2_factored.py``, which runs ``fsdp_facts.py``'s checks too): the folder of each
-    rank's JSON facts, and ``launch.json``: the exit code and output tail, for a failing test."""
-    import json
-
-    from tests.test_distributed import launch
-
-    out = tmp_path_factory.mktemp("fsdp-facts")
-    proc = launch(
-        script=Path(__file__).with_name("fsdp2_factored.py"),
-        extra_env={"FSDP_FACTS_DIR": str(out)},
-        timeout=300,
-    )
-    (out / "launch.json").write_text(
-        json.dumps(
-            {"returncode": proc.returncode, "tail": proc.stdout[-3000:] + proc.stderr[-3000:]}
-        )
-    )
-    return out

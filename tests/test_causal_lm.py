@@ -234,23 +234,8 @@ def test_bad_data_gets_one_line(train_cli, tmp_path, content, name, fragments):
     assert_clean_error(proc, *fragments)
 
 
-@pytest.mark.slow
-def test_two_processes_under_accelerate_launch(tmp_path):
-    from tests.test_distributed import launch
-
-    (tmp_path / "corpus.txt").write_text(TEXT)
-    out = tmp_path / "m.json"
-    proc = launch(
-        "train", "--task", "causal-lm", "--dataset", str(tmp_path / "corpus.txt"),
-        "--max-steps", "3", "--sample-prompt", "The river town", "--metrics-json", str(out),
-        "--output-dir", str(tmp_path / "run"), *SHORT,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    metrics = metrics_of(out)
-    assert metrics["num_processes"] == 2 and metrics["task"] == "causal-lm"
-    assert len(metrics["ranks"]) == 2
-    assert proc.stdout.count("perplexity") >= 1 and proc.stdout.count("sample ") == 1  # main only
-    assert (tmp_path / "run" / "final" / "model.safetensors").exists()
+# Two processes under accelerate launch: tests/test_distributed.py
+# (test_causal_lm_under_two_processes), in the one launch its DDP runs share.
 
 
 def test_a_text_file_with_a_folder_causal_lm_is_detected_as_causal_lm(

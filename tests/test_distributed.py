@@ -6,14 +6,15 @@ The two-process runs really start two processes (asserted through ``num_processe
 FSDP and DeepSpeed need GPUs under Accelerate, so their rules are tested on stand-in state
 objects with the attributes :mod:`effitrain.distributed` reads; what those rules rely on
 (FSDP1 flattens, FSDP2 DTensors crash Adafactor and bitsandbytes) is checked on real FSDP
-over gloo by ``fsdp_facts.py``, which uses torch directly.
+over gloo by ``fsdp_facts.py``, which uses torch directly (test_fsdp2_optim.py, in the launch of
+its own FSDP2 checks). Every two-process DDP ``effitrain train`` run of the suite (here, LoRA's
+and the causal LM's included) runs in one launch, :func:`ddp_runs`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -99,46 +100,133 @@ def max_abs_difference(a: dict, b: dict) -> float:
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
 
+def two_process_args(model: Path, out: Path, *extra: str) -> list[str]:
+    """The two-process Adam-mini run of :func:`ddp_runs`, saving at step 3, and its resume."""
+    return ["train", "--model", str(model), *OPTIM, *STEPS, "--batch-size", "8",
+            "--output-dir", str(out / "run"), "--save-every", "3",
+            "--metrics-json", str(out / "metrics.json"), *extra]  # fmt: skip
+
+
+TOKEN_WEIGHTED = (
+    "train", "--quiet", "--task", "causal-lm", "--no-packing", "--max-steps", "1",
+    "--max-grad-norm", "0", "--warmup-steps", "0", "--optim", "sgd", "--lr", "0.5",
+    "--no-memory-breakdown",
+)  # fmt: skip
+"""Causal LM on padded texts of very different lengths, one SGD step (plus model and data)."""
+UNEVEN_LENGTHS = (60, 2, 3, 50, 1, 40, 2, 2)
+LORA_DDP = (
+    "--max-steps", "4", "--warmup-steps", "1", "--seed", "7",
+    "--lora-rank", "4", "--lora-dropout", "0", "--lora-merge",
+)  # fmt: skip
+"""LoRA under DDP (plus the model): two processes x 8 or one process x 16."""
+
+
 @pytest.fixture(scope="module")
-def two_process_run(tmp_path_factory, no_dropout_model_dir):
-    """One uninterrupted two-process Adam-mini run with a checkpoint at step 3, each file of
-    safetensors that a rank opens recorded (``tests/read_spy.py``, otherwise ``-m effitrain``).
+def ddp_runs(tmp_path_factory, no_dropout_model_dir, lm_model_dir):
+    """Every two-process DDP ``effitrain train`` run of these tests, in ONE launch of the
+    shipped ``cpu-2proc.yaml`` (``tests/launch_runs.py``: one start-up for all), each file of
+    safetensors that a rank opens recorded (``tests/read_spy.py``):
+
+    - ``two-proc``: an uninterrupted Adam-mini run with a checkpoint at step 3;
+    - ``resumed``: the same run resumed from a copy of that checkpoint;
+    - ``token-weighted``: one SGD step of two processes x two micro-batches of 2 uneven texts;
+    - ``lora``: LoRA under DDP (where peft is installed);
+    - ``causal-lm``: the causal-LM task with a sample prompt.
 
     Without ``ACCELERATE_USE_CPU`` where there is no GPU: the config file alone must give two
     processes that train together.
     """
+    import importlib.util
+
     import torch
 
-    out = tmp_path_factory.mktemp("two-proc")
-    proc = launch(
-        "train",
-        "--model",
-        str(no_dropout_model_dir),
-        *OPTIM,
-        *STEPS,
-        "--batch-size",
-        "8",
-        "--output-dir",
-        str(out / "run"),
-        "--save-every",
-        "3",
-        "--metrics-json",
-        str(out / "metrics.json"),
-        use_cpu_env=torch.cuda.is_available(),
-        script=Path(__file__).with_name("read_spy.py"),
-        extra_env={"READ_SPY_DIR": str(out)},
+    from tests.launch_runs import launch_runs
+    from tests.test_causal_lm import SHORT, TEXT
+
+    out = tmp_path_factory.mktemp("ddp")
+    uneven = out / "uneven.jsonl"
+    uneven.write_text(
+        "".join(json.dumps({"text": " ".join(["word"] * n)}) + "\n" for n in UNEVEN_LENGTHS)
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (out / "corpus.txt").write_text(TEXT)
+    model = str(no_dropout_model_dir)
+    runs = [
+        {"name": "two-proc", "args": two_process_args(no_dropout_model_dir, out / "two-proc")},
+        {
+            "name": "resumed",
+            "args": two_process_args(no_dropout_model_dir, out / "resumed", "--resume", "latest"),
+            "copy": [
+                str(out / "two-proc" / "run" / "checkpoint-3"),
+                str(out / "resumed" / "run" / "checkpoint-3"),
+            ],
+        },
+        {
+            "name": "token-weighted",
+            "args": [
+                *TOKEN_WEIGHTED,
+                "--model",
+                str(lm_model_dir),
+                "--train-file",
+                str(uneven),
+                "--validation-file",
+                str(uneven),
+                "--batch-size",
+                "2",
+                "--grad-accum",
+                "2",
+                "--output-dir",
+                str(out / "token-weighted"),
+            ],  # fmt: skip
+        },
+        {
+            "name": "causal-lm",
+            "args": [
+                "train",
+                "--task",
+                "causal-lm",
+                "--dataset",
+                str(out / "corpus.txt"),
+                "--max-steps",
+                "3",
+                "--sample-prompt",
+                "The river town",
+                "--metrics-json",
+                str(out / "causal-lm.json"),
+                "--output-dir",
+                str(out / "causal-lm"),
+                *SHORT,
+            ],  # fmt: skip
+        },
+    ]
+    if importlib.util.find_spec("peft") is not None:
+        lora = ["train", "--model", model, *LORA_DDP, "--batch-size", "8"]
+        runs.append({"name": "lora", "args": [*lora, "--output-dir", str(out / "lora")]})
+    launched = launch_runs(out, runs, use_cpu_env=torch.cuda.is_available(), timeout=500)
     return SimpleNamespace(
-        proc=proc, out=out, metrics=json.loads((out / "metrics.json").read_text())
+        launched=launched, out=out, uneven=uneven, model=no_dropout_model_dir, lm=lm_model_dir
+    )
+
+
+@pytest.fixture(scope="module")
+def two_process_run(ddp_runs):
+    """The ``two-proc`` run of :func:`ddp_runs`: its folder, metrics and printed output."""
+    ddp_runs.launched.assert_ran("two-proc")
+    out = ddp_runs.out / "two-proc"
+    return SimpleNamespace(
+        out=out,
+        spy=ddp_runs.out,
+        stdout=ddp_runs.launched.stdout("two-proc"),
+        metrics=json.loads((out / "metrics.json").read_text()),
     )
 
 
 @pytest.mark.slow
 def test_a_refused_launch_prints_one_error_line():
     """Every process meets the refusal; only the main one prints it, first. What follows is the
-    launcher's own report of the failed processes (torchrun prints it for any failed child)."""
-    proc = launch("train", "--optimizer-in-backward", "--max-steps", "1")
+    launcher's own report of the failed processes (torchrun prints it for any failed child).
+    The console-script form (``--no_python effitrain``), which the shared launch of
+    :func:`ddp_runs` does not use."""
+    proc = launch("train", "--optimizer-in-backward", "--max-steps", "1", no_python=True)
     assert proc.returncode == 1
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [
@@ -169,34 +257,24 @@ def test_a_sharding_refusal_comes_before_any_data_or_model_is_loaded(monkeypatch
 
 
 @pytest.mark.slow
-def test_token_weighted_loss_over_two_processes_equals_one_big_batch(
-    lm_model_dir, train_cli, tmp_path
-):
+def test_token_weighted_loss_over_two_processes_equals_one_big_batch(ddp_runs, train_cli, tmp_path):
     """Causal LM on padded texts of very different lengths: two processes x two micro-batches
     of 2 step to the same weights as one process with one batch of the same 8 texts (each
     labelled token weighs the same, wherever it falls)."""
     import torch
 
-    lengths = (60, 2, 3, 50, 1, 40, 2, 2)
-    data = tmp_path / "uneven.jsonl"
-    data.write_text("".join(json.dumps({"text": " ".join(["word"] * n)}) + "\n" for n in lengths))
-    common = (
-        "train", "--quiet", "--task", "causal-lm", "--model", str(lm_model_dir),
-        "--train-file", str(data), "--validation-file", str(data), "--no-packing",
-        "--max-steps", "1", "--max-grad-norm", "0", "--warmup-steps", "0", "--optim", "sgd",
-        "--lr", "0.5", "--no-memory-breakdown",
+    ddp_runs.launched.assert_ran("token-weighted")
+    one = train_cli(
+        *TOKEN_WEIGHTED, "--model", str(ddp_runs.lm), "--train-file", str(ddp_runs.uneven),
+        "--validation-file", str(ddp_runs.uneven), "--batch-size", "8",
+        "--output-dir", str(tmp_path / "one"),
     )  # fmt: skip
-    proc = launch(
-        *common, "--batch-size", "2", "--grad-accum", "2", "--output-dir", str(tmp_path / "two")
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    one = train_cli(*common, "--batch-size", "8", "--output-dir", str(tmp_path / "one"))
     assert one.returncode == 0, one.stdout + one.stderr
     two, single = (
-        load_parameters(tmp_path / "two" / "final"),
+        load_parameters(ddp_runs.out / "token-weighted" / "final"),
         load_parameters(tmp_path / "one" / "final"),
     )
-    start = load_parameters(lm_model_dir)
+    start = load_parameters(ddp_runs.lm)
     assert any(not torch.equal(single[k], start[k]) for k in start)  # it stepped
     for key in single:
         torch.testing.assert_close(two[key], single[key], rtol=1e-5, atol=1e-6)
@@ -218,8 +296,8 @@ def test_two_processes_match_one_process(
     assert first["parameter_checksum"] == second["parameter_checksum"]
     # Only the main process read the checkpoint: DDP's wrap sent rank 1, built empty, its
     # parameters and buffers (the equality with one process below says they arrived).
-    assert reads(run.out, 0) == [str(no_dropout_model_dir / "model.safetensors")]
-    assert reads(run.out, 1) == []
+    assert reads(run.spy, 0, "two-proc") == [str(no_dropout_model_dir / "model.safetensors")]
+    assert reads(run.spy, 1, "two-proc") == []
     assert [first["weights"], second["weights"]] == ["read", "from rank 0"]
     assert first["optimizer_state_bytes"] == second["optimizer_state_bytes"] > 0
     assert data["ranks_total"]["optimizer_state_bytes"] == 2 * first["optimizer_state_bytes"]
@@ -228,8 +306,8 @@ def test_two_processes_match_one_process(
     # samples/s counts both ranks: 6 steps x global batch 16.
     assert data["samples_per_second"] * data["train_seconds"] == pytest.approx(6 * 16)
 
-    # Printed once: one banner, one summary, one per-rank table.
-    text = run.proc.stdout
+    # Printed once (by both ranks together): one banner, one summary, one per-rank table.
+    text = run.stdout
     assert text.count(BANNER) == 1, text
     assert text.count("step 3/6") == 1 and text.count("step 6/6") == 1
     assert text.count("done ·") == 1 and text.count("Per rank: DDP over 2 processes") == 1
@@ -263,36 +341,17 @@ def test_two_processes_match_one_process(
 
 
 @pytest.mark.slow
-def test_two_process_resume_is_exact(two_process_run, no_dropout_model_dir, tmp_path):
-    """Resume the step-3 checkpoint with two processes (``--no_python`` form): same weights."""
-    out = tmp_path / "run"
-    out.mkdir()
-    shutil.copytree(two_process_run.out / "run" / "checkpoint-3", out / "checkpoint-3")
-    proc = launch(
-        "train",
-        "--model",
-        str(no_dropout_model_dir),
-        *OPTIM,
-        *STEPS,
-        "--batch-size",
-        "8",
-        "--output-dir",
-        str(out),
-        "--save-every",
-        "3",
-        "--resume",
-        "latest",
-        "--metrics-json",
-        str(tmp_path / "metrics.json"),
-        no_python=True,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("resumed from") == 1
-    resumed = json.loads((tmp_path / "metrics.json").read_text())
+def test_two_process_resume_is_exact(ddp_runs, two_process_run):
+    """Resume the step-3 checkpoint with two processes: same weights."""
+    ddp_runs.launched.assert_ran("resumed")
+    out = ddp_runs.out / "resumed"
+    assert ddp_runs.launched.stdout("resumed").count("resumed from") == 1
+    resumed = json.loads((out / "metrics.json").read_text())
     assert resumed["num_processes"] == 2 and len(resumed["ranks"]) == 2
     assert resumed["global_steps"] == 6
     difference = max_abs_difference(
-        load_parameters(two_process_run.out / "run" / "final"), load_parameters(out / "final")
+        load_parameters(two_process_run.out / "run" / "final"),
+        load_parameters(out / "run" / "final"),
     )
     assert difference == 0.0
     checksums = {r["parameter_checksum"] for r in resumed["ranks"]}
@@ -300,37 +359,40 @@ def test_two_process_resume_is_exact(two_process_run, no_dropout_model_dir, tmp_
 
 
 @pytest.mark.slow
-def test_fsdp_facts_behind_the_rules(fsdp_facts_dir):
-    """Real FSDP1/FSDP2 on two CPU processes: the behaviour the refusals and notes describe."""
-    launched = json.loads((fsdp_facts_dir / "launch.json").read_text())
-    assert launched["returncode"] == 0, launched["tail"]
-    facts = [json.loads(p.read_text()) for p in sorted(fsdp_facts_dir.glob("rank-*.json"))]
-    assert len(facts) == 2  # one file per rank
-    for rank_facts in facts:
-        # FSDP2: the DTensor-incompatible optimizers crash, AdamW trains.
-        # (torchao's two are left out: each compiles its step for a minute on a CPU;
-        # docs/distributed.md says how they fare.)
-        # The libraries' factored optimizers crash too: effitrain replaces them under FSDP2
-        # (effitrain.optim.fsdp2, tested by test_fsdp2_optim.py).
-        crash = (set(distributed.DTENSOR_INCOMPATIBLE) | distributed.FACTORED_OPTIMIZERS) - {
-            "adamw-4bit",
-            "adamw-fp8",
-        }
-        for optim in crash:
-            assert rank_facts["fsdp2"][optim] == "crash", rank_facts
-        assert rank_facts["fsdp2"]["adamw"] == "trains"
-        # Element-wise, plain torch: Lion (lion-pytorch) and schedule-free AdamW train.
-        assert rank_facts["fsdp2"]["lion"] == rank_facts["fsdp2"]["adamw-schedule-free"] == "trains"
-        # FSDP1, use_orig_params=True: 1-D shards, so Adafactor keeps a full `variance`.
-        assert rank_facts["fsdp1"]["adafactor"] == ["step", "variance"]
-        assert rank_facts["fsdp1"]["came"] == ["RMS", "exp_avg", "exp_avg_sq"]  # not factored
-        assert rank_facts["fsdp1"]["param_dims"] == [1]
-        # FSDP1, use_orig_params=False, optimizer built before wrapping: nothing trains.
-        assert rank_facts["fsdp1"]["orig_params_false_trains"] is False
-        # Adam-mini: FSDP2's row shards give exactly one process's result; FSDP1's 1-D crash.
-        mini = rank_facts["adam-mini"]
-        assert mini["fsdp2_max_diff"] == 0.0 and mini["fsdp2_moved"] > 1e-3, mini
-        assert mini["fsdp1"] == "IndexError"
+def test_lora_with_two_ddp_processes_matches_one_process(ddp_runs, train_cli, tmp_path):
+    """DDP (not refused): two CPU processes train the same adapters as one process."""
+    pytest.importorskip("peft")
+    import torch
+    from safetensors.torch import load_file
+
+    ddp_runs.launched.assert_ran("lora")
+    assert ddp_runs.launched.stdout("lora").count("  lever     LoRA r=4") == 1
+    one = train_cli(
+        "train", "--model", str(ddp_runs.model), *LORA_DDP, "--batch-size", "16",
+        "--output-dir", str(tmp_path / "one"),
+    )  # fmt: skip
+    assert one.returncode == 0, one.stdout + one.stderr
+    for folder, name in (
+        ("final", "adapter_model.safetensors"),
+        ("final-merged", "model.safetensors"),
+    ):
+        a = load_file(ddp_runs.out / "lora" / folder / name)
+        b = load_file(tmp_path / "one" / folder / name)
+        assert max_abs_difference(a, b) < 1e-5, folder
+    adapters = load_file(tmp_path / "one" / "final" / "adapter_model.safetensors")
+    assert any("lora_B" in k and torch.count_nonzero(v) for k, v in adapters.items())
+
+
+@pytest.mark.slow
+def test_causal_lm_under_two_processes(ddp_runs):
+    """``--task causal-lm`` with a sample prompt: both ranks train, the main one prints."""
+    ddp_runs.launched.assert_ran("causal-lm")
+    metrics = json.loads((ddp_runs.out / "causal-lm.json").read_text())
+    assert metrics["num_processes"] == 2 and metrics["task"] == "causal-lm"
+    assert len(metrics["ranks"]) == 2
+    stdout = ddp_runs.launched.stdout("causal-lm")
+    assert stdout.count("perplexity") >= 1 and stdout.count("sample ") == 1  # main only
+    assert (ddp_runs.out / "causal-lm" / "final" / "model.safetensors").exists()
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """LoRA and QLoRA under Accelerate's real FSDP2, two CPU processes over gloo, in one launch
-(:mod:`tests.fsdp2_runs`): each equals one process, a stopped-and-resumed run equals the
+(:mod:`tests.launch_runs`): each equals one process, a stopped-and-resumed run equals the
 uninterrupted one, only the main process reads the checkpoint where the launch can send the
 others its weights (:mod:`tests.read_spy`), and ``estimate`` says what rank 0 holds."""
 
@@ -12,7 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.test_distributed import REPO, launch
+from tests.launch_runs import launch_runs
+from tests.test_distributed import REPO
 
 pytest.importorskip("peft")
 
@@ -72,26 +73,20 @@ def fsdp2_runs(tmp_path_factory, lm_model_dir):
             straight = out / RESUMES[name] / "checkpoint-2"
             entry["copy"] = [str(straight), str(out / name / "checkpoint-2")]
         runs.append(entry)
-    (out / "runs.json").write_text(json.dumps(runs))
-    proc = launch(
-        config=config,
-        script=REPO / "tests" / "fsdp2_runs.py",
-        extra_env={"FSDP2_RUNS": str(out / "runs.json"), "READ_SPY_DIR": str(out)},
-        timeout=400,
-    )
-    tail = proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0, tail
-    codes = {
-        name: [json.loads((out / f"{name}.rank{rank}.json").read_text()) for rank in (0, 1)]
-        for name in RUNS
-    }
-    assert codes.pop("qlora-other-base") == [1, 1], tail  # every process refuses
-    assert all(code == [0, 0] for code in codes.values()), (codes, tail)
+    launched = launch_runs(out, runs, config=config, timeout=400)
+    launched.assert_ran("qlora-other-base", (1, 1))  # every process refuses
+    for name in RUNS:
+        if name != "qlora-other-base":
+            launched.assert_ran(name)
     return SimpleNamespace(
         out=out,
         model=lm_model_dir,
-        metrics={name: json.loads((out / f"{name}.json").read_text()) for name in codes},
-        output=proc.stdout + proc.stderr,
+        metrics={
+            name: json.loads((out / f"{name}.json").read_text())
+            for name in RUNS
+            if name != "qlora-other-base"
+        },
+        refusal_output=launched.stdout("qlora-other-base") + launched.stderr("qlora-other-base"),
     )
 
 
@@ -201,7 +196,7 @@ def test_qlora_under_fsdp2_equals_one_process_and_resumes_exactly(fsdp2_runs, tm
     # Each rank compares its shard of the sharded checkpoint's 4-bit codes with the ones it
     # quantized: another base is refused in one line, by every process.
     refusal = "layers.0.self_attn.q_proj.base_layer.weight differs from the one quantized"
-    errors = [line for line in fsdp2_runs.output.splitlines() if line.startswith("error: ")]
+    errors = [line for line in fsdp2_runs.refusal_output.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and refusal in errors[0], errors
 
 

@@ -3,7 +3,8 @@
 One process: the sharded step, forced on plain tensors, is the library's step op for op
 (bit-identical). Two processes over gloo (``fsdp2_factored.py``, real torch FSDP2): equal to one
 process on the same global batch, each rank's state counted by the ledger, and checkpoints that
-resume bit for bit.
+resume bit for bit. The same launch checks the facts behind the FSDP refusals
+(``fsdp_facts.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,11 @@ import pytest
 import torch
 
 from effitrain import optim
-from effitrain.distributed import FACTORED_OPTIMIZERS, replicated_under_fsdp2
+from effitrain.distributed import (
+    DTENSOR_INCOMPATIBLE,
+    FACTORED_OPTIMIZERS,
+    replicated_under_fsdp2,
+)
 
 pytest.importorskip("pytorch_optimizer")
 
@@ -109,6 +114,61 @@ def test_which_state_fsdp2_replicates():
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def fsdp_facts_dir(tmp_path_factory) -> Path:
+    """One launch of two CPU processes with torch's FSDP1 and FSDP2 over gloo
+    (``fsdp2_factored.py``, which runs ``fsdp_facts.py``'s checks too): the folder of each
+    rank's JSON facts, and ``launch.json``: the exit code and output tail, for a failing test."""
+    from tests.test_distributed import launch
+
+    out = tmp_path_factory.mktemp("fsdp-facts")
+    proc = launch(
+        script=Path(__file__).with_name("fsdp2_factored.py"),
+        extra_env={"FSDP_FACTS_DIR": str(out)},
+        timeout=300,
+    )
+    (out / "launch.json").write_text(
+        json.dumps(
+            {"returncode": proc.returncode, "tail": proc.stdout[-3000:] + proc.stderr[-3000:]}
+        )
+    )
+    return out
+
+
+@pytest.mark.slow
+def test_fsdp_facts_behind_the_rules(fsdp_facts_dir):
+    """Real FSDP1/FSDP2 on two CPU processes: the behaviour the refusals and notes describe."""
+    launched = json.loads((fsdp_facts_dir / "launch.json").read_text())
+    assert launched["returncode"] == 0, launched["tail"]
+    facts = [json.loads(p.read_text()) for p in sorted(fsdp_facts_dir.glob("rank-*.json"))]
+    assert len(facts) == 2  # one file per rank
+    for rank_facts in facts:
+        # FSDP2: the DTensor-incompatible optimizers crash, AdamW trains.
+        # (torchao's two are left out: each compiles its step for a minute on a CPU;
+        # docs/distributed.md says how they fare.)
+        # The libraries' factored optimizers crash too: effitrain replaces them under FSDP2
+        # (effitrain.optim.fsdp2, tested by test_fsdp2_optim.py).
+        crash = (set(DTENSOR_INCOMPATIBLE) | FACTORED_OPTIMIZERS) - {
+            "adamw-4bit",
+            "adamw-fp8",
+        }
+        for name in crash:
+            assert rank_facts["fsdp2"][name] == "crash", rank_facts
+        assert rank_facts["fsdp2"]["adamw"] == "trains"
+        # Element-wise, plain torch: Lion (lion-pytorch) and schedule-free AdamW train.
+        assert rank_facts["fsdp2"]["lion"] == rank_facts["fsdp2"]["adamw-schedule-free"] == "trains"
+        # FSDP1, use_orig_params=True: 1-D shards, so Adafactor keeps a full `variance`.
+        assert rank_facts["fsdp1"]["adafactor"] == ["step", "variance"]
+        assert rank_facts["fsdp1"]["came"] == ["RMS", "exp_avg", "exp_avg_sq"]  # not factored
+        assert rank_facts["fsdp1"]["param_dims"] == [1]
+        # FSDP1, use_orig_params=False, optimizer built before wrapping: nothing trains.
+        assert rank_facts["fsdp1"]["orig_params_false_trains"] is False
+        # Adam-mini: FSDP2's row shards give exactly one process's result; FSDP1's 1-D crash.
+        mini = rank_facts["adam-mini"]
+        assert mini["fsdp2_max_diff"] == 0.0 and mini["fsdp2_moved"] > 1e-3, mini
+        assert mini["fsdp1"] == "IndexError"
+
+
 @pytest.mark.slow
 def test_two_fsdp2_processes_equal_one_and_resume_exactly(fsdp_facts_dir):
     launched = json.loads((fsdp_facts_dir / "launch.json").read_text())
@@ -164,25 +224,31 @@ def test_only_fsdp2_placements_are_accepted():
 
 @pytest.mark.slow
 def test_effitrain_trains_adafactor_under_fsdp2_and_resumes_bit_for_bit(tmp_path):
-    import shutil
-
+    """Both runs in one launch of the shipped config (``tests/launch_runs.py``): the straight
+    one saving at step 2, then a copy of that checkpoint resumed."""
     from effitrain.cli.compare import train_config
     from effitrain.distributed import Launch
     from effitrain.estimation import estimate
-    from tests.test_distributed import REPO, launch, load_parameters
+    from tests.launch_runs import launch_runs
+    from tests.test_distributed import REPO, load_parameters
 
     config = REPO / "configs" / "accelerate" / "fsdp2-full-shard.yaml"
-    script = Path(__file__).with_name("fsdp2_cpu_launch.py")
     args = ["--optim", "adafactor", "--max-steps", "4", "--save-every", "2"]
 
-    def train(out: Path, *extra: str):
-        proc = launch("train", *args, "--output-dir", str(out), "--metrics-json",
-                      str(out.with_suffix(".json")), *extra, config=config, script=script)  # fmt: skip
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        return proc, json.loads(out.with_suffix(".json").read_text())
+    def train(name: str, *extra: str) -> list[str]:
+        out = tmp_path / name
+        return ["train", *args, "--output-dir", str(out), "--metrics-json",
+                str(out.with_suffix(".json")), *extra]  # fmt: skip
 
-    proc, straight = train(tmp_path / "straight")
-    assert "Per rank: FSDP2 full shard over 2 processes (gloo)" in proc.stdout
+    checkpoint = [str(tmp_path / name / "checkpoint-2") for name in ("straight", "resumed")]
+    runs = [
+        {"name": "straight", "args": train("straight")},
+        {"name": "resumed", "args": train("resumed", "--resume", "latest"), "copy": checkpoint},
+    ]
+    launched = launch_runs(tmp_path, runs, config=config)
+    launched.assert_ran("straight")
+    straight = json.loads((tmp_path / "straight.json").read_text())
+    assert "Per rank: FSDP2 full shard over 2 processes (gloo)" in launched.stdout("straight")
     assert straight["sharding"]["kind"] == "fsdp2"
     assert "effitrain.optim.fsdp2" in straight["optimizer_class"]
     assert set(straight["optimizer_state"]["by_key"]) == {"step", "row_var", "col_var", "variance"}
@@ -194,13 +260,11 @@ def test_effitrain_trains_adafactor_under_fsdp2_and_resumes_bit_for_bit(tmp_path
     assert rank0["optimizer_state_bytes"] == predicted.optimizer_state_bytes
     assert rank0["parameter_bytes"] == predicted.parameter_bytes
 
-    resumed = tmp_path / "resumed"
-    resumed.mkdir()
-    shutil.copytree(tmp_path / "straight" / "checkpoint-2", resumed / "checkpoint-2")
-    _, after = train(resumed, "--resume", "latest")
+    launched.assert_ran("resumed")
+    after = json.loads((tmp_path / "resumed.json").read_text())
     assert [r["parameter_checksum"] for r in after["ranks"]] == [
         r["parameter_checksum"] for r in straight["ranks"]
     ]
     a = load_parameters(tmp_path / "straight" / "final")
-    b = load_parameters(resumed / "final")
+    b = load_parameters(tmp_path / "resumed" / "final")
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -341,32 +341,8 @@ def test_lora_combines_with_the_other_levers_in_the_config():
     lora_config(lora_rank=4, optimizer_in_backward=True, weights_dtype="bf16")
 
 
-@pytest.mark.slow
-def test_lora_with_two_ddp_processes_matches_one_process(tmp_path, train_cli, no_dropout_model_dir):
-    """DDP (not refused): two CPU processes train the same adapters as one process."""
-    import torch
-    from safetensors.torch import load_file
-
-    from tests.test_distributed import launch, max_abs_difference
-
-    options = (
-        "--model", str(no_dropout_model_dir), "--max-steps", "4", "--warmup-steps", "1", "--seed", "7",
-        *LORA, "--lora-dropout", "0", "--lora-merge",
-    )  # fmt: skip
-    two = launch("train", *options, "--batch-size", "8", "--output-dir", str(tmp_path / "two"))
-    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
-    assert two.stdout.count("  lever     LoRA r=4") == 1
-    one = train_cli("train", *options, "--batch-size", "16", "--output-dir", str(tmp_path / "one"))
-    assert one.returncode == 0, one.stdout + one.stderr
-    for folder, name in (
-        ("final", "adapter_model.safetensors"),
-        ("final-merged", "model.safetensors"),
-    ):
-        a = load_file(tmp_path / "two" / folder / name)
-        b = load_file(tmp_path / "one" / folder / name)
-        assert max_abs_difference(a, b) < 1e-5, folder
-    adapters = load_file(tmp_path / "one" / "final" / "adapter_model.safetensors")
-    assert any("lora_B" in k and torch.count_nonzero(v) for k, v in adapters.items())
+# Two DDP processes: tests/test_distributed.py (test_lora_with_two_ddp_processes_...), in the
+# one launch its DDP runs share.
 
 
 def test_lora_lr_default_for_adamw_on_pretrained_weights():

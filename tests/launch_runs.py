@@ -1,0 +1,123 @@
+"""Several ``effitrain`` runs, one after the other, in the same two processes of one
+``accelerate launch`` (DDP, or Accelerate's real FSDP2 on CPU over gloo): a test harness, so
+that the runs pay one launch's start-up (two processes importing torch) between them.
+
+    accelerate launch --config_file <config> tests/launch_runs.py
+        (LAUNCH_RUNS=<runs.json>, READ_SPY_DIR=<folder> in the env)
+
+``runs.json`` lists ``{"name", "args", "copy"}``: each run is the CLI with ``args``, after the
+main process copied the folder ``copy[0]`` to ``copy[1]`` (a checkpoint to resume from) where
+given. Between runs Accelerate's process-wide state is reset, as ``tests.conftest`` does between
+in-process runs; the process group stays. Each rank writes ``<name>.rank<R>.json`` (the exit
+code), ``.stdout`` and ``.stderr`` (what the run printed) beside ``runs.json``, and the files
+each run opens are recorded under its name (:mod:`tests.read_spy`). ``fsdp2_cpu_launch`` lets
+Accelerate choose FSDP on CPU processes (it changes nothing when FSDP is not asked for).
+
+:func:`launch_runs` is the test side: it writes ``runs.json``, launches, and reads back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def run(args: list[str]) -> int:
+    """``effitrain ARGS`` in this process; its exit code (1 for a crash, traceback printed)."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    from effitrain.cli import main
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    sys.argv = ["effitrain", *args]
+    try:
+        main()
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else 1
+    except Exception:  # noqa: BLE001  (the next runs still run; the test reads this one's stderr)
+        traceback.print_exc()
+        return 1
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()
+    return 0
+
+
+@dataclass
+class Launched:
+    """One launch of :data:`runs`: its process and each run's exit codes and output."""
+
+    out: Path
+    proc: subprocess.CompletedProcess
+
+    def _read(self, name: str, suffix: str) -> list[str]:
+        paths = [self.out / f"{name}.rank{rank}.{suffix}" for rank in (0, 1)]
+        return [path.read_text() if path.exists() else "" for path in paths]
+
+    def codes(self, name: str) -> list[int | None]:
+        """Each rank's exit code of run ``name`` (None: the rank never finished it)."""
+        return [json.loads(text) if text else None for text in self._read(name, "json")]
+
+    def stdout(self, name: str) -> str:
+        """What run ``name`` printed to stdout, rank 0's then rank 1's."""
+        return "".join(self._read(name, "stdout"))
+
+    def stderr(self, name: str) -> str:
+        return "".join(self._read(name, "stderr"))
+
+    def tail(self, name: str) -> str:
+        """For a failing test: the run's output and the launch's."""
+        return "\n".join(
+            text[-3000:]
+            for text in (self.stdout(name), self.stderr(name), self.proc.stdout, self.proc.stderr)
+        )
+
+    def assert_ran(self, name: str, codes: tuple[int, int] = (0, 0)) -> None:
+        assert self.proc.returncode == 0, self.tail(name)
+        assert self.codes(name) == list(codes), self.tail(name)
+
+
+def launch_runs(out: Path, runs: list[dict], **launch_options) -> Launched:
+    """Run ``runs`` (``{"name", "args", "copy"?}``) in one two-process launch with their files
+    under ``out``; ``launch_options`` go to :func:`tests.test_distributed.launch`."""
+    from tests.test_distributed import launch
+
+    (out / "runs.json").write_text(json.dumps(runs))
+    env = {"LAUNCH_RUNS": str(out / "runs.json"), "READ_SPY_DIR": str(out)}
+    proc = launch(script=Path(__file__), extra_env=env, **launch_options)
+    return Launched(out, proc)
+
+
+if __name__ == "__main__":
+    import torch.distributed as dist
+
+    from tests import fsdp2_cpu_launch  # noqa: F401  (Accelerate chooses FSDP on CPU processes)
+    from tests.read_spy import install
+
+    install(os.environ["READ_SPY_DIR"])
+    runs_file = Path(os.environ["LAUNCH_RUNS"])
+    rank = os.environ["RANK"]
+    for entry in json.loads(runs_file.read_text()):
+        if entry.get("copy") and rank == "0":
+            shutil.copytree(*entry["copy"])
+        if dist.is_initialized():  # made by the first run's Accelerator
+            dist.barrier()
+        os.environ["READ_SPY_TAG"] = entry["name"]
+        stem = f"{runs_file.parent / entry['name']}.rank{rank}"
+        with (
+            open(f"{stem}.stdout", "w") as out,
+            open(f"{stem}.stderr", "w") as err,
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+        ):
+            code = run(entry["args"])
+        Path(f"{stem}.json").write_text(json.dumps(code))
