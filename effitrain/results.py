@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from effitrain.cost import StepCost
     from effitrain.memory.ledger import OptimizerStateLedger
     from effitrain.memory.step import StepMemory
 
@@ -235,6 +236,8 @@ class Estimate:
     settings: EstimateSettings
     per_device: PerDevice | None = None
     notes: list[str] = field(default_factory=list)
+    cost: StepCost | None = None
+    """The measured step's FLOPs and offload traffic (``effitrain.cost``); None: not counted."""
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -242,6 +245,7 @@ class Estimate:
             "optimizer_class": self.optimizer_class,
             "lr": self.lr,
             **self.memory.to_dict(),
+            **(self.cost.to_dict() if self.cost is not None else {}),
             "estimate": asdict(self.settings),
             "notes": list(self.notes),
         }
