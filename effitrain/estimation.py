@@ -243,6 +243,7 @@ def estimate(config: TrainConfig, launch: Launch | None = None) -> Estimate:
         ),
         per_device=per,
         notes=notes,
+        cost=progress.step_cost,
     )
 
 

@@ -26,6 +26,8 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import effitrain.checkpoint as checkpoint
+import effitrain.levers as levers
+from effitrain.cost import StepCounter
 from effitrain.errors import EffitrainError
 from effitrain.memory.step import StepMemoryProbe
 from effitrain.optim import set_train_mode
@@ -205,25 +207,40 @@ def train_steps(
     probe: StepMemoryProbe,
 ) -> Iterator[StepDone]:
     """The micro-batches through :func:`train_step`, one optimizer step's worth at a time, with
-    the step the plan names measured by ``probe`` (into ``progress.step_memory``); yields after
-    each optimizer step, once ``progress`` counts it. ``effitrain estimate`` runs its fake
+    the step the plan names measured by ``probe`` (into ``progress.step_memory``) and the first
+    one counted (its FLOPs and bytes, into ``progress.step_cost``: ``effitrain.cost``); yields
+    after each optimizer step, once ``progress`` counts it. ``effitrain estimate`` runs its fake
     steps through this too."""
     group_start = True  # the next micro-batch starts an optimizer step
-    for batch, weights in step_batches(run, batches):
-        if group_start and measure_now(run, progress, probe):
-            probe.start()
-        elif probe.running:
-            probe.next_micro_batch()
-        outcome = train_step(run, batch, progress, guard, weights)
-        group_start = outcome.stepped
-        if not outcome.stepped:
-            continue
-        measured = probe.running
-        if measured:
-            step_memory = probe.stop()
-            progress.step_memory = step_memory.to_dict() if step_memory else {}
-        progress.step_done()
-        yield StepDone(outcome.stop, measured)
+    counter: StepCounter | None = None
+    micro_batches = 0
+    try:
+        for batch, weights in step_batches(run, batches):
+            if group_start and measure_now(run, progress, probe):
+                probe.start()
+            elif probe.running:
+                probe.next_micro_batch()
+            if group_start and progress.step_cost is None:
+                # Entered after the probe and left before it: dispatch modes nest.
+                counter, micro_batches = StepCounter().__enter__(), 0
+            outcome = train_step(run, batch, progress, guard, weights)
+            micro_batches += 1
+            group_start = outcome.stepped
+            if not outcome.stepped:
+                continue
+            if counter is not None:
+                counted, counter = counter, None
+                counted.__exit__(None, None, None)
+                progress.step_cost = counted.cost(**levers.step_cost(run, micro_batches))
+            measured = probe.running
+            if measured:
+                step_memory = probe.stop()
+                progress.step_memory = step_memory.to_dict() if step_memory else {}
+            progress.step_done()
+            yield StepDone(outcome.stop, measured)
+    finally:
+        if counter is not None:  # an error mid-step leaves no dispatch mode behind
+            counter.__exit__(None, None, None)
 
 
 def fit(
