@@ -252,3 +252,41 @@ def peak_flops(device_name: str) -> float | None:
     if not matches:
         return None
     return max(matches, key=lambda match: len(match[0]))[1] * 1e12
+
+
+def device_name(device: Any) -> str:
+    """What a device is called: the GPU's name (``torch.cuda.get_device_name``), else its
+    type (``cpu``)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+def throughput(cost: StepCost | None, seconds_per_step: float, name: str) -> dict[str, Any]:
+    """A run's ``flops_per_step`` and ``recompute_flops`` (per device), ``achieved_tflops``
+    (every FLOP the device ran, recompute included, per second of a typical step), ``mfu`` (the
+    model FLOPs, recompute left out as PaLM's MFU does, per second, over the bf16 dense
+    ``peak_tflops`` of the GPU called ``name``; None where that peak is not known) and
+    ``device_name``: the metrics JSON's fields."""
+    peak = peak_flops(name)
+    fields: dict[str, Any] = {
+        "flops_per_step": None,
+        "recompute_flops": None,
+        "achieved_tflops": None,
+        "mfu": None,
+        "peak_tflops": peak / 1e12 if peak else None,
+        "device_name": name,
+    }
+    if cost is None:
+        return fields
+    fields["flops_per_step"] = cost.flops_per_step
+    fields["recompute_flops"] = cost.recompute_flops
+    if seconds_per_step > 0:
+        fields["achieved_tflops"] = cost.flops_per_step / seconds_per_step / 1e12
+        if peak:
+            model_flops = cost.flops_per_step - cost.recompute_flops
+            fields["mfu"] = model_flops / seconds_per_step / peak
+    return fields

@@ -180,7 +180,7 @@ class Reporter:
         speed = _speed(result, result.speed_unit)
         self._line(
             f"[bold green]done[/] · {result.global_steps} steps in {result.train_seconds:.1f} s "
-            f"({result.seconds_per_step * 1000:.1f} ms/step, {speed}) · "
+            f"({result.seconds_per_step * 1000:.1f} ms/step, {speed}{_work_text(result)}) · "
             f"train loss {result.train_loss:.4f} · eval {_eval_text(ev)}"
         )
         c.print(optimizer_state_table(result))
@@ -667,6 +667,9 @@ COLUMNS = (
     ("peak tensors", "peak_tensor_bytes"),
     ("peak RSS", "peak_memory_bytes"),
     ("s/step", "seconds_per_step"),
+    ("FLOPs/step", "flops_per_step"),
+    ("TFLOP/s", "achieved_tflops"),
+    ("MFU", "mfu"),
     ("final loss", "final_loss"),
     ("eval accuracy", "eval_accuracy"),
     ("eval perplexity", "eval_perplexity"),
@@ -722,9 +725,14 @@ def _compared_cell(row: dict[str, Any], base: dict[str, Any], key: str) -> str:
         shown = format_bytes(value)
     elif key == "seconds_per_step":
         shown = f"{value:.2f}"
+    elif key == "flops_per_step":
+        shown = format_flops(value)
+    elif key == "mfu":
+        shown = f"{value:.1%}"
     else:
         shown = f"{value:.3f}"
-    if row is not base and reference and (key.endswith("bytes") or key == "seconds_per_step"):
+    ratio = key.endswith("bytes") or key in ("seconds_per_step", "flops_per_step")
+    if row is not base and reference and ratio:
         shown += f" ({value / reference:.2f}×)"
     return shown
 
@@ -734,6 +742,29 @@ def _speed(record: StepLog | TrainResult, unit: str) -> str:
     if unit == "tokens":
         return f"{record.tokens_per_second:,.0f} tokens/s"
     return f"{record.samples_per_second:,.0f} samples/s"
+
+
+def format_flops(flops: float) -> str:
+    """FLOPs in the largest unit that keeps a number >= 1 (``313.4 GFLOP``)."""
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if flops >= scale:
+            return f"{flops / scale:,.1f} {unit}"
+    return f"{flops:,.0f} FLOP"
+
+
+def _work_text(result: TrainResult) -> str:
+    """The step's FLOPs, what the device achieved and, where its peak is known, the MFU."""
+    if result.flops_per_step is None or result.achieved_tflops is None:
+        return ""
+    mfu = (
+        f"MFU {result.mfu:.1%}"
+        if result.mfu is not None
+        else f"MFU: peak of {result.device_name or result.device} unknown"
+    )
+    return (
+        f", {format_flops(result.flops_per_step)}/step, "
+        f"{format_flops(result.achieved_tflops * 1e12)}/s per device, {mfu}"
+    )
 
 
 def _eval_text(metrics: dict[str, Any], loss_first: bool = False) -> str:

@@ -189,6 +189,20 @@ class TrainResult:
     """The per-rank byte counts summed over all processes."""
     loss_history: list[dict[str, float]] = field(default_factory=list)
     """The training loss at every log line: ``{"step", "loss"}`` (``--log-every``)."""
+    flops_per_step: int | None = None
+    """FLOPs of one optimizer step on this device, counted on the run's first step
+    (``effitrain.cost``; None: not counted)."""
+    recompute_flops: int | None = None
+    """The part of ``flops_per_step`` that is gradient checkpointing's recompute."""
+    achieved_tflops: float | None = None
+    """``flops_per_step`` per ``seconds_per_step``, in TFLOP/s, per device."""
+    mfu: float | None = None
+    """Model FLOPs utilization: the FLOPs without the recompute per second over the device's
+    bf16 dense peak (None where the peak is not known: CPUs, GPUs not in the table)."""
+    peak_tflops: float | None = None
+    """The device's bf16 dense peak that ``mfu`` is measured against."""
+    device_name: str = ""
+    """The GPU's name (``torch.cuda.get_device_name``), or the device type."""
 
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}

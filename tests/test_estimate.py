@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -54,10 +56,16 @@ def compare(train_cli, tmp_path: Path, args: list[str]) -> tuple[dict, dict]:
     from effitrain.estimation import estimate
 
     metrics = tmp_path / "metrics.json"
-    proc = train_cli("train", "--quiet", "--max-steps", "2", *args, "--metrics-json", str(metrics))
+    with flop_counter_mode_beside() as reference:
+        proc = train_cli(
+            "train", "--quiet", "--max-steps", "2", *args, "--metrics-json", str(metrics)
+        )
     assert proc.returncode == 0, proc.stderr
     measured = json.loads(metrics.read_text())
     estimated = estimate(train_config(args)).to_dict()
+    # FLOPs of the fake step equal the real step's, and PyTorch's FlopCounterMode's on it.
+    assert estimated["flops_per_step"] == measured["flops_per_step"] == reference.pop() > 0
+    assert estimated["recompute_flops"] == measured["recompute_flops"]
     for key in EXACT:
         assert estimated[key] == measured[key], (key, estimated[key], measured[key])
     assert estimated["optimizer_state"] == measured["optimizer_state"]
@@ -67,6 +75,35 @@ def compare(train_cli, tmp_path: Path, args: list[str]) -> tuple[dict, dict]:
         error = abs(estimated[key] - measured[key]) / measured[key]
         assert error <= TOLERANCE, (key, estimated[key], measured[key], f"{error:.1%}")
     return estimated, measured
+
+
+@contextmanager
+def flop_counter_mode_beside() -> Iterator[list[int]]:
+    """PyTorch's own ``FlopCounterMode`` counts the step effitrain counts (the first), beside
+    it: its total is appended to the list yielded."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import effitrain.loop
+    from effitrain.cost import StepCounter, cpu_attention_formulas
+
+    totals: list[int] = []
+
+    class WithReference(StepCounter):
+        def __enter__(self):
+            super().__enter__()
+            self.reference = FlopCounterMode(
+                display=False, custom_mapping=cpu_attention_formulas()
+            ).__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            self.reference.__exit__(*exc)
+            totals.append(self.reference.get_total_flops())
+            super().__exit__(*exc)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(effitrain.loop, "StepCounter", WithReference)
+        yield totals
 
 
 def test_estimate_equals_a_run(train_cli, tmp_path, long_data):
