@@ -41,7 +41,8 @@ class StepCost:
     """Bytes written by the step's other operators (elementwise, reductions, copies; views and
     empty allocations left out): its memory-bound work."""
     operator_calls: int = 0
-    """Operators the step dispatched: what it pays per operator (Python, kernel launches)."""
+    """Operators the step ran that compute or copy (not views, metadata, allocations): what it
+    pays per operator (dispatch, a kernel launch)."""
     host_step_elements: int = 0
     """Parameter elements whose optimizer update runs on the host (optimizer offload)."""
 
@@ -189,6 +190,18 @@ def _tensors(value: Any) -> list[Any]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
+NO_WORK = ("empty", "detach", "lift_fresh", "alias", "_local_scalar_dense", "set_", "resize_")
+"""aten operators that move no data (allocations, aliases, reading a scalar back)."""
+
+
+def _does_work(func: Any) -> bool:
+    """An aten operator that computes or copies: not a view, not metadata (``prim``), not the
+    profiler's markers, not :data:`NO_WORK`."""
+    if func.namespace != "aten" or func.is_view:
+        return False
+    return not func.__name__.split(".")[0].startswith(NO_WORK)
+
+
 def _counting_mode(counter: StepCounter) -> Any:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -200,9 +213,9 @@ def _counting_mode(counter: StepCounter) -> Any:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
-            counter.operator_calls += 1
             formula = formulas.get(func._overloadpacket)
             if formula is not None:
+                counter.operator_calls += 1
                 flops = formula(*args, **kwargs, out_val=out)
                 counter.flops += flops
                 if Recompute.depth:
@@ -210,7 +223,8 @@ def _counting_mode(counter: StepCounter) -> Any:
                 inputs = _tensors(args)
                 if inputs and inputs[0].dtype in half:
                     counter.half_flops += flops
-            elif not func.is_view and not func.__name__.startswith(("empty", "detach")):
+            elif _does_work(func):
+                counter.operator_calls += 1
                 counter.elementwise_bytes += sum(
                     t.numel() * t.element_size() for t in _tensors(out)
                 )
