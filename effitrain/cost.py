@@ -5,8 +5,8 @@ sees every operator the step runs): ``effitrain estimate`` counts its fake step 
 every operator still runs with its real shapes) and ``effitrain train`` its first real one, by
 the same code (:func:`effitrain.loop.train_steps`). FLOPs are counted by PyTorch's own formulas
 (``torch.utils.flop_counter``'s registry, the one ``FlopCounterMode`` uses: matrix products,
-convolutions, attention), so a count equals ``FlopCounterMode``'s on the same step; elementwise
-work (activations, norms, the optimizer's update) is not in the FLOPs, as in the usual MFU
+convolutions, attention), with :func:`extra_flop_formulas` for what it lacks, so a count equals
+``FlopCounterMode``'s given those on the same step; elementwise work (activations, norms, the optimizer's update) is not in the FLOPs, as in the usual MFU
 convention (6 x parameters x tokens), but its bytes are counted apart, for the time model.
 
 :func:`modeled_step_seconds` turns a cost into seconds on a nominal device of a type. The
@@ -152,16 +152,19 @@ class StepCounter:
         )
 
 
-def cpu_attention_formulas() -> dict[Any, Any]:
-    """FLOP formulas (of shapes) for the CPU's fused attention, which PyTorch's registry lacks:
-    the GPU's fused attention's (the estimate's fake tensors live on the CPU, and a CPU run's
-    attention is work too). Pass it as ``FlopCounterMode``'s ``custom_mapping`` to count as
-    :class:`StepCounter` does."""
+def extra_flop_formulas() -> dict[Any, Any]:
+    """FLOP formulas (of shapes) for the matrix work PyTorch's registry lacks: the CPU's fused
+    attention (counted as the GPU's fused attention is: the estimate's fake tensors live on the
+    CPU) and bitsandbytes' 4-bit matmul (QLoRA's forward, on every device), where it is loaded.
+    Pass it as ``FlopCounterMode``'s ``custom_mapping`` to count as :class:`StepCounter` does."""
+    import contextlib
+    import math
+
     import torch
     from torch.utils import flop_counter
 
     # The registry's formulas are wrapped to take tensors; __wrapped__ takes shapes.
-    return {
+    formulas = {
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: (
             flop_counter.sdpa_flop.__wrapped__
         ),
@@ -170,13 +173,20 @@ def cpu_attention_formulas() -> dict[Any, Any]:
         ),
     }
 
+    def gemm_4bit(a_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+        return 2 * math.prod(a_shape) * out_shape[-1]  # (..., K) @ (K, N): 2 K N per row
+
+    with contextlib.suppress(AttributeError, RuntimeError):  # not loaded: no 4-bit weights
+        formulas[torch.ops.bitsandbytes.gemm_4bit] = gemm_4bit
+    return formulas
+
 
 def _flop_formulas() -> dict[Any, Any]:
     """PyTorch's FLOP formulas by operator (each takes the operator's arguments and
-    ``out_val``), with :func:`cpu_attention_formulas`."""
+    ``out_val``), with :func:`extra_flop_formulas`."""
     from torch.utils import flop_counter
 
-    extra = cpu_attention_formulas()
+    extra = extra_flop_formulas()
     return {
         **flop_counter.flop_registry,
         **{op: flop_counter.shape_wrapper(f) for op, f in extra.items()},
@@ -191,13 +201,13 @@ def _tensors(value: Any) -> list[Any]:
 
 
 NO_WORK = ("empty", "detach", "lift_fresh", "alias", "_local_scalar_dense", "set_", "resize_")
-"""aten operators that move no data (allocations, aliases, reading a scalar back)."""
+"""Operators that move no data (allocations, aliases, reading a scalar back)."""
 
 
 def _does_work(func: Any) -> bool:
-    """An aten operator that computes or copies: not a view, not metadata (``prim``), not the
-    profiler's markers, not :data:`NO_WORK`."""
-    if func.namespace != "aten" or func.is_view:
+    """An operator that computes or copies (aten's, or a library's: bitsandbytes' dequantize):
+    not a view, not metadata (``prim``), not the profiler's markers, not :data:`NO_WORK`."""
+    if func.namespace in ("prim", "profiler") or func.is_view:
         return False
     return not func.__name__.split(".")[0].startswith(NO_WORK)
 

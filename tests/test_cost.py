@@ -13,7 +13,7 @@ def test_the_counter_counts_what_flop_counter_mode_counts_and_the_cpus_attention
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from effitrain.cost import StepCounter, cpu_attention_formulas
+    from effitrain.cost import StepCounter, extra_flop_formulas
 
     layer = torch.nn.Linear(16, 48)
     x = torch.randn(2, 2, 8, 16)  # batch, heads, tokens, head size: the CPU's fused kernel
@@ -24,7 +24,7 @@ def test_the_counter_counts_what_flop_counter_mode_counts_and_the_cpus_attention
 
     with FlopCounterMode(display=False) as plain:
         step()
-    with FlopCounterMode(display=False, custom_mapping=cpu_attention_formulas()) as reference:
+    with FlopCounterMode(display=False, custom_mapping=extra_flop_formulas()) as reference:
         step()
     with StepCounter() as counter:
         step()
@@ -95,3 +95,32 @@ def test_the_model_charges_flops_precision_bytes_and_offload():
 )
 def test_bf16_peaks_by_device_name(name, tflops):
     assert peak_flops(name) == (tflops * 1e12 if tflops else None)
+
+
+def test_mfu_leaves_the_recompute_out_and_needs_a_known_peak():
+    from effitrain.cost import throughput
+
+    cost = StepCost(flops_per_step=4 * 10**12, recompute_flops=10**12, offload_bytes_per_step=0)
+    h100 = throughput(cost, 0.5, "NVIDIA H100 80GB HBM3")
+    assert h100["achieved_tflops"] == pytest.approx(8.0)  # the recompute ran: it is work done
+    assert h100["mfu"] == pytest.approx(3e12 / 0.5 / 989e12) and h100["peak_tflops"] == 989.0
+    cpu = throughput(cost, 0.5, "cpu")
+    assert cpu["mfu"] is None and cpu["achieved_tflops"] == pytest.approx(8.0)
+    assert throughput(None, 0.5, "cpu")["flops_per_step"] is None
+
+
+def test_bitsandbytes_4bit_matmul_is_counted():
+    """QLoRA's forward runs bitsandbytes' own 4-bit matmul, which PyTorch's registry lacks."""
+    pytest.importorskip("bitsandbytes")
+    import bitsandbytes as bnb
+    import torch
+
+    from effitrain.cost import StepCounter
+
+    layer = bnb.nn.Linear4bit(64, 32, bias=False, compute_dtype=torch.float32)
+    layer.weight = bnb.nn.Params4bit(torch.randn(32, 64), requires_grad=False, quant_type="nf4")
+    layer = layer.to("cpu")
+    x = torch.randn(3, 5, 64)
+    with StepCounter() as counter:
+        layer(x)
+    assert counter.flops == 2 * 3 * 5 * 64 * 32

@@ -84,7 +84,7 @@ def flop_counter_mode_beside() -> Iterator[list[int]]:
     from torch.utils.flop_counter import FlopCounterMode
 
     import effitrain.loop
-    from effitrain.cost import StepCounter, cpu_attention_formulas
+    from effitrain.cost import StepCounter, extra_flop_formulas
 
     totals: list[int] = []
 
@@ -92,7 +92,7 @@ def flop_counter_mode_beside() -> Iterator[list[int]]:
         def __enter__(self):
             super().__enter__()
             self.reference = FlopCounterMode(
-                display=False, custom_mapping=cpu_attention_formulas()
+                display=False, custom_mapping=extra_flop_formulas()
             ).__enter__()
             return self
 
