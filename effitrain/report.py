@@ -592,6 +592,12 @@ def estimates_table(results: list[Estimate], against: dict[str, Any] | None = No
             table.add_row(row_label, *_lever_cells(results, row_label, against))
     for row_label in _lever_row_labels(results, None):  # host memory, not in the device's peak
         table.add_row(f"host: {row_label}", *_lever_cells(results, row_label, against))
+    if any(result.cost is not None for result in results):
+        cells = [format_flops(r.cost.flops_per_step) if r.cost else "-" for r in results]
+        if against is not None:
+            truth = against["measured"].get("flops_per_step")
+            cells += [format_flops(truth) if truth is not None else "-", ""]
+        table.add_row("FLOPs per step", *cells)
     return table
 
 

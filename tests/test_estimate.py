@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -255,6 +256,9 @@ def test_cli_all_optimizers_and_compare_to(train_cli, tmp_path, long_data):
     assert "adamw" in header and "error (sgd)" in header
     parameters = next(line for line in proc.stdout.splitlines() if "parameters" in line)
     assert "+0.0%" in parameters
+    flops = next(line for line in proc.stdout.splitlines() if "FLOPs per step" in line)
+    counts = re.findall(r"[\d.]+ [MG]FLOP", flops)  # adamw's, sgd's, the run's: the same
+    assert len(counts) == 3 and len(set(counts)) == 1, flops
     proc = train_cli("estimate", *args, "--compare-to", str(metrics), "--json")
     errors = json.loads(proc.stdout)["errors"]
     assert errors["parameter_bytes"] == 0 and errors["optimizer_state.bytes"] > 0  # adamw vs sgd
