@@ -266,6 +266,7 @@ def fit(
     set_train_mode(run.optimizer, True)  # schedule-free: steps only in train mode
     # One optimizer step is measured by kind (effitrain.memory.step), late (see measure_now).
     probe = StepMemoryProbe(run.model, run.optimizer, run.accelerator.device)
+    first_step = True
     with probe:  # an error mid-step leaves no tracker behind
         while progress.global_step < plan.total_steps:
             for done in train_steps(run, epoch_batches(run, progress), progress, guard, probe):
@@ -273,6 +274,9 @@ def fit(
                 if done.measured:
                     timer.leave_out_last()
                 reporter.step_done(progress.global_step)
+                if first_step and config.max_memory is not None:
+                    check_measured_budget(run, progress, checkpointer, reporter)
+                first_step = False
                 if progress.global_step % config.log_every == 0 or _finished(run, progress):
                     reporter.logged(log_line(run, progress, timer))
                 if done.stop:
@@ -308,11 +312,14 @@ def measure_now(run: Run, progress: TrainingProgress, probe: StepMemoryProbe) ->
     laid out so that every later step grows it, which would raise the run's peak RSS
     (docs/memory.md). Late, the bookkeeping lands where RSS already peaks, so the probe trims
     the heap first (:func:`effitrain.memory.step.return_freed_heap`). A run stopped before that
-    step (a signal) has no breakdown.
+    step (a signal) has no breakdown. With ``--max-memory`` on the CPU, the first step this
+    process runs instead: its peak tensor bytes are what the budget is checked against.
     """
-    if progress.step_memory or probe.done or not run.config.memory_breakdown:
+    if progress.step_memory or probe.done:
         return False
-    return progress.global_step == run.plan.measured_step
+    if run.config.max_memory is not None and run.accelerator.device.type == "cpu":
+        return True  # the first step, for --max-memory's check (check_measured_budget)
+    return run.config.memory_breakdown and progress.global_step == run.plan.measured_step
 
 
 def _finished(run: Run, progress: TrainingProgress) -> bool:
@@ -404,6 +411,50 @@ def _stop(
     command = checkpoint.resume_command(run.config, run.accelerator.num_processes)
     reporter.stopped(stop.signal_name, progress.global_step, path, command if path else None)
     raise TrainingStopped(stop.exit_code, path)
+
+
+def measured_peak(run: Run, progress: TrainingProgress) -> int | None:
+    """The peak ``--max-memory`` is checked against: CUDA's reserved bytes, else the measured
+    step's peak tensor bytes (None: not measured)."""
+    import torch
+
+    device = run.accelerator.device
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device)
+    return (progress.step_memory or {}).get("peak_tensor_bytes")
+
+
+def check_measured_budget(
+    run: Run,
+    progress: TrainingProgress,
+    checkpointer: checkpoint.Checkpointer,
+    reporter: Reporter,
+) -> None:
+    """``--max-memory``, after the first step: a measured peak above it (on any process) keeps
+    this step as a signal would and stops the run.
+
+    Raises:
+        EffitrainError: over the budget; the message names the checkpoint and the overshoot.
+    """
+    import torch
+
+    from effitrain.config import parse_size
+
+    budget = parse_size(run.config.max_memory or "", "--max-memory")
+    peak = measured_peak(run, progress)
+    local = torch.tensor([peak or 0], dtype=torch.int64, device=run.accelerator.device)
+    peak = int(run.accelerator.gather(local).max())  # every process stops together
+    if peak <= budget:
+        return
+    reporter.progress_finished()
+    path = checkpointer.on_stop(progress)
+    kept = f"checkpoint: {path}" if path else "nothing saved (add --output-dir DIR to keep it)"
+    what = "reserved" if run.accelerator.device.type == "cuda" else "peak tensor memory"
+    raise EffitrainError(
+        f"--max-memory {run.config.max_memory}: step {progress.global_step} measured "
+        f"{peak / 2**30:,.2f} GiB {what}, {(peak - budget) / 2**30:,.2f} GiB over; stopped, "
+        f"{kept}"
+    )
 
 
 def _report_saved(reporter: Reporter, path: Any, progress: TrainingProgress) -> None:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from effitrain.results import (
         Estimate,
         MemoryRecord,
+        PlanResult,
         RunInfo,
         StateReport,
         StepLog,
@@ -780,3 +781,40 @@ def _eval_text(metrics: dict[str, Any], loss_first: bool = False) -> str:
         return f"{loss} · perplexity {metrics['perplexity']:.2f}"
     scores = f"accuracy {metrics['accuracy']:.4f} · f1 {metrics['f1']:.4f}"
     return f"{loss} · {scores}" if loss_first else f"{scores} · {loss}"
+
+
+def print_plan(result: PlanResult, console: Console | None = None) -> None:
+    """``effitrain plan``: the budget and margin, then each configuration that fits, best
+    first: its peak, FLOPs and relative time, why each lever is in, its command."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    console = console or Console(highlight=False)
+    margin = (
+        "tensor bytes, as train --max-memory measures them on the CPU"
+        if result.device_type == "cpu"
+        else "the CUDA context, workspaces and the allocator's cache"
+    )
+    console.print(
+        f"Budget {format_bytes(result.budget_bytes)} per device ({result.device_type}), "
+        f"margin {format_bytes(result.margin_bytes)} ({margin}); {result.screened} "
+        f"configurations screened with {result.estimates} fake-tensor estimates in "
+        f"{result.seconds:.0f} s. Fastest first:"
+    )
+    for rank, candidate in enumerate(result.candidates, start=1):
+        peak = format_bytes(candidate.peak_tensor_bytes)
+        checked = "verified" if candidate.verified else "screened"
+        flops = (
+            f", {format_flops(candidate.flops_per_step)}/step" if candidate.flops_per_step else ""
+        )
+        kind = "full-parameter" if candidate.full_parameter else "adapters"
+        console.print(
+            f"[bold]{rank}.[/] {candidate.optimizer}, {kind}, micro-batch "
+            f"{candidate.batch_size} x {candidate.grad_accum}: peak {peak} ({checked}){flops}, "
+            f"time x{candidate.relative_step_time:.2f}"
+        )
+        for lever, why in candidate.levers.items():
+            console.print(f"     {lever}: {escape(why)}")
+        console.print(f"     {escape(candidate.command)}", soft_wrap=True)
+    for note in result.notes:
+        console.print(f"Note: {escape(note)}")

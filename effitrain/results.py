@@ -323,3 +323,53 @@ class StateReport:
             "params_without_shape": self.params_without_shape,
             "largest": [p.to_dict() for p in self.params[:top]],
         }
+
+
+@dataclass
+class PlanCandidate:
+    """One configuration ``effitrain plan`` found to fit; ``to_dict`` is its JSON."""
+
+    args: list[str]
+    """The options the plan chose (optimizer, levers, batch split), as ``effitrain train``
+    arguments, to append to the user's own."""
+    command: str
+    optimizer: str
+    levers: dict[str, str]
+    """Each lever in it, with why."""
+    batch_size: int
+    grad_accum: int
+    peak_tensor_bytes: int
+    """Per device: verified by a full estimate where ``verified``, else screened."""
+    host_peak_bytes: int | None
+    """Host tensors at the peak: the device peak on the CPU; None on a GPU (not modeled yet)."""
+    flops_per_step: int | None
+    step_seconds: float | None
+    """Modeled seconds per optimizer step on a nominal device (``effitrain.cost``)."""
+    relative_step_time: float
+    """``step_seconds`` over the best candidate's."""
+    full_parameter: bool
+    verified: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class PlanResult:
+    """What ``effitrain plan`` found: the candidates that fit, best first."""
+
+    budget_bytes: int
+    margin_bytes: int
+    device_type: str
+    candidates: list[PlanCandidate]
+    screened: int
+    """Candidates screened (optimizer x levers x batch split)."""
+    estimates: int
+    """Fake-tensor estimates made (screens on cut models, and full verifications)."""
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["candidates"] = [c.to_dict() for c in self.candidates]
+        return data

@@ -46,6 +46,12 @@ def train(config: TrainConfig, reporter: Reporter) -> TrainResult:
     check_config(config)
     check_outputs(config)
     tracking.check(config)
+    if config.max_memory is not None:  # before any weight is read
+        from effitrain.config import parse_size
+        from effitrain.planning import check_budget, launch_from_environment
+
+        budget = parse_size(config.max_memory, "--max-memory")
+        check_budget(config, launch_from_environment(), budget)
     run = build_run(config, reporter)
     reporter.run_started(describe(run))
     progress = TrainingProgress.for_accelerator(run.accelerator)
