@@ -337,25 +337,12 @@ class _Search:
         self, changes: dict[str, Any], reasons: dict[str, str], full: bool, screen: Screen
     ) -> list[Option]:
         """One option per optimizer that takes these levers and split of the batch."""
-        from effitrain.optim import state_bytes_per_param
-
         out = []
         reference = self._reference(changes)
-        ref_bytes = state_bytes_per_param(reference) or 0.0
-        scale = (
-            screen.state / (screen.trainable * ref_bytes)
-            if screen.trainable and ref_bytes >= 1
-            else 1.0
-        )
         for name in self.optimizers:
-            per_param = state_bytes_per_param(name)
-            if per_param is None and name != reference:
+            state = self._state(screen, reference, name)
+            if state is None:
                 continue
-            state = (
-                screen.state
-                if name == reference
-                else int(screen.trainable * per_param * scale / self._state_split())
-            )
             static = screen.static - screen.state + state
             dynamic = max(screen.peak - screen.static, 0)
             for micro in _divisors(self.global_batch):
@@ -375,6 +362,22 @@ class _Search:
                     )
                 )
         return out
+
+    def _state(self, screen: Screen, reference: str, name: str) -> int | None:
+        """``name``'s state where the screen measured ``reference``'s: the measured bytes
+        scaled by their bytes per parameter (which carries the state's dtype and the launch's
+        split), or, beside a reference of almost no state, the bytes per parameter alone (None:
+        not measured for ``name``)."""
+        from effitrain.optim import state_bytes_per_param
+
+        if name == reference:
+            return screen.state
+        per_param, ref_bytes = state_bytes_per_param(name), state_bytes_per_param(reference)
+        if per_param is None:
+            return None
+        if ref_bytes is not None and ref_bytes >= 1:
+            return int(screen.state * per_param / ref_bytes)
+        return int(screen.trainable * per_param / self._state_split())
 
     def _state_split(self) -> int:
         sharded = "optimizer_state" in SHARDED.get(self.launch.strategy, ())

@@ -85,7 +85,7 @@ def test_what_the_plan_prints_fits_when_run(train_cli, tmp_path):
     from effitrain.cli.compare import train_config
     from effitrain.estimation import estimate
 
-    base = [*LM, "--batch-size", "4"]
+    base = [*LM, "--batch-size", "2"]
     budget = 6 * 2**20
     proc = train_cli("plan", *base, "--memory", "6MiB", "--json")
     assert proc.returncode == 0, proc.stderr
