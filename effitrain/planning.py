@@ -59,6 +59,9 @@ LADDER = (
 """The order levers are added in, cheapest in time first (their ``time_cost``; the step in
 backward costs nothing measurable, bf16 weights speed a GPU up, the offloads are bound by the
 host link). Each is tried at its ``search`` values after the first (off) one."""
+FASTER = ("optimizer-in-backward", "bf16-weights")
+"""Levers tried even where enough fits without them: they cost no time (the step in backward) or
+save it (bf16 matmuls), so a configuration with them may be the fastest."""
 ADAPTER_LEVER = "lora"
 UPDATE_LEVERS = ("optimizer-in-backward", "optimizer-offload")
 """Levers that remove only gradients and optimizer state: not tried where those are under
@@ -288,7 +291,7 @@ class _Search:
             latest = self._candidates(changes, reasons, full, screen)
             out += latest
         for step in self._steps():
-            if self._enough(out, latest):
+            if step[0].name not in FASTER and self._enough(out, latest):
                 break
             lever, trial = step[0], {**changes, **step[1]}
             if not self._worth_trying(lever, changes, screen):
@@ -315,7 +318,7 @@ class _Search:
 
     def _enough(self, options: list[Option], latest: list[Option]) -> bool:
         """Whether :data:`VERIFIED` options fit already, or every one of the latest lever set:
-        a further lever would only add time (the ladder's order)."""
+        a further lever would only add time (the ladder's order; :data:`FASTER` excepted)."""
         if latest and all(self._fits(o.peak) for o in latest):
             return True
         return sum(self._fits(o.peak) for o in options) >= VERIFIED
