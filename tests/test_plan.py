@@ -56,6 +56,7 @@ def test_bad_options(train_cli):
     )
 
 
+@pytest.mark.slow
 def test_json_fields(train_cli):
     """A budget the plain run fits: one screen, three candidates verified."""
     proc = train_cli("plan", *LM, "--batch-size", "2", *ONE, "--memory", "1GiB", "--json")
