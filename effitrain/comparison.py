@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -187,6 +187,9 @@ def summarize(configuration: Configuration, runs: list[dict[str, Any]]) -> dict[
         "peak_memory_bytes": statistics.median(r["peak_memory_bytes"] for r in runs),
         "peak_memory_kind": first["peak_memory_kind"],
         "seconds_per_step": statistics.median(r["seconds_per_step"] for r in runs),
+        "flops_per_step": first.get("flops_per_step"),
+        "achieved_tflops": _median(r.get("achieved_tflops") for r in runs),
+        "mfu": _median(r.get("mfu") for r in runs),
         "final_loss": (first.get("loss_history") or [{"loss": first["train_loss"]}])[-1]["loss"],
         "eval_accuracy": first["eval"].get("accuracy"),
         "eval_perplexity": first["eval"].get("perplexity"),
@@ -194,6 +197,12 @@ def summarize(configuration: Configuration, runs: list[dict[str, Any]]) -> dict[
         "repeats": len(runs),
     }
     return row
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    """The median, or None where a run has none (no FLOPs counted, no known peak)."""
+    known = list(values)
+    return None if not known or None in known else statistics.median(known)
 
 
 @dataclass

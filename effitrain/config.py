@@ -289,6 +289,15 @@ class TrainConfig:
     )
     seed: int = _opt(42, "Seed for model init, data order and dropout.", panel=LOOP)
     log_every: int = _opt(10, "Update the shown loss every this many optimizer steps.", panel=LOOP)
+    max_memory: str | None = _opt(
+        None,
+        "Memory budget per device (24GiB, 24GB = 24 x 10^9 bytes, 512MiB): the run is estimated "
+        "first and refused if it cannot fit; after its first optimizer step, a measured peak "
+        "above it (CPU: tensors; CUDA: reserved) saves a checkpoint and stops. As effitrain plan "
+        "--memory.",
+        panel=LOOP,
+        metavar="SIZE",
+    )
 
     # --- memory levers (effitrain.levers) ---
     gradient_checkpointing: bool = _opt(
@@ -459,6 +468,8 @@ class TrainConfig:
             raise EffitrainError(
                 f"--text-columns takes one or two column names (got {len(self.text_columns)})"
             )
+        if self.max_memory is not None:
+            parse_size(self.max_memory, "--max-memory")
         self._validate_checkpointing()
         self._validate_report_to()
         return self
@@ -512,6 +523,33 @@ class TrainConfig:
 def option(field_name: str) -> str:
     """The CLI spelling of a config field: ``batch_size`` -> ``--batch-size``."""
     return "--" + field_name.replace("_", "-")
+
+
+SIZE_UNITS = {
+    "b": 1,
+    **{f"{p}b": 1000**i for i, p in enumerate("kmgt", start=1)},
+    **{f"{p}ib": 1024**i for i, p in enumerate("kmgt", start=1)},
+}
+"""Byte units of a size: KB, MB, GB, TB are powers of 1000 (as cards and disks are sold), KiB,
+MiB, GiB, TiB powers of 1024; case does not matter."""
+
+
+def parse_size(text: str, flag: str) -> int:
+    """Bytes of a size such as ``24GiB``, ``24GB`` (10^9 bytes), ``1.5 GiB`` or ``512MiB``.
+
+    Raises:
+        EffitrainError: one line naming the flag and the accepted units.
+    """
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", str(text))
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in SIZE_UNITS or float(match.group(1)) <= 0:
+        raise EffitrainError(
+            f"{flag} '{text}': not a size; write a positive number and a unit, e.g. 24GiB or "
+            "24GB (units: B, KB, MB, GB, TB = powers of 1000; KiB, MiB, GiB, TiB = of 1024)"
+        )
+    return int(float(match.group(1)) * SIZE_UNITS[unit])
 
 
 OPTIONS: dict[str, Option] = {
@@ -667,5 +705,6 @@ __all__ = [
     "load_yaml",
     "merge",
     "option",
+    "parse_size",
     "to_arguments",
 ]

@@ -247,6 +247,7 @@ def estimate(config: TrainConfig, launch: Launch | None = None) -> Estimate:
         ),
         per_device=per,
         notes=notes,
+        cost=progress.step_cost,
         host=_host_memory(config, model, landed, launch, step),
     )
 

@@ -26,8 +26,10 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import effitrain.checkpoint as checkpoint
+import effitrain.levers as levers
+from effitrain.cost import StepCounter
 from effitrain.errors import EffitrainError
-from effitrain.memory.step import StepMemoryProbe
+from effitrain.memory.step import StepMemoryProbe, compiles_step
 from effitrain.optim import set_train_mode
 from effitrain.progress import Stopwatch, TrainingProgress
 from effitrain.results import StepLog
@@ -205,25 +207,42 @@ def train_steps(
     probe: StepMemoryProbe,
 ) -> Iterator[StepDone]:
     """The micro-batches through :func:`train_step`, one optimizer step's worth at a time, with
-    the step the plan names measured by ``probe`` (into ``progress.step_memory``); yields after
-    each optimizer step, once ``progress`` counts it. ``effitrain estimate`` runs its fake
+    the step the plan names measured by ``probe`` (into ``progress.step_memory``) and the first
+    one counted (its FLOPs and bytes, into ``progress.step_cost``: ``effitrain.cost``); yields
+    after each optimizer step, once ``progress`` counts it. ``effitrain estimate`` runs its fake
     steps through this too."""
     group_start = True  # the next micro-batch starts an optimizer step
-    for batch, weights in step_batches(run, batches):
-        if group_start and measure_now(run, progress, probe):
-            probe.start()
-        elif probe.running:
-            probe.next_micro_batch()
-        outcome = train_step(run, batch, progress, guard, weights)
-        group_start = outcome.stepped
-        if not outcome.stepped:
-            continue
-        measured = probe.running
-        if measured:
-            step_memory = probe.stop()
-            progress.step_memory = step_memory.to_dict() if step_memory else {}
-        progress.step_done()
-        yield StepDone(outcome.stop, measured)
+    # A step torch.compile'd with fullgraph (torchao's) refuses to run under a dispatch mode.
+    countable = not compiles_step(getattr(run.optimizer, "optimizer", run.optimizer))
+    counter: StepCounter | None = None
+    micro_batches = 0
+    try:
+        for batch, weights in step_batches(run, batches):
+            if group_start and measure_now(run, progress, probe):
+                probe.start()
+            elif probe.running:
+                probe.next_micro_batch()
+            if group_start and progress.step_cost is None and countable:
+                # Entered after the probe and left before it: dispatch modes nest.
+                counter, micro_batches = StepCounter().__enter__(), 0
+            outcome = train_step(run, batch, progress, guard, weights)
+            micro_batches += 1
+            group_start = outcome.stepped
+            if not outcome.stepped:
+                continue
+            if counter is not None:
+                counted, counter = counter, None
+                counted.__exit__(None, None, None)
+                progress.step_cost = counted.cost(**levers.step_cost(run, micro_batches))
+            measured = probe.running
+            if measured:
+                step_memory = probe.stop()
+                progress.step_memory = step_memory.to_dict() if step_memory else {}
+            progress.step_done()
+            yield StepDone(outcome.stop, measured)
+    finally:
+        if counter is not None:  # an error mid-step leaves no dispatch mode behind
+            counter.__exit__(None, None, None)
 
 
 def fit(
@@ -249,6 +268,7 @@ def fit(
     set_train_mode(run.optimizer, True)  # schedule-free: steps only in train mode
     # One optimizer step is measured by kind (effitrain.memory.step), late (see measure_now).
     probe = StepMemoryProbe(run.model, run.optimizer, run.accelerator.device)
+    first_step = True
     with probe:  # an error mid-step leaves no tracker behind
         while progress.global_step < plan.total_steps:
             for done in train_steps(run, epoch_batches(run, progress), progress, guard, probe):
@@ -256,6 +276,9 @@ def fit(
                 if done.measured:
                     timer.leave_out_last()
                 reporter.step_done(progress.global_step)
+                if first_step and config.max_memory is not None:
+                    check_measured_budget(run, progress, checkpointer, reporter)
+                first_step = False
                 if progress.global_step % config.log_every == 0 or _finished(run, progress):
                     reporter.logged(log_line(run, progress, timer))
                 if done.stop:
@@ -291,11 +314,14 @@ def measure_now(run: Run, progress: TrainingProgress, probe: StepMemoryProbe) ->
     laid out so that every later step grows it, which would raise the run's peak RSS
     (docs/memory.md). Late, the bookkeeping lands where RSS already peaks, so the probe trims
     the heap first (:func:`effitrain.memory.step.return_freed_heap`). A run stopped before that
-    step (a signal) has no breakdown.
+    step (a signal) has no breakdown. With ``--max-memory`` on the CPU, the first step this
+    process runs instead: its peak tensor bytes are what the budget is checked against.
     """
-    if progress.step_memory or probe.done or not run.config.memory_breakdown:
+    if progress.step_memory or probe.done:
         return False
-    return progress.global_step == run.plan.measured_step
+    if run.config.max_memory is not None and run.accelerator.device.type == "cpu":
+        return True  # the first step, for --max-memory's check (check_measured_budget)
+    return run.config.memory_breakdown and progress.global_step == run.plan.measured_step
 
 
 def _finished(run: Run, progress: TrainingProgress) -> bool:
@@ -387,6 +413,50 @@ def _stop(
     command = checkpoint.resume_command(run.config, run.accelerator.num_processes)
     reporter.stopped(stop.signal_name, progress.global_step, path, command if path else None)
     raise TrainingStopped(stop.exit_code, path)
+
+
+def measured_peak(run: Run, progress: TrainingProgress) -> int | None:
+    """The peak ``--max-memory`` is checked against: CUDA's reserved bytes, else the measured
+    step's peak tensor bytes (None: not measured)."""
+    import torch
+
+    device = run.accelerator.device
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device)
+    return (progress.step_memory or {}).get("peak_tensor_bytes")
+
+
+def check_measured_budget(
+    run: Run,
+    progress: TrainingProgress,
+    checkpointer: checkpoint.Checkpointer,
+    reporter: Reporter,
+) -> None:
+    """``--max-memory``, after the first step: a measured peak above it (on any process) keeps
+    this step as a signal would and stops the run.
+
+    Raises:
+        EffitrainError: over the budget; the message names the checkpoint and the overshoot.
+    """
+    import torch
+
+    from effitrain.config import parse_size
+
+    budget = parse_size(run.config.max_memory or "", "--max-memory")
+    peak = measured_peak(run, progress)
+    local = torch.tensor([peak or 0], dtype=torch.int64, device=run.accelerator.device)
+    peak = int(run.accelerator.gather(local).max())  # every process stops together
+    if peak <= budget:
+        return
+    reporter.progress_finished()
+    path = checkpointer.on_stop(progress)
+    kept = f"checkpoint: {path}" if path else "nothing saved (add --output-dir DIR to keep it)"
+    what = "reserved" if run.accelerator.device.type == "cuda" else "peak tensor memory"
+    raise EffitrainError(
+        f"--max-memory {run.config.max_memory}: step {progress.global_step} measured "
+        f"{peak / 2**30:,.2f} GiB {what}, {(peak - budget) / 2**30:,.2f} GiB over; stopped, "
+        f"{kept}"
+    )
 
 
 def _report_saved(reporter: Reporter, path: Any, progress: TrainingProgress) -> None:

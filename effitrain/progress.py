@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     import torch
     from accelerate import Accelerator
 
+    from effitrain.cost import StepCost
+
 
 @dataclass(init=False)
 class TrainingProgress:
@@ -72,6 +74,9 @@ class TrainingProgress:
         self._window = torch.zeros(_WINDOW, device=device, dtype=torch.float64)
         self.window_tokens = 0.0
         """Tokens in the window that the last :meth:`flush_window` emptied (all processes)."""
+        self.step_cost: StepCost | None = None
+        """The first optimizer step's work, counted (``effitrain.cost``); not saved: a resumed
+        run counts its first step again."""
 
     @classmethod
     def for_accelerator(cls, accelerator: Accelerator) -> TrainingProgress:

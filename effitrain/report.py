@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         Estimate,
         HostMemory,
         MemoryRecord,
+        PlanResult,
         RunInfo,
         StateReport,
         StepLog,
@@ -181,7 +182,7 @@ class Reporter:
         speed = _speed(result, result.speed_unit)
         self._line(
             f"[bold green]done[/] · {result.global_steps} steps in {result.train_seconds:.1f} s "
-            f"({result.seconds_per_step * 1000:.1f} ms/step, {speed}) · "
+            f"({result.seconds_per_step * 1000:.1f} ms/step, {speed}{_work_text(result)}) · "
             f"train loss {result.train_loss:.4f} · eval {_eval_text(ev)}"
         )
         c.print(optimizer_state_table(result))
@@ -603,6 +604,12 @@ def estimates_table(results: list[Estimate], against: dict[str, Any] | None = No
     if any(result.host is not None for result in results):
         cells = [format_bytes(r.host.host_peak_bytes) if r.host else "-" for r in results]
         table.add_row("host RAM, one machine", *cells, *(["", ""] if against else []))
+    if any(result.cost is not None for result in results):
+        cells = [format_flops(r.cost.flops_per_step) if r.cost else "-" for r in results]
+        if against is not None:
+            truth = against["measured"].get("flops_per_step")
+            cells += [format_flops(truth) if truth is not None else "-", ""]
+        table.add_row("FLOPs per step", *cells)
     return table
 
 
@@ -707,6 +714,9 @@ COLUMNS = (
     ("peak tensors", "peak_tensor_bytes"),
     ("peak RSS", "peak_memory_bytes"),
     ("s/step", "seconds_per_step"),
+    ("FLOPs/step", "flops_per_step"),
+    ("TFLOP/s", "achieved_tflops"),
+    ("MFU", "mfu"),
     ("final loss", "final_loss"),
     ("eval accuracy", "eval_accuracy"),
     ("eval perplexity", "eval_perplexity"),
@@ -762,9 +772,14 @@ def _compared_cell(row: dict[str, Any], base: dict[str, Any], key: str) -> str:
         shown = format_bytes(value)
     elif key == "seconds_per_step":
         shown = f"{value:.2f}"
+    elif key == "flops_per_step":
+        shown = format_flops(value)
+    elif key == "mfu":
+        shown = f"{value:.1%}"
     else:
         shown = f"{value:.3f}"
-    if row is not base and reference and (key.endswith("bytes") or key == "seconds_per_step"):
+    ratio = key.endswith("bytes") or key in ("seconds_per_step", "flops_per_step")
+    if row is not base and reference and ratio:
         shown += f" ({value / reference:.2f}×)"
     return shown
 
@@ -776,6 +791,31 @@ def _speed(record: StepLog | TrainResult, unit: str) -> str:
     return f"{record.samples_per_second:,.0f} samples/s"
 
 
+def format_flops(flops: float) -> str:
+    """FLOPs in the largest unit that keeps a number >= 1 (``313.4 GFLOP``)."""
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if flops >= scale:
+            return f"{flops / scale:,.1f} {unit}"
+    return f"{flops:,.0f} FLOP"
+
+
+def _work_text(result: TrainResult) -> str:
+    """The step's FLOPs, what the device achieved and, where its peak is known, the MFU."""
+    if result.flops_per_step is None:
+        return ", FLOPs not counted"  # torchao's compiled step: docs/cost.md
+    if result.achieved_tflops is None:
+        return ""
+    mfu = (
+        f"MFU {result.mfu:.1%}"
+        if result.mfu is not None
+        else f"MFU: peak of {result.device_name or result.device} unknown"
+    )
+    return (
+        f", {format_flops(result.flops_per_step)}/step, "
+        f"{format_flops(result.achieved_tflops * 1e12)}/s per device, {mfu}"
+    )
+
+
 def _eval_text(metrics: dict[str, Any], loss_first: bool = False) -> str:
     """An evaluation's numbers: loss and perplexity (causal-lm), or accuracy, F1 and loss."""
     loss = f"loss {metrics['loss']:.4f}"
@@ -783,3 +823,40 @@ def _eval_text(metrics: dict[str, Any], loss_first: bool = False) -> str:
         return f"{loss} · perplexity {metrics['perplexity']:.2f}"
     scores = f"accuracy {metrics['accuracy']:.4f} · f1 {metrics['f1']:.4f}"
     return f"{loss} · {scores}" if loss_first else f"{scores} · {loss}"
+
+
+def print_plan(result: PlanResult, console: Console | None = None) -> None:
+    """``effitrain plan``: the budget and margin, then each configuration that fits, best
+    first: its peak, FLOPs and relative time, why each lever is in, its command."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    console = console or Console(highlight=False)
+    margin = (
+        "tensor bytes, as train --max-memory measures them on the CPU"
+        if result.device_type == "cpu"
+        else "the CUDA context, workspaces and the allocator's cache"
+    )
+    console.print(
+        f"Budget {format_bytes(result.budget_bytes)} per device ({result.device_type}), "
+        f"margin {format_bytes(result.margin_bytes)} ({margin}); {result.screened} "
+        f"configurations screened with {result.estimates} fake-tensor estimates in "
+        f"{result.seconds:.0f} s. Fastest first:"
+    )
+    for rank, candidate in enumerate(result.candidates, start=1):
+        peak = format_bytes(candidate.peak_tensor_bytes)
+        checked = "verified" if candidate.verified else "screened"
+        flops = (
+            f", {format_flops(candidate.flops_per_step)}/step" if candidate.flops_per_step else ""
+        )
+        kind = "full-parameter" if candidate.full_parameter else "adapters"
+        console.print(
+            f"[bold]{rank}.[/] {candidate.optimizer}, {kind}, micro-batch "
+            f"{candidate.batch_size} x {candidate.grad_accum}: peak {peak} ({checked}){flops}, "
+            f"time x{candidate.relative_step_time:.2f}"
+        )
+        for lever, why in candidate.levers.items():
+            console.print(f"     {lever}: {escape(why)}")
+        console.print(f"     {escape(candidate.command)}", soft_wrap=True)
+    for note in result.notes:
+        console.print(f"Note: {escape(note)}")

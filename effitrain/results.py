@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from effitrain.cost import StepCost
     from effitrain.memory.ledger import OptimizerStateLedger
     from effitrain.memory.step import StepMemory
 
@@ -188,6 +189,20 @@ class TrainResult:
     """The per-rank byte counts summed over all processes."""
     loss_history: list[dict[str, float]] = field(default_factory=list)
     """The training loss at every log line: ``{"step", "loss"}`` (``--log-every``)."""
+    flops_per_step: int | None = None
+    """FLOPs of one optimizer step on this device, counted on the run's first step
+    (``effitrain.cost``; None: not counted)."""
+    recompute_flops: int | None = None
+    """The part of ``flops_per_step`` that is gradient checkpointing's recompute."""
+    achieved_tflops: float | None = None
+    """``flops_per_step`` per ``seconds_per_step``, in TFLOP/s, per device."""
+    mfu: float | None = None
+    """Model FLOPs utilization: the FLOPs without the recompute per second over the device's
+    bf16 dense peak (None where the peak is not known: CPUs, GPUs not in the table)."""
+    peak_tflops: float | None = None
+    """The device's bf16 dense peak that ``mfu`` is measured against."""
+    device_name: str = ""
+    """The GPU's name (``torch.cuda.get_device_name``), or the device type."""
 
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -287,6 +302,8 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     host: HostMemory | None = None
     """The host memory of one machine (``host_peak_bytes``), beside the device's step."""
+    cost: StepCost | None = None
+    """The measured step's FLOPs and offload traffic (``effitrain.cost``); None: not counted."""
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -294,6 +311,7 @@ class Estimate:
             "optimizer_class": self.optimizer_class,
             "lr": self.lr,
             **self.memory.to_dict(),
+            **(self.cost.to_dict() if self.cost is not None else {}),
             "estimate": asdict(self.settings),
             "notes": list(self.notes),
         }
@@ -360,3 +378,54 @@ class StateReport:
             "params_without_shape": self.params_without_shape,
             "largest": [p.to_dict() for p in self.params[:top]],
         }
+
+
+@dataclass
+class PlanCandidate:
+    """One configuration ``effitrain plan`` found to fit; ``to_dict`` is its JSON."""
+
+    args: list[str]
+    """The options the plan chose (optimizer, levers, batch split), as ``effitrain train``
+    arguments, to append to the user's own."""
+    command: str
+    optimizer: str
+    levers: dict[str, str]
+    """Each lever in it, with why."""
+    batch_size: int
+    grad_accum: int
+    peak_tensor_bytes: int
+    """Per device: verified by a full estimate where ``verified``, else screened."""
+    host_peak_bytes: int | None
+    """The host RAM one machine needs (``Estimate.host``), where a full estimate verified the
+    candidate; None for a screened one."""
+    flops_per_step: int | None
+    step_seconds: float | None
+    """Modeled seconds per optimizer step on a nominal device (``effitrain.cost``)."""
+    relative_step_time: float
+    """``step_seconds`` over the best candidate's."""
+    full_parameter: bool
+    verified: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class PlanResult:
+    """What ``effitrain plan`` found: the candidates that fit, best first."""
+
+    budget_bytes: int
+    margin_bytes: int
+    device_type: str
+    candidates: list[PlanCandidate]
+    screened: int
+    """Candidates screened (optimizer x levers x batch split)."""
+    estimates: int
+    """Fake-tensor estimates made (screens on cut models, and full verifications)."""
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["candidates"] = [c.to_dict() for c in self.candidates]
+        return data

@@ -23,6 +23,7 @@ import effitrain.optim as optim
 import effitrain.tracking as tracking
 from effitrain.build import build_run, check_config, check_outputs, describe
 from effitrain.config import TrainConfig
+from effitrain.cost import device_name, throughput
 from effitrain.loop import evaluate, fit
 from effitrain.measure import memory_record
 from effitrain.memory import ledger
@@ -45,6 +46,12 @@ def train(config: TrainConfig, reporter: Reporter) -> TrainResult:
     check_config(config)
     check_outputs(config)
     tracking.check(config)
+    if config.max_memory is not None:  # before any weight is read
+        from effitrain.config import parse_size
+        from effitrain.planning import check_budget, launch_from_environment
+
+        budget = parse_size(config.max_memory, "--max-memory")
+        check_budget(config, launch_from_environment(), budget)
     run = build_run(config, reporter)
     reporter.run_started(describe(run))
     progress = TrainingProgress.for_accelerator(run.accelerator)
@@ -199,6 +206,11 @@ def summarize(
     ranks = distributed.gather_rank_memory(accelerator, run.model, run.optimizer, run.weights)
     final_eval: dict[str, Any] = progress.eval_history[-1]
     train_seconds = timer.train_seconds
+    # FLOPs of the real first step (train_steps), not of a second build on fake tensors: the
+    # step counted is the step timed, and the median leaves out the first step and its counting.
+    speed = throughput(
+        progress.step_cost, timer.median_step_seconds, device_name(accelerator.device)
+    )
     return TrainResult(
         optimizer=run.optimizer_spec.name,
         optimizer_class=run.optimizer_spec.class_path,
@@ -227,4 +239,5 @@ def summarize(
         sharding=run.launch.sharding.to_dict(),
         ranks=ranks,
         ranks_total=distributed.rank_totals(ranks),
+        **speed,
     )

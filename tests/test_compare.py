@@ -200,3 +200,31 @@ def test_compare_runs_writes_and_reports_failures(cli, tmp_path):
     assert int(lines[1]["optimizer_state_bytes"]) == sgd["optimizer_state_bytes"]
     assert (out / "compare.png").stat().st_size > 10_000
     assert "optimizer state" in proc.stdout and "(0.50×)" in proc.stdout  # sgd: half of AdamW
+    # The same model and batch: the same FLOPs (the optimizers' updates are elementwise).
+    assert adamw["flops_per_step"] == sgd["flops_per_step"] == run["flops_per_step"] > 0
+    assert "FLOPs/step" in proc.stdout and "TFLOP/s" in proc.stdout
+    assert "MFU" not in proc.stdout and adamw["mfu"] is None  # no peak known for a CPU
+
+
+def test_the_table_has_flops_and_mfu_where_a_peak_is_known():
+    """FLOPs per step (with ratios), TFLOP/s, and MFU only where some run has one."""
+    from rich.console import Console
+
+    from effitrain.report import COLUMNS, comparison_table
+
+    def row(label, flops, tflops, mfu):
+        values = {key: None for _, key in COLUMNS}
+        values.update(seconds_per_step=1.0, peak_tensor_bytes=2**20)
+        return {**values, "label": label, "flops_per_step": flops,
+                "achieved_tflops": tflops, "mfu": mfu}  # fmt: skip
+
+    def render(rows):
+        console = Console(width=200, record=True)
+        console.print(comparison_table(rows))
+        return console.export_text()
+
+    text = render([row("a", 4e12, 4.0, None), row("b", 5e12, 5.0, None)])
+    assert "4.0 TFLOP" in text and "5.0 TFLOP (1.25×)" in text and "TFLOP/s" in text
+    assert "MFU" not in text
+    text = render([row("a", 4e12, 4.0, 0.404), row("b", 5e12, 5.0, 0.505)])
+    assert "40.4%" in text and "50.5%" in text

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import random
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -54,10 +57,16 @@ def compare(train_cli, tmp_path: Path, args: list[str]) -> tuple[dict, dict]:
     from effitrain.estimation import estimate
 
     metrics = tmp_path / "metrics.json"
-    proc = train_cli("train", "--quiet", "--max-steps", "2", *args, "--metrics-json", str(metrics))
+    with flop_counter_mode_beside() as reference:
+        proc = train_cli(
+            "train", "--quiet", "--max-steps", "2", *args, "--metrics-json", str(metrics)
+        )
     assert proc.returncode == 0, proc.stderr
     measured = json.loads(metrics.read_text())
     estimated = estimate(train_config(args)).to_dict()
+    # FLOPs of the fake step equal the real step's, and PyTorch's FlopCounterMode's on it.
+    assert estimated["flops_per_step"] == measured["flops_per_step"] == reference.pop() > 0
+    assert estimated["recompute_flops"] == measured["recompute_flops"]
     for key in EXACT:
         assert estimated[key] == measured[key], (key, estimated[key], measured[key])
     assert estimated["optimizer_state"] == measured["optimizer_state"]
@@ -67,6 +76,35 @@ def compare(train_cli, tmp_path: Path, args: list[str]) -> tuple[dict, dict]:
         error = abs(estimated[key] - measured[key]) / measured[key]
         assert error <= TOLERANCE, (key, estimated[key], measured[key], f"{error:.1%}")
     return estimated, measured
+
+
+@contextmanager
+def flop_counter_mode_beside() -> Iterator[list[int]]:
+    """PyTorch's own ``FlopCounterMode`` counts the step effitrain counts (the first), beside
+    it: its total is appended to the list yielded."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import effitrain.loop
+    from effitrain.cost import StepCounter, extra_flop_formulas
+
+    totals: list[int] = []
+
+    class WithReference(StepCounter):
+        def __enter__(self):
+            super().__enter__()
+            self.reference = FlopCounterMode(
+                display=False, custom_mapping=extra_flop_formulas()
+            ).__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            self.reference.__exit__(*exc)
+            totals.append(self.reference.get_total_flops())
+            super().__exit__(*exc)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(effitrain.loop, "StepCounter", WithReference)
+        yield totals
 
 
 def test_estimate_equals_a_run(train_cli, tmp_path, long_data):
@@ -222,6 +260,9 @@ def test_cli_all_optimizers_and_compare_to(train_cli, tmp_path, long_data):
     assert "adamw" in header and "error (sgd)" in header
     parameters = next(line for line in proc.stdout.splitlines() if "parameters" in line)
     assert "+0.0%" in parameters
+    flops = next(line for line in proc.stdout.splitlines() if "FLOPs per step" in line)
+    counts = re.findall(r"[\d.]+ [MG]FLOP", flops)  # adamw's, sgd's, the run's: the same
+    assert len(counts) == 3 and len(set(counts)) == 1, flops
     proc = train_cli("estimate", *args, "--compare-to", str(metrics), "--json")
     errors = json.loads(proc.stdout)["errors"]
     assert errors["parameter_bytes"] == 0 and errors["optimizer_state.bytes"] > 0  # adamw vs sgd

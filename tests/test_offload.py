@@ -290,6 +290,10 @@ def test_estimate_models_activation_offload_on_fake_tensors():
     assert offloaded["activation_bytes"] < plain["activation_bytes"]
     assert offloaded["peak_tensor_bytes"] < plain["peak_tensor_bytes"]
     assert offloaded["parameter_bytes"] == plain["parameter_bytes"]
+    # Its step's traffic (effitrain.cost): each offloaded tensor out, and back when used.
+    assert plain["offload_bytes_per_step"] == 0
+    assert moved <= offloaded["offload_bytes_per_step"] <= 2 * moved
+    assert offloaded["flops_per_step"] == plain["flops_per_step"]
 
 
 def test_estimate_counts_optimizer_offload_state_on_the_host():
@@ -304,6 +308,10 @@ def test_estimate_counts_optimizer_offload_state_on_the_host():
     assert result["step_memory"]["at_peak"]["optimizer_state"] <= where["device_state_bytes"]
     assert result["gradient_bytes"] < plain["gradient_bytes"]
     assert result["peak_tensor_bytes"] < plain["peak_tensor_bytes"]
+    # Per step: each offloaded gradient to the host, each parameter back (one micro-batch);
+    # the host copies are one parameter and one gradient each.
+    assert result["offload_bytes_per_step"] == where["host_copy_bytes"] > 0
+    assert 4 * result["host_step_elements"] == where["host_copy_bytes"] // 2  # fp32
 
 
 # --------------------------------------------------------------------------------------------

@@ -60,6 +60,7 @@ VALUES: dict[str, tuple[object, dict[str, object]]] = {
     "mixed_precision": ("bf16", {}),
     "seed": (7, {}),
     "log_every": (3, {}),
+    "max_memory": ("24GiB", {}),
     "gradient_checkpointing": (True, {}),
     "optimizer_in_backward": (True, {}),
     "weights_dtype": ("bf16", {}),

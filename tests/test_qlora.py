@@ -132,6 +132,7 @@ def test_estimate_equals_the_measured_run(qlora_run, cli):
     assert estimate["optimizer_state"]["bytes"] == measured["optimizer_state"]["bytes"]
     for key in ("activation_bytes", "peak_tensor_bytes"):
         assert estimate[key] == pytest.approx(measured[key], rel=0.10), key
+    assert estimate["flops_per_step"] == measured["flops_per_step"]
 
 
 def test_evaluation_leaves_the_4bit_weights_as_they_are():

@@ -107,6 +107,13 @@ def test_demo_run_prints_progress_eval_and_tables(train_cli, tmp_path):
     assert data["gradient_bytes"] == data["parameter_bytes"]
     assert data["peak_memory_bytes"] > 0 and data["seconds_per_step"] > 0
     assert_memory_breakdown(data)
+    # The first step's FLOPs (effitrain.cost); no MFU on a CPU, whose peak is not known.
+    assert data["flops_per_step"] > 0 and data["recompute_flops"] == 0
+    assert data["achieved_tflops"] == pytest.approx(
+        data["flops_per_step"] / data["seconds_per_step"] / 1e12
+    )
+    assert data["mfu"] is None and data["peak_tflops"] is None and data["device_name"] == "cpu"
+    assert text.count("MFU: peak of cpu unknown") == 1 and "FLOP/step" in text
 
 
 def assert_memory_breakdown(data):

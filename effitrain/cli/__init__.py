@@ -15,7 +15,7 @@ from typing import Any
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from effitrain.cli import compare, estimate, inspect_state, optimizers, train
+from effitrain.cli import compare, estimate, inspect_state, optimizers, plan, train
 from effitrain.cli.error_handling import usage_errors
 
 
@@ -73,6 +73,7 @@ app = typer.Typer(
 for name, command in (
     ("train", train.train),
     ("estimate", estimate.estimate),
+    ("plan", plan.plan),
     ("compare", compare.compare),
     ("inspect-state", inspect_state.inspect_state),
     ("optimizers", optimizers.optimizers),

@@ -216,6 +216,15 @@ def step_contexts(
     return contexts
 
 
+def step_cost(run: BuiltRun, micro_batches: int) -> dict[str, int]:
+    """The levers' parts of an optimizer step's cost (``Lever.step_cost``), summed by field."""
+    cost: dict[str, int] = {}
+    for lever in active(run.config):
+        for name, value in lever.step_cost(run, micro_batches).items():
+            cost[name] = cost.get(name, 0) + value
+    return cost
+
+
 def finish_steps(run: BuiltRun) -> None:
     for lever in active(run.config):
         lever.finish_steps(run)

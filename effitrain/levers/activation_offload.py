@@ -41,18 +41,23 @@ MIN_OFFLOAD_BYTES = 1024
 
 
 class HostBytes:
-    """Host bytes of the offloaded activations: ``current`` and ``peak`` (over the run)."""
+    """Host bytes of the offloaded activations: ``current`` and ``peak`` (over the run), and
+    ``moved``: bytes copied either way in the latest micro-batch (each offloaded tensor twice:
+    out in forward, back in backward)."""
 
     def __init__(self) -> None:
         self.current = 0
         self.peak = 0
+        self.moved = 0
 
     def add(self, nbytes: int) -> None:
         self.current += nbytes
         self.peak = max(self.peak, self.current)
+        self.moved += nbytes
 
     def remove(self, nbytes: int) -> None:
         self.current -= nbytes
+        self.moved += nbytes
 
 
 def _nbytes(tensor: Any) -> int:
@@ -159,6 +164,7 @@ class OffloadContext:
         self.host_bytes = host_bytes
 
     def __enter__(self) -> Any:
+        self.host_bytes.moved = 0
         self._current = self._make()
         return self._current.__enter__()
 
@@ -193,6 +199,10 @@ class ActivationOffload(Lever):
             return OffloadContext(lambda: fake_offload(model, counter), counter)
         context = offload_context(model, counter)
         return OffloadContext(lambda: context, counter)
+
+    def step_cost(self, run: BuiltRun, micro_batches: int) -> dict[str, int]:
+        moved = run.lever_contexts[self.name].host_bytes.moved
+        return {"offload_bytes_per_step": moved * micro_batches}
 
     def banner(self, config: TrainConfig, model: torch.nn.Module) -> str:
         return (

@@ -34,6 +34,16 @@ class GradientCheckpointing(Lever):
         return "gradient checkpointing (non-reentrant: activations recomputed in backward)"
 
 
+def _recompute_contexts() -> tuple[Any, Any]:
+    """``torch.utils.checkpoint``'s contexts: none around the forward, ``Recompute`` around the
+    recompute."""
+    from contextlib import nullcontext
+
+    from effitrain.cost import Recompute
+
+    return nullcontext(), Recompute()
+
+
 def enable(model: torch.nn.Module) -> None:
     """Recompute each layer's activations in backward: the model's own (transformers'
     ``activation_checkpointing_enable``, formerly ``gradient_checkpointing_enable``),
@@ -48,7 +58,8 @@ def enable(model: torch.nn.Module) -> None:
             f"--gradient-checkpointing: {type(model).__name__} does not support gradient "
             "checkpointing in transformers; drop the option or choose another model"
         )
-    kwargs = {"use_reentrant": False}
+    # The recompute runs inside effitrain.cost.Recompute, so that its FLOPs are told apart.
+    kwargs = {"use_reentrant": False, "context_fn": _recompute_contexts}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:

@@ -105,6 +105,17 @@ class OptimizerOffload(Lever):
         if isinstance(optimizer, EstimatedOffload):
             optimizer.step_host_optimizers()
 
+    def step_cost(self, run: BuiltRun, micro_batches: int) -> dict[str, int]:
+        from effitrain.optim.offload import offloaded_parameters
+
+        offloaded = offloaded_parameters(run.optimizer)
+        # Each backward copies the gradients to the host; the step copies the parameters back.
+        moved = sum(p.numel() * p.element_size() for p in offloaded) * (micro_batches + 1)
+        return {
+            "offload_bytes_per_step": moved,
+            "host_step_elements": sum(p.numel() for p in offloaded),
+        }
+
     def banner(self, config: TrainConfig, model: torch.nn.Module) -> str:
         grads = (
             ", and each gradient once copied" if config.optimizer_offload == "state+grads" else ""

@@ -161,6 +161,13 @@ class Lever:
         what it returns is kept as ``run.lever_contexts[name]``."""
         return None
 
+    def step_cost(self, run: BuiltRun, micro_batches: int) -> dict[str, int]:
+        """What it adds to the cost of an optimizer step of ``micro_batches`` micro-batches that
+        no operator shows (host<->device copies, a step on the host), once the step ran: fields
+        of :class:`effitrain.cost.StepCost` (``offload_bytes_per_step``,
+        ``host_step_elements``)."""
+        return {}
+
     def finish_steps(self, run: BuiltRun) -> None:
         """After the last measured step, before memory is summed up (an estimate's stand-in
         completes what it left out of the step)."""

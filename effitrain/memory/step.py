@@ -99,9 +99,10 @@ def available() -> bool:
     return True
 
 
-def _compiles_step(optimizer: Any) -> bool:
+def compiles_step(optimizer: Any) -> bool:
     """torchao's optimizers ``torch.compile(fullgraph=True)`` their step, which refuses to run
-    under a ``TorchDispatchMode`` such as ``MemTracker``: their step is not measured by kind."""
+    under a ``TorchDispatchMode`` such as ``MemTracker``: their step is not measured by kind,
+    nor counted (``effitrain.cost.StepCounter`` is one too)."""
     return type(optimizer).__module__.startswith("torchao.")
 
 
@@ -123,7 +124,7 @@ class StepMemoryProbe:
         self._warnings: Callable[[], None] | None = None
         """Restores the warning filters once the tracked step is over."""
         self.compiled_step = (
-            _compiles_step(self.optimizer) if compiled_step is None else compiled_step
+            compiles_step(self.optimizer) if compiled_step is None else compiled_step
         )
         """Its step is torch.compile'd (torchao): not measured (``effitrain estimate`` runs it
         without the compiled update and says False)."""

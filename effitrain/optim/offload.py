@@ -257,6 +257,17 @@ def offload_ledger(optimizer: Any) -> dict[str, int]:
     }
 
 
+def offloaded_parameters(optimizer: Any) -> list[Any]:
+    """The device parameters whose state and step live on the host (Accelerate's wrapper looked
+    through; an estimate's :class:`EstimatedOffload` too); [] for any other optimizer."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if isinstance(inner, EstimatedOffload):
+        return [param for param, _ in inner.offloaded]
+    if isinstance(inner, OffloadedOptimizer):
+        return list(inner.offloaded.param_d2h_map)
+    return []
+
+
 class EstimatedOffload(torch.optim.Optimizer):
     """``effitrain estimate``'s stand-in for :class:`OffloadedOptimizer` on fake tensors, where
     torchao cannot run (it needs a CUDA device): what stays on the device runs for real (the

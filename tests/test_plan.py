@@ -1,0 +1,144 @@
+"""``effitrain plan`` and ``effitrain train --max-memory``: sizes, the search on fake tensors,
+what it prints, and that what it prints fits when run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import assert_clean_error
+
+LM = ["--task", "causal-lm", "--model", "tiny-llama", "--max-length", "64"]
+NO_LEVERS = "optimizer-in-backward,bf16-weights,chunked-loss,gradient-checkpointing,load-in-4bit"
+ONE = ["--full-parameter", "--optim", "adamw", "--without", NO_LEVERS]
+"""One lever set, one optimizer: a plan of one screen."""
+
+
+def test_sizes():
+    from effitrain.config import parse_size
+    from effitrain.errors import EffitrainError
+
+    assert parse_size("24GiB", "--memory") == 24 * 2**30
+    assert parse_size("24GB", "--memory") == 24 * 10**9
+    assert parse_size("512 MiB", "--memory") == 512 * 2**20
+    assert parse_size("1.5gib", "--memory") == 3 * 2**29
+    for bad in ("24", "24 gigs", "-1GiB", "0GB", ""):
+        with pytest.raises(EffitrainError, match="--memory '.*': not a size"):
+            parse_size(bad, "--memory")
+
+
+def test_max_memory_is_an_option_of_the_table():
+    from effitrain.cli.compare import train_config
+    from effitrain.config import to_arguments
+    from effitrain.errors import EffitrainError
+
+    assert to_arguments({"max_memory": "24GiB"}) == ["--max-memory", "24GiB"]
+    assert train_config(["--max-memory", "3GB"]).max_memory == "3GB"
+    with pytest.raises(EffitrainError, match="--max-memory 'lots'"):
+        train_config(["--max-memory", "lots"])
+
+
+def test_nothing_fits(train_cli):
+    """One line: the smallest peak found and how far over it is; a non-zero exit."""
+    proc = train_cli("plan", *LM, "--batch-size", "1", *ONE, "--memory", "1KiB")
+    assert_clean_error(proc, "nothing fits 1.0 KiB per device", "smallest peak found", "over")
+
+
+def test_bad_options(train_cli):
+    assert_clean_error(train_cli("plan", *LM, "--memory", "a lot"), "--memory 'a lot'")
+    assert_clean_error(
+        train_cli("plan", *LM, "--memory", "1GiB", "--without", "turbo"), "unknown lever 'turbo'"
+    )
+    assert_clean_error(
+        train_cli("plan", *LM, "--memory", "1GiB", "--lora-rank", "8", "--full-parameter"),
+        "--full-parameter contradicts --lora-rank",
+    )
+
+
+@pytest.mark.slow
+def test_json_fields(train_cli):
+    """A budget the plain run fits: one screen, three candidates verified."""
+    proc = train_cli("plan", *LM, "--batch-size", "2", *ONE, "--memory", "1GiB", "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["budget_bytes"] == 2**30 and result["margin_bytes"] == 0
+    first = result["candidates"][0]
+    expected = {"args", "command", "peak_tensor_bytes", "host_peak_bytes", "flops_per_step"}
+    expected |= {"relative_step_time", "full_parameter", "verified", "levers"}
+    assert expected <= set(first)
+    assert first["verified"] and first["relative_step_time"] == 1.0 and first["full_parameter"]
+    assert first["args"] == ["--optim", "adamw", "--batch-size", "2", "--grad-accum", "1"]
+    assert first["command"].startswith("effitrain train --task causal-lm --model tiny-llama")
+    assert first["command"].endswith(" ".join(first["args"]))
+    assert first["flops_per_step"] > 0
+    # The verifying estimate's host RAM: on the CPU, the step plus the libraries.
+    assert first["host_peak_bytes"] > first["peak_tensor_bytes"]
+    # micro-batch 1 x 2 is the same global batch, slower
+    second = result["candidates"][1]
+    assert second["args"][-4:] == ["--batch-size", "1", "--grad-accum", "2"]
+    assert second["relative_step_time"] > 1.0
+
+
+@pytest.mark.slow
+def test_what_the_plan_prints_fits_when_run(train_cli, tmp_path):
+    """A budget below the plain run's peak: every verified candidate, run for two steps,
+    measures peak tensors within it, and its printed peak is ``estimate``'s for its command."""
+    from effitrain.cli.compare import train_config
+    from effitrain.estimation import estimate
+
+    base = [*LM, "--batch-size", "2"]
+    budget = 6 * 2**20
+    proc = train_cli("plan", *base, "--memory", "6MiB", "--json")
+    assert proc.returncode == 0, proc.stderr
+    candidates = json.loads(proc.stdout)["candidates"]
+    verified = [c for c in candidates if c["verified"]]
+    assert len(verified) >= 3 and candidates[:3] == verified[:3]
+    assert {c["full_parameter"] for c in candidates} == {True, False}
+    assert all(c["levers"] for c in candidates)
+    for number, candidate in enumerate(verified):
+        args = [*base, *candidate["args"]]
+        assert (
+            estimate(train_config(args)).memory.peak_tensor_bytes
+            == (candidate["peak_tensor_bytes"])
+        )
+        metrics = tmp_path / f"{number}.json"
+        run = train_cli("train", "--quiet", "--max-steps", "2", *args, "--metrics-json", metrics)
+        assert run.returncode == 0, run.stderr
+        assert json.loads(metrics.read_text())["peak_tensor_bytes"] <= budget, candidate
+
+
+def test_max_memory_refuses_before_reading_weights(train_cli, monkeypatch, tmp_path):
+    """The estimate refuses the run; the task's model loader is never called (the plan's
+    suggestion left out: a plan that finds nothing tries every lever)."""
+    import effitrain.planning
+    from effitrain.tasks.causal_lm import CausalLMTask
+
+    monkeypatch.setattr(effitrain.planning, "QUICK_PLAN_BYTES", 0)
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were read")
+
+    monkeypatch.setattr(CausalLMTask, "load_model", no_weights)
+    proc = train_cli("train", *LM, "--batch-size", "2", "--max-memory", "64KiB")
+    assert_clean_error(
+        proc, "--max-memory 64KiB: the estimated peak", "over; find one that fits: effitrain plan"
+    )
+
+
+def test_max_memory_stops_after_the_first_step_with_a_checkpoint(train_cli, monkeypatch, tmp_path):
+    """The estimate fits; the measured first step does not: a checkpoint, one line, exit 1."""
+    import effitrain.loop
+
+    measured = effitrain.loop.measured_peak
+    monkeypatch.setattr(
+        effitrain.loop, "measured_peak", lambda run, progress: measured(run, progress) + 2**30
+    )
+    out = tmp_path / "out"
+    proc = train_cli(
+        "train", *LM, "--batch-size", "2", "--max-steps", "3", "--max-memory", "1GiB",
+        "--output-dir", str(out),
+    )  # fmt: skip
+    line = assert_clean_error(proc, "--max-memory 1GiB: step 1 measured", "over; stopped")
+    assert f"checkpoint: {out}" in line
+    assert (out / "checkpoint-1").is_dir(), sorted(p.name for p in out.iterdir())
