@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -109,3 +110,13 @@ def assert_identical(a: Any, b: Any, where: str = "") -> int:
         )
     assert a == b, f"{where}: {a!r} != {b!r}"
     return 0
+
+
+def resume_copy(
+    train_cli: Any, out: Path, options: Any, folder: Path, *extra: str, step: int = 2
+) -> Any:
+    """``effitrain train`` with ``options`` resumed in a new ``folder`` from a copy of
+    ``out/checkpoint-<step>`` (``out`` itself left as it is)."""
+    folder.mkdir()
+    shutil.copytree(out / f"checkpoint-{step}", folder / f"checkpoint-{step}")
+    return train_cli("train", *options, "--output-dir", str(folder), "--resume", "latest", *extra)

@@ -5,14 +5,13 @@ while reading, and no fp32 copy of the model exists on the way (issue 37, items 
 from __future__ import annotations
 
 import json
-import shutil
 import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from tests.checkpoint_helpers import assert_identical, load_tensors
+from tests.checkpoint_helpers import assert_identical, load_tensors, resume_copy
 
 LM = ("--task", "causal-lm")
 SHAPE = ("--batch-size", "2", "--max-length", "32")
@@ -317,10 +316,7 @@ def test_qlora_with_bf16_weights_learns(qlora_bf16_run):
 @pytest.mark.slow
 def test_qlora_with_bf16_weights_resumes_exactly(qlora_bf16_run, tmp_path, train_cli):
     resumed = tmp_path / "resumed"
-    resumed.mkdir()
-    shutil.copytree(qlora_bf16_run.out / "checkpoint-2", resumed / "checkpoint-2")
-    args = ("train", *qlora_bf16_run.options, "--output-dir", str(resumed), "--resume", "latest")
-    proc = train_cli(*args)
+    proc = resume_copy(train_cli, qlora_bf16_run.out, qlora_bf16_run.options, resumed)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "not an exact continuation" not in proc.stdout
     straight = load_tensors(qlora_bf16_run.out / "checkpoint-4")

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from types import SimpleNamespace
 
 import pytest
 
-from tests.checkpoint_helpers import assert_identical, load_tensors
+from tests.checkpoint_helpers import assert_identical, load_tensors, resume_copy
 from tests.conftest import assert_clean_error, hide_package
 
 pytest.importorskip("peft")
@@ -94,10 +93,7 @@ def test_4bit_storage_is_counted_to_the_byte(qlora_run):
 
 def test_resume_with_4bit_base_is_exact(qlora_run, tmp_path, train_cli):
     resumed = tmp_path / "resumed"
-    resumed.mkdir()
-    shutil.copytree(qlora_run.out / "checkpoint-2", resumed / "checkpoint-2")
-    args = ("train", *qlora_run.options, "--output-dir", str(resumed), "--resume", "latest")
-    proc = train_cli(*args)
+    proc = resume_copy(train_cli, qlora_run.out, qlora_run.options, resumed)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "resumed from" in proc.stdout and "not an exact continuation" not in proc.stdout
     straight = qlora_run.out
@@ -113,10 +109,8 @@ def test_resume_with_4bit_base_is_exact(qlora_run, tmp_path, train_cli):
 
 def test_resume_refuses_another_base(qlora_run, tmp_path, train_cli):
     resumed = tmp_path / "resumed"
-    resumed.mkdir()
-    shutil.copytree(qlora_run.out / "checkpoint-2", resumed / "checkpoint-2")
-    args = ("train", *qlora_run.options, "--output-dir", str(resumed), "--resume", "latest")
-    proc = train_cli(*args, "--seed", "7")  # the preset's random base is seeded
+    # The preset's random base is seeded: another seed, another base.
+    proc = resume_copy(train_cli, qlora_run.out, qlora_run.options, resumed, "--seed", "7")
     assert_clean_error(proc, "its 4-bit base weight", "differs from the one quantized from --model")
 
 
