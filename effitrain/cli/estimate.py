@@ -112,7 +112,7 @@ def estimate(
             config_file,
             overrides,
             optim,
-            lambda config: _launch(config, num_processes, sharding, device),
+            lambda config: described_launch(config, num_processes, sharding, device),
         )
         measured = _load_metrics(compare_to) if compare_to else None
         against = _against(results, measured, compare_to) if measured is not None else None
@@ -124,7 +124,7 @@ def estimate(
         print_estimates(results, against, skipped)
 
 
-def _launch(config: Any, num_processes: int, sharding: str, device: str | None) -> Any:
+def described_launch(config: Any, num_processes: int, sharding: str, device: str | None) -> Any:
     """The launch the options describe. Without --device: the device the levers need (an
     offload lever: cuda, estimated from any machine), else this machine's."""
     from effitrain.distributed import Launch

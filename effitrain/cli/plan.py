@@ -88,7 +88,7 @@ def plan(
     with user_errors():
         quiet_libraries()
         from effitrain.build import checked_config
-        from effitrain.cli.estimate import _launch
+        from effitrain.cli.estimate import described_launch
         from effitrain.config import parse_size
         from effitrain.planning import plan as run_plan
 
@@ -96,7 +96,7 @@ def plan(
         config = checked_config(config_file, overrides)
         result = run_plan(
             config,
-            _launch(config, num_processes, sharding, device),
+            described_launch(config, num_processes, sharding, device),
             budget,
             given=overrides,
             config_file=str(config_file) if config_file else None,
