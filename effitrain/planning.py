@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import shlex
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager, suppress
 from typing import Any
 
 import effitrain.levers as lever_registry
@@ -71,6 +72,10 @@ VERIFIED = 3
 """Candidates verified by a full estimate: at least the first this many printed."""
 MAX_VERIFICATIONS = 8
 """Full estimates at most per plan (each takes seconds on a large model)."""
+PARALLEL_FROM_SECONDS = 3.0
+"""Verifications run in worker processes, side by side, where one is expected to take longer
+than this (the two-layer screen's time times half the depth): a worker's imports and first
+estimate take about as long, paid while the plan screens."""
 SHOWN = 10
 """Candidates kept in the result, best first."""
 LAYER_FIELDS = ("num_hidden_layers", "n_layers", "n_layer", "num_layers")
@@ -125,10 +130,15 @@ def plan(
     full_parameter: bool = False,
     optimizers: list[str] | None = None,
     without: list[str] = (),  # type: ignore[assignment]
+    workers: int | None = None,
+    worker_setup: Callable[[], None] | None = None,
 ) -> PlanResult:
     """The configurations of ``config`` that fit ``budget`` bytes per device on ``launch``,
     fastest first by modeled step time. ``given`` and ``config_file``: the options the user
-    gave (each printed command starts with them, less those the plan sets).
+    gave (each printed command starts with them, less those the plan sets). ``workers``:
+    processes that verify side by side (None: one per core, up to :data:`VERIFIED`, where a
+    verification is slow, see :data:`PARALLEL_FROM_SECONDS`; 0: verified in this process),
+    each first calling ``worker_setup`` (a module-level function: the CLI's quieting).
 
     Raises:
         EffitrainError: bad options, or nothing fits (the message names the smallest peak).
@@ -142,16 +152,17 @@ def plan(
 
     for name in names:
         get_spec(name)
-    search = _Search(config, launch, budget, names, without, given or {})
+    search = _Search(config, launch, budget, names, without, given or {}, workers, worker_setup)
     margin = search.margin
-    options = search.options(full_parameter)
-    if not options:
-        raise EffitrainError(
-            "no configuration of these options can be estimated; see `effitrain estimate`"
-        )
-    fitting = [o for o in options if o.peak + margin <= budget]
-    verified: dict[int, Estimate | None] = {}
-    ranked = _verify(search, fitting, verified, budget, margin)
+    with search:
+        options = search.options(full_parameter)
+        if not options:
+            raise EffitrainError(
+                "no configuration of these options can be estimated; see `effitrain estimate`"
+            )
+        fitting = [o for o in options if o.peak + margin <= budget]
+        verified: dict[int, Estimate | None] = {}
+        ranked = _verify(search, fitting, verified, budget, margin)
     if not ranked:
         smallest = min([search.smallest, *search.verified_peaks])
         raise EffitrainError(
@@ -227,8 +238,13 @@ def _verify(
         todo = [fitting.index(row[0]) for row in ranked[:VERIFIED] if row[3] is None]
         if not todo or len(verified) >= MAX_VERIFICATIONS:
             return ranked
-        for index in todo[: MAX_VERIFICATIONS - len(verified)]:
-            verified[index] = search.verify(fitting[index])
+        # Workers side by side verify the next ones too where they would idle otherwise: a
+        # candidate that drops out then costs no second round.
+        spare = [fitting.index(row[0]) for row in ranked[VERIFIED:] if row[3] is None]
+        todo += spare[: -len(todo) % search.parallel]
+        todo = todo[: MAX_VERIFICATIONS - len(verified)]
+        for index, result in zip(todo, search.verify([fitting[i] for i in todo]), strict=True):
+            verified[index] = result
 
 
 class _Search:
@@ -242,6 +258,8 @@ class _Search:
         optimizers: list[str],
         without: list[str],
         given: dict[str, Any],
+        workers: int | None = None,
+        worker_setup: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
         self.given = given
@@ -256,6 +274,18 @@ class _Search:
         self.notes: list[str] = []
         self._screens: dict[tuple[tuple[str, Any], ...], Screen | None] = {}
         self.global_batch = config.batch_size * config.grad_accum
+        self.workers = workers
+        self.worker_setup = worker_setup
+        self._pool: Any = None
+        self._pool_size = 0
+
+    def __enter__(self) -> _Search:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
     # -- the candidates ------------------------------------------------------------------------
 
@@ -442,26 +472,97 @@ class _Search:
         points = []
         depth = None
         for layers in (1, 2):
+            started = time.monotonic()
             with _cut_to(layers) as seen:
                 points.append(_screen_of(estimate(config, self.launch)))
                 self.runs += 1
             depth = seen.get("layers")
             if depth is None:  # the model has no layer count to cut: estimated whole
                 return points[0]
+        self._start_workers(config, (time.monotonic() - started) * depth / 2)
         return _extend(points[0], points[1], depth)
 
-    def verify(self, option: Option) -> Estimate | None:
-        try:
-            result = estimate(self._config(option.changes), self.launch)
-        except EffitrainError as exc:
-            self.notes.append(f"not verified ({exc})")
-            return None
-        self.runs += 1
-        self.verified_peaks.append(_device_peak(result))
-        return result
+    def _start_workers(self, config: TrainConfig, verify_seconds: float) -> None:
+        """Start the verifying processes (once) where a verification looks slow; they import
+        and warm up while the plan goes on screening."""
+        if self._pool is not None or self.workers == 0:
+            return
+        count = self.workers
+        if count is None:
+            if verify_seconds < PARALLEL_FROM_SECONDS:
+                return
+            count = min(VERIFIED, _cores())
+        if count < 2:
+            return
+        from concurrent.futures import ProcessPoolExecutor
+        from multiprocessing import get_context
+
+        # spawn: a fork would copy this process's threads and locks mid-flight.
+        self._pool_size = count
+        self._pool = ProcessPoolExecutor(
+            count,
+            mp_context=get_context("spawn"),
+            initializer=_warm,
+            initargs=(config, self.launch, self.worker_setup),
+        )
+
+    @property
+    def parallel(self) -> int:
+        """How many verifications run at once."""
+        return self._pool_size if self._pool is not None else 1
+
+    def verify(self, options: list[Option]) -> list[Estimate | None]:
+        """Each option's full estimate (None where it cannot be estimated), in worker processes
+        where they were started (the same function: the same figures)."""
+        configs = [self._config(o.changes) for o in options]
+        if self._pool is not None and len(configs) > 1:
+            from concurrent.futures.process import BrokenProcessPool
+
+            futures = [self._pool.submit(_verified, c, self.launch) for c in configs]
+            try:
+                outcomes = [f.result() for f in futures]
+            except BrokenProcessPool:  # a worker died (memory?): verify here instead
+                self._pool.shutdown(wait=False, cancel_futures=True)
+                self._pool = None
+                outcomes = [_verified(c, self.launch) for c in configs]
+        else:
+            outcomes = [_verified(c, self.launch) for c in configs]
+        results: list[Estimate | None] = []
+        for outcome in outcomes:
+            if isinstance(outcome, str):
+                self.notes.append(f"not verified ({outcome})")
+                results.append(None)
+                continue
+            self.runs += 1
+            self.verified_peaks.append(_device_peak(outcome))
+            results.append(outcome)
+        return results
 
 
 # -- helpers ---------------------------------------------------------------------------------
+
+
+def _verified(config: TrainConfig, launch: Launch) -> Estimate | str:
+    """A full estimate, or why it could not be made (one line: it crosses processes)."""
+    try:
+        return estimate(config, launch)
+    except EffitrainError as exc:
+        return str(exc)
+
+
+def _cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _warm(config: TrainConfig, launch: Launch, setup: Callable[[], None] | None) -> None:
+    """A verifying worker's start: ``setup``, its imports and a one-layer estimate (fake
+    tensors keep a cache of shapes per process)."""
+    if setup is not None:
+        setup()
+    with suppress(Exception), _cut_to(1):
+        estimate(config, launch)
 
 
 def _device_peak(result: Estimate) -> int:
@@ -621,7 +722,7 @@ def check_budget(config: TrainConfig, launch: Launch, budget: int) -> int:
     advice = f"find one that fits: effitrain plan --memory {text} (same options)"
     if result.memory.parameter_bytes <= QUICK_PLAN_BYTES:
         try:
-            best = plan(config, launch, budget).candidates[0]
+            best = plan(config, launch, budget, workers=0).candidates[0]
         except EffitrainError:
             advice = "nothing the plan tries fits it either"
         else:

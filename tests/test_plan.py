@@ -142,3 +142,22 @@ def test_max_memory_stops_after_the_first_step_with_a_checkpoint(train_cli, monk
     line = assert_clean_error(proc, "--max-memory 1GiB: step 1 measured", "over; stopped")
     assert f"checkpoint: {out}" in line
     assert (out / "checkpoint-1").is_dir(), sorted(p.name for p in out.iterdir())
+
+
+@pytest.mark.slow
+def test_verified_in_worker_processes_as_in_this_one():
+    """Verifications side by side in spawned workers give the figures this process's estimate
+    gives for the same options."""
+    from effitrain.cli.compare import train_config
+    from effitrain.distributed import Launch
+    from effitrain.estimation import estimate
+    from effitrain.planning import plan
+
+    base = [*LM, "--batch-size", "2"]
+    launch = Launch.described(1, "ddp", "cpu")
+    result = plan(train_config(base), launch, 6 * 2**20, workers=2)
+    verified = [c for c in result.candidates if c.verified]
+    assert len(verified) >= 3 and result.candidates[:3] == verified[:3]
+    for candidate in verified:
+        here = estimate(train_config([*base, *candidate.args]), launch)
+        assert here.memory.peak_tensor_bytes == candidate.peak_tensor_bytes, candidate.args

@@ -103,6 +103,7 @@ def plan(
             full_parameter=full_parameter,
             optimizers=_names(optim),
             without=_names(without) or [],
+            worker_setup=quiet_libraries,
         )
         if as_json:
             import json
