@@ -38,6 +38,12 @@ CHUNKED_LOSS = ("auto", "torch", "liger", "cce", "off")
 OPTIMIZER_OFFLOAD = ("off", "state", "state+grads")
 """``--optimizer-offload``: nothing, the optimizer state and step, or also the gradients."""
 SAVE_STRATEGIES = ("steps", "epoch", "no")
+PREFERENCE_LOSSES = ("dpo", "orpo", "simpo")
+"""``--preference-loss`` (effitrain.tasks.preference_loss): DPO needs a reference model, ORPO
+and SimPO do not."""
+REFERENCES = ("adapters", "precompute", "copy")
+"""``--reference`` (effitrain.levers.reference): how DPO's reference log-probs are paid for."""
+REFERENCE_DTYPES = ("fp32", "bf16", "4bit")
 TRACKERS = (
     "tensorboard",
     "wandb",
@@ -53,9 +59,16 @@ TRACKERS = (
 REPORT_TO = ("none", "all", *TRACKERS)
 """``--report-to``'s names: no tracker, every installed one, or one of :data:`TRACKERS`."""
 
-HELP_PANELS = ("Model and data", "Optimizer", "Loop", "Memory levers", "Output")
+HELP_PANELS = (
+    "Model and data",
+    "Preference tuning",
+    "Optimizer",
+    "Loop",
+    "Memory levers",
+    "Output",
+)
 """The panels of ``effitrain train --help``, in order; every field names its own."""
-MODEL_AND_DATA, OPTIMIZER, LOOP, MEMORY_LEVERS, OUTPUT = HELP_PANELS
+MODEL_AND_DATA, PREFERENCE, OPTIMIZER, LOOP, MEMORY_LEVERS, OUTPUT = HELP_PANELS
 PER_OPTIMIZER = "per optimizer, see effitrain optimizers"
 """The default --help shows for options whose default depends on the optimizer and on
 fine-tuning versus training from scratch."""
@@ -221,6 +234,36 @@ class TrainConfig:
         metavar="TEXT",
     )
 
+    # --- preference tuning (--task preference) ---
+    preference_loss: str = _opt(
+        "dpo",
+        "preference: dpo (against a reference model, see --reference), orpo or simpo (no "
+        "reference).",
+        panel=PREFERENCE,
+        metavar="NAME",
+        choices=PREFERENCE_LOSSES,
+    )
+    beta: float | None = _opt(
+        None,
+        "preference: the loss's beta (dpo 0.1, orpo 0.1, simpo 2.0 as TRL's defaults).",
+        panel=PREFERENCE,
+        metavar="BETA",
+        default_text="per loss",
+    )
+    label_smoothing: float = _opt(
+        0.0,
+        "preference, dpo: the share of pairs assumed mislabeled (conservative DPO), from 0 to 0.5.",
+        panel=PREFERENCE,
+        metavar="EPS",
+    )
+    simpo_gamma: float = _opt(
+        0.5,
+        "preference, simpo: the target reward margin gamma (TRL's simpo_gamma; the log-prob "
+        "margin is gamma / beta).",
+        panel=PREFERENCE,
+        metavar="GAMMA",
+    )
+
     # --- optimizer and schedule ---
     optim: str = _opt(
         "adamw", "Optimizer name from `effitrain optimizers`.", panel=OPTIMIZER, metavar="NAME"
@@ -340,6 +383,24 @@ class TrainConfig:
         "CPUOffloadOptimizer) or state+grads (also each gradient, once backward made it).",
         panel=MEMORY_LEVERS,
         choices=OPTIMIZER_OFFLOAD,
+    )
+    reference: str | None = _opt(
+        None,
+        "preference, dpo: the reference model's log-probs from the base with the adapters "
+        "switched off (no second copy; with --lora-rank), precomputed in one pass before "
+        "training (kept with checkpoints), or a frozen copy in the step.",
+        panel=MEMORY_LEVERS,
+        metavar="HOW",
+        choices=REFERENCES,
+        default_text="adapters with --lora-rank, else precompute",
+    )
+    reference_dtype: str | None = _opt(
+        None,
+        "preference, --reference copy: the copy's weights: fp32, bf16 or 4bit (bitsandbytes NF4).",
+        panel=MEMORY_LEVERS,
+        metavar="DTYPE",
+        choices=REFERENCE_DTYPES,
+        default_text="as the trained weights",
     )
     lora_rank: int | None = _opt(
         None,
