@@ -334,5 +334,6 @@ def test_the_data_line(tokenizer):
 
     data = load_preference_data(TrainConfig(task="preference"))
     assert get_task("preference").data_line(data, None) == (
-        "preference pairs (prompt/chosen/rejected): 1,000 training / 200 validation pairs"
+        "preference pairs (prompt/chosen/rejected), each a chosen and a rejected sequence, "
+        "loss on the answers"
     )

@@ -93,9 +93,10 @@ class PreferenceTask(Task):
         return evaluate_preference(run)
 
     def data_line(self, data: PreferenceData, train_loader: Any) -> str:
+        # The banner says the pair counts just before: the format and the layout, not again.
         return (
-            f"preference pairs ({FORMATS[data.format]}): {len(data.train):,} training / "
-            f"{len(data.validation):,} validation pairs"
+            f"preference pairs ({FORMATS[data.format]}), each a chosen and a rejected sequence, "
+            "loss on the answers"
         )
 
     def fake_batch(self, tokenizer: Any, batch_size: int, length: int) -> dict[str, Any]:
