@@ -184,6 +184,7 @@ def test_truncation_counts_the_pairs_cut(tmp_path, tokenizer):
         ([{"prompt": "a", "chosen": " b", "rejected": " c"}] * 2 + [{"prompt": "a", "chosen": " b", "rejected": " b"}], ["row index 2: 'chosen' and 'rejected' are identical"]),
         ([{"prompt": "a", "chosen": " b", "rejected": "  "}], ["row index 0: the 'rejected' answer is empty"]),
         ([{"prompt": [{"role": "user", "content": "a"}], "chosen": [{"role": "assistant", "content": "b"}], "rejected": [{"role": "assistant", "content": "c"}]}, {"prompt": [{"role": "user", "content": "a"}], "chosen": [], "rejected": [{"role": "assistant", "content": "c"}]}], ["row index 1: 'chosen' must be a non-empty message list"]),
+        ([{"prompt": [{"role": "human", "content": "a"}], "chosen": [{"role": "assistant", "content": "b"}], "rejected": [{"role": "assistant", "content": "c"}]}], ["row index 0: a message of 'prompt' has role 'human'; roles allowed: system, user"]),
     ],
 )  # fmt: skip
 def test_bad_rows_are_one_line(rows, words, tmp_path):

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from effitrain.errors import EffitrainError
-from effitrain.tasks.lm_data import CHATML_TEMPLATE, IGNORE_INDEX
+from effitrain.tasks.lm_data import CHAT_ROLES, CHATML_TEMPLATE, IGNORE_INDEX
 from effitrain.tasks.sources import hold_out, load_splits, loaders, train_and_validation
 
 if TYPE_CHECKING:
@@ -130,6 +130,13 @@ def _check_rows(split: datasets.Dataset, fmt: str, name: str) -> None:
                 raise EffitrainError(
                     f"{name} row index {index}: '{column}' must be {kind} like the first row's, "
                     f"got {repr(value)[:60]}"
+                )
+            roles = [m["role"] for m in value] if conversational else []
+            wrong = next((role for role in roles if role not in CHAT_ROLES), None)
+            if wrong is not None:
+                raise EffitrainError(
+                    f"{name} row index {index}: a message of '{column}' has role '{wrong}'; roles "
+                    f"allowed: {', '.join(CHAT_ROLES)}"
                 )
         chosen, rejected = pair["chosen"], pair["rejected"]
         if chosen == rejected:
