@@ -300,6 +300,7 @@ def test_the_task_is_registered_with_the_causal_lm_default_model():
     [
         (("--packing",), ("--packing needs --task causal-lm (this run is preference)",)),
         (("--completion-only-loss",), ("--completion-only-loss needs --task causal-lm",)),
+        (("--sample-prompt", "The board"), ("--sample-prompt needs --task causal-lm",)),
         (("--model", "tiny"), ("sequence-classification preset; for --task preference",)),
         (("--max-length", "1"), ("--max-length 1", "2 tokens")),
     ],
