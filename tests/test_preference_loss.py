@@ -479,3 +479,74 @@ def test_evaluate_preference_counts_each_pair_once(tiny_llama):
     )
     assert metrics["rewards/accuracies"] == pytest.approx(float(accurate.float().mean()))
     assert loss.window_metrics(_accelerator()) == {}  # evaluation leaves the window alone
+
+
+def test_log_line_carries_the_rewards_to_the_history_and_trackers(tiny_llama):
+    """loop.log_line: the window's rewards in the StepLog, the loss history (the metrics JSON)
+    and the trackers' values; a loss without window metrics adds nothing."""
+    import torch
+
+    from effitrain.config import TrainConfig as Config
+    from effitrain.loop import log_line
+    from effitrain.progress import Stopwatch, TrainingProgress
+    from effitrain.tasks.base import ModelLoss
+    from effitrain.tasks.lm_loss import Choice
+    from effitrain.tasks.preference_loss import PreferenceLoss
+    from effitrain.tracking import Trackers
+
+    model = _model(tiny_llama)
+    batch = _contract_batch(tiny_llama.tokenizer)
+    loss = PreferenceLoss(_config("simpo"), Choice("torch"), model)
+    logged = []
+    accelerator = SimpleNamespace(
+        log=lambda values, step: logged.append(values), **vars(_accelerator())
+    )
+    trackers = Trackers(accelerator, Config(report_to=["tensorboard"]))
+    run = SimpleNamespace(
+        plan=SimpleNamespace(total_steps=4),
+        lr_scheduler=SimpleNamespace(get_last_lr=lambda: [1e-5]),
+        config=SimpleNamespace(log_every=1),
+        trackers=trackers,
+        loss=loss,
+        accelerator=accelerator,
+    )
+    progress = TrainingProgress()
+    value = loss(model, batch)
+    progress.add_micro_batch(value.detach(), 2, torch.tensor(10))
+    progress.step_done()
+    log = log_line(run, progress, Stopwatch())
+    assert log.metrics["rewards/accuracies"] in (0.0, 0.5, 1.0)
+    assert progress.loss_history[-1] == {"step": 1, "loss": log.loss, **log.metrics}
+    assert logged[-1]["train/rewards/margins"] == log.metrics["rewards/margins"]
+    run.loss = ModelLoss()
+    assert log_line(run, progress, Stopwatch()).metrics == {}
+    assert set(progress.loss_history[-1]) == {"step", "loss"}
+
+
+def test_kernel_path_sums_each_row_and_mask_apart(tiny_llama, monkeypatch):
+    """liger and cce give one loss sum per call: the per-row calls (here a plain-torch stand-in
+    with liger's signature, on the CPU) give the same log-probs and ORPO loss as full logits."""
+    import torch
+    import torch.nn.functional as F
+
+    from effitrain.tasks import lm_loss
+    from effitrain.tasks.lm_loss import Choice
+    from effitrain.tasks.preference_loss import PreferenceLoss, sequence_logps
+
+    def liger(flat, weight, targets, bias, ignore_index, reduction, softcap):
+        logits = F.linear(flat, weight, bias).float()
+        return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction=reduction)
+
+    monkeypatch.setattr(lm_loss, "_kernel", lambda name: liger)
+    batch = _contract_batch(tiny_llama.tokenizer)
+    results = []
+    for name in ("off", "liger"):
+        model = _model(tiny_llama, perturb=True)
+        logps = sequence_logps(Choice(name), model, model, batch, average=True)
+        orpo = PreferenceLoss(_config("orpo"), Choice(name), model)(model, batch)
+        (logps.sum() + orpo).backward()
+        results.append((logps.detach(), orpo.detach(), _grads(model)))
+    (logps, orpo, grads), (kernel_logps, kernel_orpo, kernel_grads) = results
+    torch.testing.assert_close(kernel_logps, logps)
+    torch.testing.assert_close(kernel_orpo, orpo)
+    _assert_same_grads(kernel_grads, grads)
