@@ -524,8 +524,8 @@ def test_log_line_carries_the_rewards_to_the_history_and_trackers(tiny_llama):
 
 
 def test_kernel_path_sums_each_row_and_mask_apart(tiny_llama, monkeypatch):
-    """liger and cce give one loss sum per call: the per-row calls (here a plain-torch stand-in
-    with liger's signature, on the CPU) give the same log-probs and ORPO loss as full logits."""
+    """cce gives one loss sum per call: the per-row calls (here a plain-torch stand-in with
+    cce's signature, on the CPU) give the same log-probs and ORPO loss as full logits."""
     import torch
     import torch.nn.functional as F
 
@@ -533,20 +533,35 @@ def test_kernel_path_sums_each_row_and_mask_apart(tiny_llama, monkeypatch):
     from effitrain.tasks.lm_loss import Choice
     from effitrain.tasks.preference_loss import PreferenceLoss, sequence_logps
 
-    def liger(flat, weight, targets, bias, ignore_index, reduction, softcap):
-        logits = F.linear(flat, weight, bias).float()
+    calls = []
+
+    def cce(flat, weight, targets, ignore_index, softcap, reduction):
+        calls.append(len(flat))
+        logits = F.linear(flat, weight).float()
         return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction=reduction)
 
-    monkeypatch.setattr(lm_loss, "_kernel", lambda name: liger)
+    monkeypatch.setattr(lm_loss, "_kernel", lambda name: cce)
     batch = _contract_batch(tiny_llama.tokenizer)
     results = []
-    for name in ("off", "liger"):
+    for name in ("off", "cce"):
         model = _model(tiny_llama, perturb=True)
         logps = sequence_logps(Choice(name), model, model, batch, average=True)
         orpo = PreferenceLoss(_config("orpo"), Choice(name), model)(model, batch)
         (logps.sum() + orpo).backward()
         results.append((logps.detach(), orpo.detach(), _grads(model)))
     (logps, orpo, grads), (kernel_logps, kernel_orpo, kernel_grads) = results
+    assert calls == [batch["input_ids"].shape[1]] * (4 + 4 + 2)  # per row and mask
     torch.testing.assert_close(kernel_logps, logps)
     torch.testing.assert_close(kernel_orpo, orpo)
     _assert_same_grads(kernel_grads, grads)
+
+
+def test_liger_gives_way_to_torch_where_the_output_weight_trains(tiny_llama):
+    from effitrain.tasks.lm_loss import Choice
+    from effitrain.tasks.preference_loss import PreferenceLoss
+
+    model = _model(tiny_llama)
+    loss = PreferenceLoss(_config("simpo"), Choice("liger"), model)
+    assert loss.name == "torch" and "liger-kernel would keep" in loss.describe()[0]
+    model.get_output_embeddings().weight.requires_grad_(False)  # LoRA: the head is frozen
+    assert PreferenceLoss(_config("simpo"), Choice("liger"), model).name == "liger"

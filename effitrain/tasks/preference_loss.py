@@ -5,8 +5,9 @@ with ``--chunked-loss``.
 **Log-probs.** A sequence's log-prob is the sum of its answer tokens' log-probs, the negative
 of their token losses: the causal-LM loss's machinery (:mod:`effitrain.tasks.lm_loss`) computes
 them inside the output layer. The torch form returns each token's loss (as small as the labels)
-and the sums are masked from it; the CUDA kernels (liger, cce) give one sum per call, so they
-run once per row.
+and the sums are masked from it; the CUDA kernels give one sum per call, so they run once per
+row (liger, which keeps a weight-sized gradient per call, only where the output weight is frozen:
+:func:`per_sequence_choice`).
 
 **The losses** (``b`` = beta, ``c``/``r`` = chosen/rejected log-prob, ``ref`` the reference's):
 
@@ -122,9 +123,17 @@ def masked_loss_sums(
 ) -> torch.Tensor:
     """``[len(masks), 2B]``: each row's sum of token losses against ``targets`` (shifted, ``[2B,
     L]``) over each mask's tokens, from ONE forward of ``model`` (``unwrapped``: the model
-    itself, whose output layer computes the losses when ``choice`` is chunked). Differentiable."""
+    itself, whose output layer computes the losses when ``choice`` is chunked). A mask may cover
+    only the first rows (ORPO's NLL: the chosen ones); the others' sums are 0. Differentiable."""
     import torch
     import torch.nn.functional as F
+
+    rows = len(targets)
+
+    def masked(losses: torch.Tensor) -> torch.Tensor:
+        return torch.stack(
+            [F.pad((losses[: len(m)] * m).sum(dim=-1), (0, rows - len(m))) for m in masks]
+        )
 
     inputs = model_inputs(batch)
     if not choice.chunked:  # the model's logits are final: softcapped where it caps
@@ -135,14 +144,14 @@ def masked_loss_sums(
             ignore_index=IGNORE_INDEX,
             reduction="none",
         ).view(targets.shape)
-        return torch.stack([(losses * mask).sum(dim=-1) for mask in masks])
+        return masked(losses)
     softcap = softcap_of(unwrapped)
 
     def sums(hidden: torch.Tensor, head: Any) -> torch.Tensor:
         if choice.name == "torch":
-            losses = chunked_token_losses(hidden, head.weight, head.bias, targets, softcap)
-            return torch.stack([(losses * mask).sum(dim=-1) for mask in masks])
-        # The kernels give one sum per call: one call per row and mask, each on its own tokens.
+            return masked(chunked_token_losses(hidden, head.weight, head.bias, targets, softcap))
+        # The kernels give one sum per call: one call per row and mask, on that row's tokens.
+        zero = hidden.new_zeros((), dtype=torch.float32)
         return torch.stack(
             [
                 torch.stack(
@@ -154,8 +163,10 @@ def masked_loss_sums(
                             head.bias,
                             targets[row].masked_fill(~mask[row], IGNORE_INDEX),
                             softcap,
-                        )
-                        for row in range(len(targets))
+                        ).float()
+                        if row < len(mask)
+                        else zero
+                        for row in range(rows)
                     ]
                 )
                 for mask in masks
@@ -176,6 +187,20 @@ def sequence_logps(
     answer = targets != IGNORE_INDEX
     logps = -masked_loss_sums(choice, model, unwrapped, batch, targets, [answer])[0]
     return logps / answer.sum(dim=-1).clamp(min=1) if average else logps
+
+
+def per_sequence_choice(choice: Choice, unwrapped: Any) -> Choice:
+    """``choice`` for per-sequence sums: liger computes its gradients in forward and keeps a
+    gradient as large as the output weight per call until backward, and the sums take one call
+    per row, so where that weight trains the torch form runs instead (it says why)."""
+    head = unwrapped.get_output_embeddings() if unwrapped is not None else None
+    if choice.name == "liger" and head is not None and head.weight.requires_grad:
+        return Choice(
+            "torch",
+            "liger-kernel would keep an output-weight-sized gradient per sequence (one call per "
+            "row for per-sequence sums)",
+        )
+    return choice
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -205,7 +230,7 @@ class PreferenceLoss(ChosenLoss):
         self.beta = config.beta if config.beta is not None else DEFAULT_BETA[self.kind]
         self.label_smoothing = config.label_smoothing if self.kind == "dpo" else 0.0
         self.simpo_gamma = config.simpo_gamma
-        self.choice = choice
+        self.choice = per_sequence_choice(choice, unwrapped)
         self.unwrapped = unwrapped
         self.reference: Any = None
         self._window: torch.Tensor | None = None
@@ -227,7 +252,7 @@ class PreferenceLoss(ChosenLoss):
 
     def describe(self) -> list[str]:
         return [
-            self.choice.describe(),
+            self.choice.describe() + (f": {self.choice.why}" if self.choice.why else ""),
             f"{self.formula()}; a mean over each micro-batch's pairs (chosen and rejected in "
             "one forward)",
         ]
@@ -291,7 +316,6 @@ class PreferenceLoss(ChosenLoss):
     def _orpo(self, model: Any, batch: dict[str, Any]) -> PairTerms:
         """ORPO as TRL's ORPOTrainer: average answer log-probs for the odds, and the chosen
         rows' NLL over all their non-padding tokens (prompt included), from one forward."""
-        import torch
         import torch.nn.functional as F
 
         # Non-padding tokens as targets; on answer tokens they are the labels (the contract).
@@ -299,9 +323,7 @@ class PreferenceLoss(ChosenLoss):
         targets = shifted_labels(every)
         answer = shifted_labels(batch["labels"]) != IGNORE_INDEX
         pairs = len(targets) // 2
-        chosen_rows = torch.zeros_like(answer)
-        chosen_rows[:pairs] = True
-        nll_mask = (targets != IGNORE_INDEX) & chosen_rows
+        nll_mask = targets[:pairs] != IGNORE_INDEX  # the chosen rows only
         sums = masked_loss_sums(
             self.choice, model, self.unwrapped, batch, targets, [answer, nll_mask]
         )
@@ -315,7 +337,7 @@ class PreferenceLoss(ChosenLoss):
             self.beta * chosen.detach(),
             self.beta * rejected.detach(),
             nll_sums=sums[1][:pairs],
-            nll_tokens=nll_mask[:pairs].sum(dim=-1),
+            nll_tokens=nll_mask.sum(dim=-1),
         )
 
     def window_metrics(self, accelerator: Any) -> dict[str, float]:
