@@ -565,3 +565,29 @@ def test_liger_gives_way_to_torch_where_the_output_weight_trains(tiny_llama):
     assert loss.name == "torch" and "liger-kernel would keep" in loss.describe()[0]
     model.get_output_embeddings().weight.requires_grad_(False)  # LoRA: the head is frozen
     assert PreferenceLoss(_config("simpo"), Choice("liger"), model).name == "liger"
+
+
+def test_window_metrics_sum_over_processes_before_dividing(tiny_llama):
+    """Under several processes the window's sums (pairs included) are all-reduced once, then
+    divided: a pair-weighted mean over every process's pairs."""
+    import torch
+
+    from effitrain.tasks.lm_loss import Choice
+    from effitrain.tasks.preference_loss import PreferenceLoss
+
+    model = _model(tiny_llama)
+    batch = _contract_batch(tiny_llama.tokenizer)
+    loss = PreferenceLoss(_config("simpo"), Choice("off"), model)
+    with torch.no_grad():
+        loss(model, batch)
+    single = loss.window_metrics(_accelerator())
+    with torch.no_grad():
+        loss(model, batch)
+    reduced = []
+
+    def reduce(tensor, how):  # another process with the same window
+        reduced.append(how)
+        return tensor * 2
+
+    two = SimpleNamespace(num_processes=2, device=torch.device("cpu"), reduce=reduce)
+    assert loss.window_metrics(two) == pytest.approx(single) and reduced == ["sum"]
