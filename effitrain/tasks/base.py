@@ -50,6 +50,11 @@ class Loss(Protocol):
 
     def to_dict(self) -> dict[str, Any]: ...
 
+    def window_metrics(self, accelerator: Any) -> dict[str, float]:
+        """Its own means since the last log line, on all processes (a preference loss's
+        rewards; a collective under several processes); empties its window. Most have none."""
+        ...
+
 
 class ModelLoss:
     """The model's own loss (labels are in the batch): a mean over the micro-batch, so every
@@ -71,6 +76,10 @@ class ModelLoss:
 
     def to_dict(self) -> dict[str, Any]:
         return {"implementation": self.name, "weighting": "micro-batch mean"}
+
+    def window_metrics(self, accelerator: Any) -> dict[str, float]:
+        """None: the loss is all the log line says."""
+        return {}
 
 
 class Task:
