@@ -37,8 +37,9 @@ class Check:
     name: str
     args: tuple[str, ...]
     bar: float | None
-    """Accuracy at least this (``metric`` accuracy), perplexity at most this, or the eval loss
-    at most this share of the first training loss; None: recorded, no bar yet."""
+    """Accuracy at least this (``metric`` accuracy; reward accuracy alike), perplexity at most
+    this, or the eval loss at most this share of the first training loss; None: recorded, no bar
+    yet."""
     was: str
     """The test this check replaces, or 'new'."""
     metric: str = "accuracy"
@@ -63,6 +64,16 @@ def _demo_examples(metrics: dict) -> list[str]:
 def _lora_share(metrics: dict) -> list[str]:
     trainable, total = metrics["trainable_parameters"], metrics["parameter_bytes"] / 4
     return [] if trainable < total / 50 else [f"{trainable:,} trainable parameters: over 2 %"]
+
+
+def _rewards_rise(metrics: dict) -> list[str]:
+    """A preference run's curve: reward accuracy does not fall from the first evaluation to the
+    last (it may saturate early), and the chosen answers end with the larger reward (a positive
+    margin)."""
+    history = [e["rewards/accuracies"] for e in metrics["eval_history"]]
+    failed = [] if history[-1] >= history[0] else [f"reward accuracy fell: {history}"]
+    margin = metrics["eval"]["rewards/margins"]
+    return failed + ([] if margin > 0 else [f"reward margin {margin:+.4f} not > 0"])
 
 
 def _loss_falls(metrics: dict) -> list[str]:
@@ -104,6 +115,8 @@ CHECKS = [
           metric="loss share", needs="smollm2", output=("adamw default for fine-tuning",),
           also=_loss_falls),
     Check("causal-lm-demo", ("--task", "causal-lm"), 3.0, "new", metric="perplexity"),
+    Check("preference-demo", ("--task", "preference"), 0.8, "new", metric="reward accuracy",
+          output=("reward acc",), also=_rewards_rise),
 ]  # fmt: skip
 """Every check. The demo runs use the defaults (5 epochs) unless they say otherwise."""
 
@@ -163,8 +176,9 @@ def judge(check: Check, metrics: dict) -> tuple[float, list[str]]:
             else []
         )
     else:
-        value = metrics["eval"]["accuracy"]
-        failed = [f"accuracy {value:.3f} < {check.bar}"] if check.bar and value < check.bar else []
+        key = "rewards/accuracies" if check.metric == "reward accuracy" else "accuracy"
+        value = metrics["eval"][key]
+        failed = [f"{check.metric} {value:.3f} < {check.bar}"] if check.bar and value < check.bar else []
     printed = Path(metrics["process"]["output"]).read_text()
     failed += [f"did not print {line!r}" for line in check.output if line not in printed]
     failed += check.also(metrics) if check.also else []
@@ -216,8 +230,10 @@ def announce(configuration, metrics: dict) -> None:
 def judged(configuration, metrics: dict) -> common.Row:
     check = next(c for c in CHECKS if c.name == configuration.label)
     value, failed = judge(check, metrics)
+    key = {"perplexity": "perplexity", "reward accuracy": "rewards/accuracies"}
     history = [
-        round(e.get("accuracy", e.get("perplexity", 0.0)), 4) for e in metrics["eval_history"]
+        round(e.get(key.get(check.metric, "accuracy"), e.get("perplexity", 0.0)), 4)
+        for e in metrics["eval_history"]
     ]
     return {"was": check.was, "metric": check.metric, "bar": check.bar, "value": value,
             "history": history, "failed": failed, "lr": metrics["lr"],
@@ -234,7 +250,8 @@ def render(run: common.Run) -> str:
             return "**fails**: " + "; ".join(row["failed"])
         return "passes" if row.get("bar") is not None else "recorded (no bar yet)"
 
-    bars = {"accuracy": "≥ {}", "perplexity": "≤ {}", "loss share": "eval loss < {} × first loss"}
+    bars = {"accuracy": "≥ {}", "perplexity": "≤ {}", "loss share": "eval loss < {} × first loss",
+            "reward accuracy": "reward accuracy ≥ {}"}  # fmt: skip
     columns = [
         common.Column("check", lambda r: r["check"], right=False),
         common.Column("bar", lambda r: bars[r.get("metric", "accuracy")].format(r["bar"]) if r.get("bar") is not None else "–"),
