@@ -157,6 +157,7 @@ def test_a_bf16_copy_is_in_the_peak(train_cli, tmp_path, pairs_file):
         ["--reference", "precompute"],
         ["--reference", "copy"],
         ["--reference", "copy", "--reference-dtype", "bf16"],
+        ["--reference", "copy", "--reference-dtype", "4bit"],
         ["--lora-rank", "4"],
     ],
     ids=lambda options: " ".join(options),
@@ -194,6 +195,10 @@ def test_estimate_equals_a_run(train_cli, tmp_path, pairs_file, options):
         ),
         (["estimate", "--task", "preference", "--reference", "adapters"], ["--lora-rank"]),
         (
+            ["estimate", "--task", "preference", "--reference", "copy", "--lora-rank", "4"],
+            ["use --reference adapters"],
+        ),
+        (
             ["estimate", "--task", "preference", "--preference-loss", "orpo", "--reference",
              "precompute"],
             ["--reference needs --preference-loss dpo"],
@@ -204,7 +209,14 @@ def test_estimate_equals_a_run(train_cli, tmp_path, pairs_file, options):
         ),
         (["estimate", "--task", "causal-lm", "--reference", "copy"], ["--task preference"]),
     ],
-    ids=["copy-fsdp", "adapters-without-lora", "orpo", "dtype-without-copy", "causal-lm"],
+    ids=[
+        "copy-fsdp",
+        "adapters-without-lora",
+        "copy-with-lora",
+        "orpo",
+        "dtype-without-copy",
+        "causal-lm",
+    ],
 )  # fmt: skip
 def test_refusals_are_one_line(train_cli, args, fragments):
     assert_clean_error(train_cli(*args), *fragments)

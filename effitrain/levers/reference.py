@@ -95,6 +95,12 @@ class Reference(Lever):
                 f"--reference-dtype needs --reference copy (this run's reference is "
                 f"{how(config)}); add --reference copy, or drop --reference-dtype"
             )
+        if config.reference == "copy" and _lora(config):
+            # The frozen base under the adapters already is the reference, at no cost.
+            raise EffitrainError(
+                "--reference copy with --lora-rank would hold a second copy of the frozen base, "
+                "which the adapters-off forward gives for 0 bytes; use --reference adapters"
+            )
         if config.reference == "adapters" and not _lora(config):
             raise EffitrainError(
                 "--reference adapters needs --lora-rank R (the base with the adapters switched "
@@ -253,6 +259,7 @@ class FrozenCopy:
 
     def __init__(self, unwrapped: Any, loss: Any, config: TrainConfig):
         import copy
+        import warnings
 
         import torch
 
@@ -261,13 +268,21 @@ class FrozenCopy:
         device = next(unwrapped.parameters()).device
         # Copied before any step or resume: the weights the run starts from (a checkpoint's as
         # read; a preset's seeded init), whatever it trains in.
-        model = copy.deepcopy(unwrapped)
+        with warnings.catch_warnings():
+            # torch's deepcopy reads an estimate's fake tensors' data pointers (and warns).
+            warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+            model = copy.deepcopy(unwrapped)
         model.requires_grad_(False)
         if self.dtype == "4bit":
+            from torch._subclasses.fake_tensor import is_fake
+
             from effitrain.levers.qlora import quantize_model
 
             _cast(model, torch.float32)
-            model = quantize_model(model, config, device)
+            if is_fake(next(model.parameters())):
+                _quantize_fake(model, config)
+            else:
+                model = quantize_model(model, config, device)
         else:
             _cast(model, getattr(torch, DTYPES[self.dtype]))
         model.eval()
@@ -283,6 +298,43 @@ class FrozenCopy:
         from effitrain.memory.ledger import parameter_bytes
 
         return parameter_bytes(self.model)
+
+
+def _quantize_fake(model: torch.nn.Module, config: TrainConfig) -> None:
+    """``effitrain estimate``: the copy's Linear layers in 4-bit as the QLoRA lever quantizes a
+    run's (bitsandbytes' ``Linear4bit``), each weight given the packed codes and quant state that
+    bitsandbytes' own shape logic makes of the fake fp32 weight (:func:`quantized_like`: a fake
+    tensor cannot become a ``Params4bit``)."""
+    import bitsandbytes as bnb
+    import torch
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+
+    from effitrain.levers.qlora import (
+        kept_modules,
+        no_cpu_repacking,
+        quantization_config,
+        quantized_like,
+    )
+
+    originals = {
+        name: (module.weight, module.bias)
+        for name, module in model.named_modules()
+        if hasattr(module, "weight") and hasattr(module, "bias")
+    }
+    # The new layers are made on the meta device, outside the fake mode (a fake tensor cannot
+    # become a Params4bit), as the QLoRA lever makes a run's before an estimate gives them storage.
+    with unset_fake_temporarily(), torch.device("meta"):
+        replace_with_bnb_linear(model, kept_modules(model), quantization_config(config))
+    for name, module in model.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            weight, bias = originals[name]
+            if module.source_cls.__name__ == "Conv1D":  # GPT-2 stores [in, out]
+                weight = weight.t()
+            module.weight = quantized_like(module.weight, weight.detach().contiguous())
+            if bias is not None:
+                module.bias = bias
+    no_cpu_repacking(model)
 
 
 def _cast(model: torch.nn.Module, dtype: torch.dtype) -> None:
