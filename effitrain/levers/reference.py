@@ -161,7 +161,7 @@ class Reference(Lever):
             return []
         label = {
             "adapters": "  + reference: adapters switched off (no copy)",
-            "precompute": "  + reference: precomputed log-probs table",
+            "precompute": "  + reference: precomputed log-probs (at peak: in other)",
             "copy": f"  + reference: frozen {reference['dtype']} copy",
         }[reference["how"]]
         # The step probe tracks the copy's weights (as parameters) and the table (as other):
@@ -367,7 +367,7 @@ class Precomputed:
     def __init__(self, run: BuiltRun):
         import torch
 
-        self.examples = len(run.data.train) + len(run.data.validation)
+        self.examples = len(run.data.train) + len(run.data.validation or ())
         self.table = torch.zeros(self.examples, 2, dtype=torch.float32, device=_device(run))
         self.filled = False
 
@@ -386,7 +386,7 @@ class Precomputed:
         accelerator = run.accelerator
         unwrapped = accelerator.unwrap_model(run.model)
         with torch.no_grad(), evaluating(unwrapped):
-            for loader in (run.train_loader, run.eval_loader):
+            for loader in _loaders(run):
                 for batch in _ordered(loader, run, shard=True):
                     logps = _sequence_logps(run.loss, run.model, unwrapped, batch).float()
                     size = len(batch["example"])
@@ -441,6 +441,11 @@ def _device(run: BuiltRun) -> Any:
     return run.accelerator.device
 
 
+def _loaders(run: BuiltRun) -> list[Any]:
+    """The training and validation loaders (ids 0..N-1, then N..N+M-1), where there are."""
+    return [loader for loader in (run.train_loader, run.eval_loader) if loader is not None]
+
+
 def _ordered(loader: Any, run: BuiltRun, shard: bool) -> Any:
     """``loader``'s examples in their order (no shuffling), in batches of --batch-size; with
     ``shard``, each process its share, on its device (not registered with the Accelerator:
@@ -474,7 +479,7 @@ def data_fingerprint(run: BuiltRun) -> str:
 
     digest = hashlib.sha256()
     count = 0
-    for loader in (run.train_loader, run.eval_loader):
+    for loader in _loaders(run):
         for batch in _ordered(loader, run, shard=False):
             size = len(batch["example"])
             for i in range(size):

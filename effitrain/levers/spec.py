@@ -51,6 +51,9 @@ class BuiltRun(Protocol):
     loss: Any
     lever_contexts: dict[str, Any]
     tokenizer: Any
+    data: Any
+    train_loader: Any
+    eval_loader: Any
 
 
 class Lever:
