@@ -210,7 +210,7 @@ def build_loss(
 ) -> Loss:
     """The task's loss for the model (unwrapped, levers applied), on this launch and device."""
     sharded = launch.sharding.description if launch.sharding.sharded else None
-    return task.loss_function(model, device, sharded, levers.loss_options(config))
+    return task.loss_function(model, device, sharded, levers.loss_options(config), config=config)
 
 
 def resolve_hyperparameters(config: TrainConfig) -> Hyperparameters:

@@ -160,8 +160,9 @@ class TrainConfig:
     # --- model and data ---
     task: str | None = _opt(
         None,
-        "sequence-classification or causal-lm. Default: causal-lm for a causal-LM preset, or a "
-        "*ForCausalLM model with no label column in the data; else sequence-classification.",
+        "sequence-classification, causal-lm or preference. Default: causal-lm for a causal-LM "
+        "preset, or a *ForCausalLM model with no label column in the data; else "
+        "sequence-classification.",
         panel=MODEL_AND_DATA,
         metavar="NAME",
     )
@@ -751,7 +752,7 @@ def build_config(
         values = merge(values, load_yaml(config_file), source=str(config_file))
     cli = {k: v for k, v in (overrides or {}).items() if v is not None}
     values = merge(values, cli, source="command line")
-    if values["task"] == "causal-lm" and values["model"] == default_for("model"):
+    if values["task"] in ("causal-lm", "preference") and values["model"] == default_for("model"):
         given = {k.replace("-", "_") for k in (load_yaml(config_file) if config_file else {})}
         if "model" not in given | set(cli):
             values["model"] = DEFAULT_CAUSAL_MODEL

@@ -175,8 +175,9 @@ def estimate(config: TrainConfig, launch: Launch | None = None) -> Estimate:
             "effitrain estimate does not model fp16 loss scaling; use --mixed-precision bf16 or no"
         )
     task = build.resolve_task(config)
-    # A causal LM needs no labels from the data: its shapes come from the model alone.
-    needed = task.name != "causal-lm" or levers.estimate_reads_data(config)
+    # A causal LM needs no labels from the data (preference pairs neither): its shapes come
+    # from the model alone; a lever may count something per example (the reference's table).
+    needed = task.name not in ("causal-lm", "preference") or levers.estimate_reads_data(config)
     data = task.load_data(config) if needed else None
     tokenizer, max_tokens = _tokenizer_or_config(config, notes)
     spec = build.resolve_optimizer_spec(config, launch)

@@ -87,7 +87,7 @@ def train_step(
                 loss, logged = loss * weights.backward, loss.detach() * weights.logged
             accelerator.backward(loss)
         # Summed on the device: no sync.
-        progress.add_micro_batch(logged, len(batch["labels"]), batch_tokens(batch))
+        progress.add_micro_batch(logged, batch_examples(batch), batch_tokens(batch))
         if accelerator.sync_gradients:
             progress.measure_gradients(model)  # once, at the first step
             grad_norm = None
@@ -107,6 +107,12 @@ def lever_contexts(run: Run) -> ExitStack:
     for context in run.lever_contexts.values():
         stack.enter_context(context)
     return stack
+
+
+def batch_examples(batch: dict[str, Any]) -> int:
+    """The batch's examples: a preference batch's pairs (``example``: one id per pair, its rows
+    are twice as many), else its rows."""
+    return len(batch["example"] if "example" in batch else batch["labels"])
 
 
 def batch_tokens(batch: dict[str, Any]) -> Any:
@@ -367,8 +373,9 @@ def step_batches(
 
 
 def log_line(run: Run, progress: TrainingProgress, timer: Stopwatch) -> StepLog:
-    """The loss, lr and speed since the last log line, summed over processes (one sync); also
-    sent to the ``--report-to`` trackers."""
+    """The loss, lr and speed since the last log line, summed over processes (one sync), and the
+    loss's own window metrics (a preference loss's rewards); also sent to the ``--report-to``
+    trackers."""
     loss_sum, batches, samples = progress.flush_window()
     elapsed = timer.window_seconds()
     remaining = run.plan.total_steps - progress.global_step
@@ -381,8 +388,9 @@ def log_line(run: Run, progress: TrainingProgress, timer: Stopwatch) -> StepLog:
         samples_per_second=samples / elapsed if elapsed > 0 else 0.0,
         eta_seconds=remaining * timer.recent_mean(run.config.log_every),
         tokens_per_second=progress.window_tokens / elapsed if elapsed > 0 else 0.0,
+        metrics=run.loss.window_metrics(run.accelerator),
     )
-    progress.loss_history.append({"step": log.step, "loss": log.loss})
+    progress.loss_history.append({"step": log.step, "loss": log.loss, **log.metrics})
     run.trackers.log_train(log)
     return log
 

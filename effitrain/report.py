@@ -148,7 +148,7 @@ class Reporter:
         if not self._chatty:
             return
         speed = _speed(log, self._speed_unit)
-        stats = f"loss {log.loss:.4f} · lr {log.lr:.2e} · {speed}"
+        stats = f"loss {log.loss:.4f}{_rewards_text(log.metrics)} · lr {log.lr:.2e} · {speed}"
         if self._progress is not None:
             self._progress.update(self._task, completed=log.step, stats=stats)
         else:
@@ -816,9 +816,23 @@ def _work_text(result: TrainResult) -> str:
     )
 
 
+def _rewards_text(metrics: dict[str, Any]) -> str:
+    """A preference loss's reward accuracy and margin (`` · reward acc 0.625 · margin
+    +0.041``), or '' for other losses."""
+    if "rewards/accuracies" not in metrics:
+        return ""
+    return (
+        f" · reward acc {metrics['rewards/accuracies']:.3f} · "
+        f"margin {metrics['rewards/margins']:+.3f}"
+    )
+
+
 def _eval_text(metrics: dict[str, Any], loss_first: bool = False) -> str:
-    """An evaluation's numbers: loss and perplexity (causal-lm), or accuracy, F1 and loss."""
+    """An evaluation's numbers: loss and perplexity (causal-lm), loss and reward accuracy
+    (preference), or accuracy, F1 and loss."""
     loss = f"loss {metrics['loss']:.4f}"
+    if "rewards/accuracies" in metrics:
+        return f"{loss}{_rewards_text(metrics)}"
     if "perplexity" in metrics:
         return f"{loss} · perplexity {metrics['perplexity']:.2f}"
     scores = f"accuracy {metrics['accuracy']:.4f} · f1 {metrics['f1']:.4f}"

@@ -68,6 +68,8 @@ class StepLog:
     samples_per_second: float
     eta_seconds: float
     tokens_per_second: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The loss's own means over the window (a preference loss's ``rewards/accuracies`` …)."""
 
 
 @dataclass(frozen=True)
@@ -188,7 +190,10 @@ class TrainResult:
     ranks_total: dict[str, int] = field(default_factory=dict)
     """The per-rank byte counts summed over all processes."""
     loss_history: list[dict[str, float]] = field(default_factory=list)
-    """The training loss at every log line: ``{"step", "loss"}`` (``--log-every``)."""
+    """The training loss at every log line: ``{"step", "loss"}`` (``--log-every``), and the
+    loss's window metrics (a preference loss's ``rewards/accuracies`` …)."""
+    train_metrics: dict[str, float] = field(default_factory=dict)
+    """The loss's window metrics at the last log line (empty for most losses)."""
     flops_per_step: int | None = None
     """FLOPs of one optimizer step on this device, counted on the run's first step
     (``effitrain.cost``; None: not counted)."""

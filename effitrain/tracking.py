@@ -78,7 +78,8 @@ class Trackers:
         reporter.note(f"logging to {', '.join(names)}")
 
     def log_train(self, log: StepLog) -> None:
-        """One log line's loss, lr and speed (Python floats the loop already has: no sync)."""
+        """One log line's loss, lr, speed and the loss's window metrics (Python floats the loop
+        already has: no sync)."""
         if self.on:
             values = {
                 "train/loss": log.loss,
@@ -86,6 +87,7 @@ class Trackers:
                 "train/samples_per_second": log.samples_per_second,
                 "train/tokens_per_second": log.tokens_per_second,
                 "train/epoch": log.epoch,
+                **{f"train/{name}": value for name, value in log.metrics.items()},
             }
             self.accelerator.log(values, step=log.step)
 
@@ -93,9 +95,11 @@ class Trackers:
         if self.on:
             self.accelerator.log(
                 {
-                    f"eval/{k}": metrics[k]
-                    for k in ("loss", "accuracy", "f1", "perplexity")
-                    if k in metrics
+                    f"eval/{k}": v
+                    for k, v in metrics.items()
+                    if k in ("loss", "accuracy", "f1", "perplexity")
+                    or k.startswith("rewards/")
+                    or k.startswith("logps/")
                 },
                 step=step,
             )

@@ -224,6 +224,11 @@ def summarize(
         speed_unit=run.task.speed_unit,
         eval_history=progress.eval_history,
         loss_history=progress.loss_history,
+        train_metrics={
+            k: v
+            for k, v in (progress.loss_history[-1] if progress.loss_history else {}).items()
+            if k not in ("step", "loss")
+        },
         memory=memory_record(run, progress),
         peak_memory_bytes=peak_bytes,
         peak_memory_kind=peak_kind,

@@ -16,7 +16,7 @@ class ChunkedLoss(Lever):
     name = "chunked-loss"
     fields = ("chunked_loss",)
     removes = "the full logits and their gradient (tokens x vocabulary, fp32)"
-    task = "causal-lm"
+    task = ("causal-lm", "preference")
     search = ("off", "auto")
     time_cost = "one more output-layer matmul per chunk in backward (recomputed logits)"
 

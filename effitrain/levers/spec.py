@@ -69,8 +69,9 @@ class Lever:
     estimate`` does not list them; ``effitrain compare`` does not pass them on)."""
     removes: str = ""
     """What memory it removes, in words (docs, ``effitrain plan``'s reasons)."""
-    task: str | None = None
-    """The one task that takes it (the chunked loss: causal-lm); None: every task."""
+    task: str | tuple[str, ...] | None = None
+    """The task or tasks that take it (the chunked loss: causal-lm and preference); None: every
+    task."""
     devices: tuple[str, ...] = ()
     """The device types it runs on (the offloads: cuda); empty: any. ``effitrain estimate``
     estimates for such a device unless told another (``check_launch`` refuses that one)."""
@@ -109,9 +110,11 @@ class Lever:
 
     def check_task(self, config: TrainConfig, task: str) -> None:
         """Refuse the lever under a task that cannot take it (:attr:`task`)."""
-        if self.task is not None and task != self.task:
+        takes = (self.task,) if isinstance(self.task, str) else self.task
+        if takes is not None and task not in takes:
             raise EffitrainError(
-                f"{option(self.fields[0])} needs --task {self.task} (this run is {task}); drop it"
+                f"{option(self.fields[0])} needs --task {' or '.join(takes)} (this run is "
+                f"{task}); drop it"
             )
 
     def check_launch(self, config: TrainConfig, launch: Launch) -> None:

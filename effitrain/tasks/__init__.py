@@ -10,20 +10,38 @@ from typing import TYPE_CHECKING
 
 from effitrain.errors import EffitrainError
 from effitrain.models import CAUSAL_PRESETS, PRESETS, load_model_config
-from effitrain.tasks.base import CAUSAL_LM, SEQUENCE_CLASSIFICATION, TASK_NAMES, Task
+from effitrain.tasks.base import (
+    CAUSAL_LM,
+    DECODER_TASKS,
+    PREFERENCE,
+    SEQUENCE_CLASSIFICATION,
+    TASK_NAMES,
+    Task,
+)
 from effitrain.tasks.causal_lm import CausalLMTask
 from effitrain.tasks.classification import ClassificationTask
+from effitrain.tasks.preference import PreferenceTask
 
 if TYPE_CHECKING:
     from effitrain.config import TrainConfig
 
-TASKS: dict[str, Task] = {task.name: task for task in (ClassificationTask(), CausalLMTask())}
+TASKS: dict[str, Task] = {
+    task.name: task for task in (ClassificationTask(), CausalLMTask(), PreferenceTask())
+}
 
-__all__ = ["CAUSAL_LM", "SEQUENCE_CLASSIFICATION", "TASKS", "TASK_NAMES", "Task", "get_task"]
+__all__ = [
+    "CAUSAL_LM",
+    "PREFERENCE",
+    "SEQUENCE_CLASSIFICATION",
+    "TASKS",
+    "TASK_NAMES",
+    "Task",
+    "get_task",
+]
 
 
 def get_task(name: str) -> Task:
-    """The task called ``name`` (``sequence-classification`` or ``causal-lm``)."""
+    """The task called ``name`` (``sequence-classification``, ``causal-lm`` or ``preference``)."""
     try:
         return TASKS[name]
     except KeyError:
@@ -39,12 +57,13 @@ def check_options(config: TrainConfig) -> None:
     Raises:
         EffitrainError: naming the option.
     """
-    if config.task == CAUSAL_LM and config.model in PRESETS:
+    if config.task in DECODER_TASKS and config.model in PRESETS:
         raise EffitrainError(
-            f"--model {config.model} is a sequence-classification preset; for --task causal-lm "
-            f"use one of: {', '.join(CAUSAL_PRESETS)} (or a causal LM's hub id or folder)"
+            f"--model {config.model} is a sequence-classification preset; for --task "
+            f"{config.task} use one of: {', '.join(CAUSAL_PRESETS)} (or a causal LM's hub id or "
+            "folder)"
         )
-    if config.task not in (None, CAUSAL_LM) and config.model in CAUSAL_PRESETS:
+    if config.task not in (None, *DECODER_TASKS) and config.model in CAUSAL_PRESETS:
         raise EffitrainError(
             f"--model {config.model} is a causal-LM preset; use --task causal-lm, or a "
             f"classification preset: {', '.join(PRESETS)}"

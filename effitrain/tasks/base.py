@@ -14,7 +14,10 @@ if TYPE_CHECKING:
     from effitrain.models import LoadOptions
 
 SEQUENCE_CLASSIFICATION, CAUSAL_LM = "sequence-classification", "causal-lm"
-TASK_NAMES = (SEQUENCE_CLASSIFICATION, CAUSAL_LM)
+PREFERENCE = "preference"
+TASK_NAMES = (SEQUENCE_CLASSIFICATION, CAUSAL_LM, PREFERENCE)
+DECODER_TASKS = (CAUSAL_LM, PREFERENCE)
+"""The tasks that train a ``*ForCausalLM`` (its presets, its chunked loss)."""
 CAUSAL_LM_OPTIONS = ("packing", "completion_only_loss", "sample_prompt")
 """Config fields that only causal-LM training takes (a lever's: its spec's ``task``)."""
 
@@ -47,6 +50,11 @@ class Loss(Protocol):
 
     def to_dict(self) -> dict[str, Any]: ...
 
+    def window_metrics(self, accelerator: Any) -> dict[str, float]:
+        """Its own means since the last log line, on all processes (a preference loss's
+        rewards; a collective under several processes); empties its window. Most have none."""
+        ...
+
 
 class ModelLoss:
     """The model's own loss (labels are in the batch): a mean over the micro-batch, so every
@@ -68,6 +76,10 @@ class ModelLoss:
 
     def to_dict(self) -> dict[str, Any]:
         return {"implementation": self.name, "weighting": "micro-batch mean"}
+
+    def window_metrics(self, accelerator: Any) -> dict[str, float]:
+        """None: the loss is all the log line says."""
+        return {}
 
 
 class Task:
@@ -107,11 +119,18 @@ class Task:
         raise NotImplementedError
 
     def loss_function(
-        self, model: Any, device: Any, sharded: str | None, options: dict[str, Any]
+        self,
+        model: Any,
+        device: Any,
+        sharded: str | None,
+        options: dict[str, Any],
+        *,
+        config: TrainConfig,
     ) -> Loss:
         """How this task computes a micro-batch's loss (``model``: unwrapped, levers applied;
         ``sharded``: FSDP's or DeepSpeed's description, None when parameters are whole;
-        ``options``: the levers', ``effitrain.levers.loss_options``). Defaults to the model's
+        ``options``: the levers', ``effitrain.levers.loss_options``; ``config``: the run's, for
+        a loss with options of its own, such as the preference losses). Defaults to the model's
         own loss, a mean over the micro-batch."""
         return ModelLoss()
 

@@ -139,7 +139,13 @@ class CausalLMTask(Task):
         return build_lm_dataloaders(data, tokenizer, config, pad_to_multiple_of)
 
     def loss_function(
-        self, model: Any, device: Any, sharded: str | None, options: dict[str, Any]
+        self,
+        model: Any,
+        device: Any,
+        sharded: str | None,
+        options: dict[str, Any],
+        *,
+        config: TrainConfig,
     ) -> LMLoss:
         from effitrain.tasks.lm_loss import LMLoss, choose
 

@@ -192,17 +192,25 @@ def _linear_cross_entropy() -> Any:
     Forward keeps no logits: per chunk, the logits, their loss sum, dropped. Backward recomputes
     each chunk's logits, takes the loss's gradient with respect to them (autograd, on the chunk
     alone) and adds that chunk's share into one gradient buffer per input, so no full-size
-    weight gradient is made per chunk."""
+    weight gradient is made per chunk. With ``per_token`` it returns each token's loss (``[tokens]``,
+    fp32: as small as the labels) instead of their sum, for per-sequence sums."""
     import torch
 
     class LinearCrossEntropy(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, hidden, weight, bias, labels, softcap, size):  # type: ignore[no-untyped-def]
-            total = torch.zeros((), device=hidden.device, dtype=torch.float32)
-            for h, t in zip(hidden.split(size), labels.split(size), strict=True):
-                total += _token_losses(h, weight, bias, t, softcap).sum()
+        def forward(ctx, hidden, weight, bias, labels, softcap, size, per_token=False):  # type: ignore[no-untyped-def]
+            pieces = (  # one chunk's logits at a time
+                _token_losses(h, weight, bias, t, softcap)
+                for h, t in zip(hidden.split(size), labels.split(size), strict=True)
+            )
+            if per_token:
+                total = torch.cat(list(pieces))
+            else:
+                total = torch.zeros((), device=hidden.device, dtype=torch.float32)
+                for piece in pieces:
+                    total += piece.sum()
             ctx.save_for_backward(hidden, weight, bias, labels)
-            ctx.softcap, ctx.size = softcap, size
+            ctx.softcap, ctx.size, ctx.per_token = softcap, size, per_token
             kind = hidden.device.type
             ctx.autocast = (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
             return total
@@ -218,8 +226,12 @@ def _linear_cross_entropy() -> Any:
             for h, t in zip(hidden.split(ctx.size), labels.split(ctx.size), strict=True):
                 with torch.enable_grad(), torch.autocast(kind, dtype=dtype, enabled=enabled):
                     raw = torch.nn.functional.linear(h, weight, bias).detach().requires_grad_()
-                    loss = _from_logits(raw, t, ctx.softcap).sum()
-                (d_raw,) = torch.autograd.grad(loss, raw, grad_total)
+                    losses = _from_logits(raw, t, ctx.softcap)
+                    if not ctx.per_token:
+                        losses = losses.sum()
+                # With per_token, each token's loss has its own incoming gradient.
+                grad = grad_total[start : start + len(h)] if ctx.per_token else grad_total
+                (d_raw,) = torch.autograd.grad(losses, raw, grad)
                 if grad_h is not None:
                     grad_h[start : start + len(h)] = d_raw @ weight.to(d_raw.dtype)
                 if grad_w is not None:
@@ -227,7 +239,7 @@ def _linear_cross_entropy() -> Any:
                 if grad_b is not None:
                     grad_b += d_raw.sum(dim=0).to(bias.dtype)
                 start += len(h)
-            return grad_h, grad_w, grad_b, None, None, None
+            return grad_h, grad_w, grad_b, None, None, None, None
 
     return LinearCrossEntropy
 
@@ -257,6 +269,22 @@ def chunked_loss_sum(
         )
     size = chunk_tokens(flat.shape[0], flat.shape[1], weight.shape[0])
     return _linear_cross_entropy().apply(flat, weight, bias, targets, softcap, size)
+
+
+def chunked_token_losses(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Each token's loss (``labels``' shape, fp32, 0 where ignored) from ``hidden``
+    (``[..., hidden]``) against ``labels`` (already shifted), without the full logits: the torch
+    form of :func:`chunked_loss_sum`. Differentiable in ``hidden``, ``weight`` and ``bias``."""
+    flat, targets = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    size = chunk_tokens(flat.shape[0], flat.shape[1], weight.shape[0])
+    losses = _linear_cross_entropy().apply(flat, weight, bias, targets, softcap, size, True)
+    return losses.view(labels.shape)
 
 
 def sequence_loss_sums(
@@ -326,7 +354,21 @@ def softcap_of(model: Any) -> float | None:
     return getattr(config, "final_logit_softcapping", None) or None
 
 
-class LMLoss:
+class ChosenLoss:
+    """A loss computed by a :class:`Choice`: its name and levers in the metrics JSON."""
+
+    choice: Choice
+
+    @property
+    def name(self) -> str:
+        return self.choice.name
+
+    @property
+    def levers(self) -> list[str]:
+        return ["chunked-loss"] if self.choice.chunked else []
+
+
+class LMLoss(ChosenLoss):
     """The causal-LM training loss and evaluation sums, with the chosen implementation.
 
     ``model`` arguments may be wrapped (DDP); ``unwrapped`` is the model itself."""
@@ -338,14 +380,6 @@ class LMLoss:
         self.unwrapped = unwrapped
         self.softcap = softcap_of(unwrapped)
 
-    @property
-    def name(self) -> str:
-        return self.choice.name
-
-    @property
-    def levers(self) -> list[str]:
-        return ["chunked-loss"] if self.choice.chunked else []
-
     def describe(self) -> list[str]:
         return [
             self.choice.describe(),
@@ -355,6 +389,10 @@ class LMLoss:
 
     def to_dict(self) -> dict[str, Any]:
         return {"implementation": self.name, "weighting": "tokens", "why": self.choice.why}
+
+    def window_metrics(self, accelerator: Any) -> dict[str, float]:
+        """None: the loss is all the log line says."""
+        return {}
 
     def __call__(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
         """The micro-batch's sum of token losses (fp32)."""

@@ -1,0 +1,116 @@
+"""Preference tuning (``--task preference``): a ``*ForCausalLM`` trained on pairs of a chosen and
+a rejected answer with DPO, ORPO or SimPO (the losses, the reference and the evaluation are
+:mod:`.preference_loss`; the data pipeline is :mod:`.preference_data`).
+
+The model, its loading and the chunked loss's choice of implementation are the causal LM's; the
+data is pairs, never packed, and every batch holds each pair as two sequences.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import effitrain.models as models
+from effitrain.config import option
+from effitrain.errors import EffitrainError
+from effitrain.tasks.base import PREFERENCE, Prepared, Task
+from effitrain.tasks.preference_data import (
+    FORMATS,
+    PreferenceData,
+    build_preference_dataloaders,
+    load_preference_data,
+)
+
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
+
+    from effitrain.config import TrainConfig
+
+REFUSED_OPTIONS = ("packing", "completion_only_loss", "sample_prompt")
+"""Causal-LM options that preference pairs do not take: they are never packed, the loss is on
+the answers by construction, and evaluation reports rewards, not a sample."""
+
+
+class PreferenceTask(Task):
+    """Preference tuning: ``*ForCausalLM``, pairs of answers, rewards and reward accuracy."""
+
+    name = PREFERENCE
+    speed_unit = "tokens"
+
+    def check_options(self, config: TrainConfig) -> None:
+        given = [option(name) for name in REFUSED_OPTIONS if getattr(config, name) is not None]
+        if given:
+            raise EffitrainError(
+                f"{given[0]} needs --task causal-lm (this run is {self.name}); drop it"
+            )
+        if config.max_length < 2:
+            raise EffitrainError(
+                f"--max-length {config.max_length} leaves no answer token to score: a sequence "
+                "needs 2 tokens or more; raise --max-length"
+            )
+
+    def load_data(self, config: TrainConfig) -> PreferenceData:
+        return load_preference_data(config)
+
+    def load_model(
+        self, config: TrainConfig, data: PreferenceData, tokenizer: Any, options: models.LoadOptions
+    ) -> Any:
+        return models.load_causal_lm(config.model, tokenizer, options)
+
+    def model_from_config(
+        self, config: TrainConfig, data: PreferenceData | None, tokenizer: Any
+    ) -> Any:
+        return models.model_from_config(config.model, tokenizer, causal_lm=True)
+
+    def dataloaders(
+        self,
+        config: TrainConfig,
+        data: PreferenceData,
+        tokenizer: Any,
+        pad_to_multiple_of: int | None,
+    ) -> tuple[DataLoader, DataLoader]:
+        return build_preference_dataloaders(data, tokenizer, config, pad_to_multiple_of)
+
+    def loss_function(
+        self,
+        model: Any,
+        device: Any,
+        sharded: str | None,
+        options: dict[str, Any],
+        *,
+        config: TrainConfig,
+    ) -> Any:
+        from effitrain.tasks.lm_loss import choose
+        from effitrain.tasks.preference_loss import PreferenceLoss
+
+        return PreferenceLoss(
+            config, choose(options.get("chunked", "off"), model, device, sharded), model
+        )
+
+    def evaluate(self, run: Prepared) -> dict[str, Any]:
+        from effitrain.tasks.preference_loss import evaluate_preference
+
+        return evaluate_preference(run)
+
+    def data_line(self, data: PreferenceData, train_loader: Any) -> str:
+        # The banner says the pair counts just before: the format and the layout, not again.
+        return (
+            f"preference pairs ({FORMATS[data.format]}), each a chosen and a rejected sequence, "
+            "loss on the answers"
+        )
+
+    def fake_batch(self, tokenizer: Any, batch_size: int, length: int) -> dict[str, Any]:
+        """A preference batch of ``batch_size`` pairs: 2 x batch_size rows of ``length`` tokens
+        (chosen rows, then rejected), example ids 0..batch_size-1."""
+        import torch
+
+        from effitrain.tasks.lm_data import IGNORE_INDEX
+
+        batch = super().fake_batch(tokenizer, 2 * batch_size, length)
+        labels = batch["input_ids"].clone()
+        # The answer is the second half of each row, the prompt the first: a typical pair, and
+        # what the loss's cost depends on (it scores the labelled tokens only).
+        labels[:, : length // 2] = IGNORE_INDEX
+        batch["labels"] = labels
+        batch["example"] = torch.arange(batch_size, dtype=torch.long)
+        return batch
