@@ -273,7 +273,9 @@ def fit(
     run.model.train()
     set_train_mode(run.optimizer, True)  # schedule-free: steps only in train mode
     # One optimizer step is measured by kind (effitrain.memory.step), late (see measure_now).
-    probe = StepMemoryProbe(run.model, run.optimizer, run.accelerator.device)
+    probe = StepMemoryProbe(
+        run.model, run.optimizer, run.accelerator.device, extra=levers.step_tensors(run)
+    )
     first_step = True
     with probe:  # an error mid-step leaves no tracker behind
         while progress.global_step < plan.total_steps:

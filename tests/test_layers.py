@@ -14,6 +14,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "effitrain"
 ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 MAX_MODULES_PER_LEVER_FIELD = 4
+ENGLISH_WORDS = {"reference"}
+"""Lever fields that are also words the code uses for other things."""
 
 
 def modules() -> dict[str, Path]:
@@ -137,6 +139,9 @@ def lever_fields() -> list[str]:
 def test_a_lever_field_is_named_in_few_modules(field):
     """A lever is one spec: its options are named in the config, its own module, and few
     others (a lever that depends on another, say)."""
-    word = re.compile(rf"\b{field}\b")
+    # A field that is an English word (``reference``) is counted where the config's is read.
+    word = re.compile(
+        rf"\bconfig\.{field}\b|\"{field}\"" if field in ENGLISH_WORDS else rf"\b{field}\b"
+    )
     naming = sorted(name for name, path in modules().items() if word.search(path.read_text()))
     assert len(naming) <= MAX_MODULES_PER_LEVER_FIELD, naming

@@ -202,6 +202,10 @@ ALONE = {
     "lora": (("--lora-rank", "4"), ["lora"]),
     "chunked-loss": (("--task", "causal-lm", "--chunked-loss", "torch"), ["chunked-loss"]),
     "optimizer-in-backward": (("--optimizer-in-backward",), ["optimizer-in-backward"]),
+    "reference": (
+        ("--task", "preference", "--chunked-loss", "off", "--reference", "copy"),
+        ["reference"],
+    ),
 }
 """Per lever: the options that turn it on, and the metrics' ``levers`` they give (QLoRA needs
 LoRA under it)."""

@@ -141,3 +141,31 @@ def test_return_freed_heap_gives_pages_back_to_the_os():
     return_freed_heap()
     assert before - rss_mib() > 60, "about 125 MiB of freed heap should go back"
     del keep
+
+
+def test_extra_modules_and_tensors_are_counted_and_a_second_forward_is_taken():
+    """What a lever holds through the step besides the model and the optimizer (DPO's frozen
+    reference copy, its table of log-probs) is counted; the model called a second time in one
+    micro-batch (the reference with adapters off) is no error."""
+    import copy
+
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    frozen = copy.deepcopy(model).requires_grad_(False).to(torch.bfloat16)
+    table = torch.zeros(100, 2)
+    step(model, optimizer)
+    with StepMemoryProbe(model, optimizer, torch.device("cpu"), extra=[frozen, table]) as probe:
+        probe.start()
+        inputs = torch.randn(32, 64)
+        loss = model(inputs).square().mean()
+        with torch.no_grad():
+            reference = model(inputs).mean() + frozen(inputs.bfloat16()).float().mean()
+        (loss + reference).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        measured = probe.stop()
+    assert measured is not None
+    at_peak = measured.at_peak
+    assert at_peak["parameters"] == memory.parameter_bytes(model) + memory.parameter_bytes(frozen)
+    assert at_peak["other"] == table.numel() * 4
+    assert measured.peak_tensor_bytes == sum(at_peak.values())

@@ -12,6 +12,8 @@ activation-offload         ``--activation-offload``         saved activations fr
 optimizer-in-backward      ``--optimizer-in-backward``      the full set of gradients
 optimizer-offload          ``--optimizer-offload state``    optimizer state from the GPU (CUDA;
                                                             ``state+grads``: gradients too)
+reference                  ``--reference`` (preference,     DPO's second model (adapters off,
+                           dpo)                             precomputed log-probs, or a copy)
 =========================  ===============================  =====================================
 
 The registry's order is the order levers act in (quantize, then cast, then checkpointing, then
@@ -37,6 +39,7 @@ from effitrain.levers.lora import LoRA
 from effitrain.levers.optimizer_in_backward import OptimizerInBackward
 from effitrain.levers.optimizer_offload import OptimizerOffload
 from effitrain.levers.qlora import QLoRA
+from effitrain.levers.reference import Reference
 from effitrain.levers.spec import BuiltRun, Lever, OptimizerBuilder
 
 if TYPE_CHECKING:
@@ -63,6 +66,7 @@ LEVERS: dict[str, Lever] = {
         ActivationOffload(),
         OptimizerInBackward(),
         OptimizerOffload(),
+        Reference(),
     )
 }
 """Every lever by its metrics name, in the order they act."""
@@ -204,6 +208,18 @@ def after_prepare(run: BuiltRun) -> None:
         lever.after_prepare(run)
 
 
+def before_training(run: BuiltRun, resumed: bool) -> None:
+    """After the build and any resume, before the first step (``Lever.before_training``)."""
+    for lever in active(run.config):
+        lever.before_training(run, resumed)
+
+
+def step_tensors(run: BuiltRun) -> list[Any]:
+    """What the levers that are on hold in every step besides the model and the optimizer, for
+    the step probe to track (``Lever.step_tensors``)."""
+    return [tensor for lever in active(run.config) for tensor in lever.step_tensors(run)]
+
+
 def step_contexts(
     config: TrainConfig, model: torch.nn.Module, estimating: bool = False
 ) -> dict[str, Any]:
@@ -265,6 +281,11 @@ def metrics(run: BuiltRun) -> dict[str, Any]:
 def memory_rows(fields: dict[str, Any], step: StepMemory | None) -> list[MemoryRow]:
     """The levers' rows of the memory table, from their metrics fields and the measured step."""
     return [row for lever in LEVERS.values() for row in lever.memory_rows(fields, step)]
+
+
+def estimate_reads_data(config: TrainConfig) -> bool:
+    """Whether a lever that is on needs ``effitrain estimate`` to load the data."""
+    return any(lever.estimate_reads_data(config) for lever in active(config))
 
 
 def estimate_notes(config: TrainConfig) -> list[str]:

@@ -51,6 +51,9 @@ class BuiltRun(Protocol):
     loss: Any
     lever_contexts: dict[str, Any]
     tokenizer: Any
+    data: Any
+    train_loader: Any
+    eval_loader: Any
 
 
 class Lever:
@@ -157,6 +160,19 @@ class Lever:
     def after_prepare(self, run: BuiltRun) -> None:
         """Once Accelerate prepared the model and optimizer."""
 
+    def before_training(self, run: BuiltRun, resumed: bool) -> None:
+        """Once the run is built and a ``--resume`` checkpoint loaded (``resumed``: one was),
+        before the first step of ``fit``: work that needs the run as it will start and must not
+        be repeated where a checkpoint kept its result (the reference's precomputed log-probs,
+        read back by :meth:`load_extra`). Not called by ``effitrain estimate``."""
+
+    def step_tensors(self, run: BuiltRun) -> list[Any]:
+        """Modules and tensors of its own that every step holds besides the model's and the
+        optimizer's (a frozen reference copy): the step probe tracks them, so that they are in
+        the measured peak (it counts only what the step creates, the model and the
+        optimizer)."""
+        return []
+
     def step_context(
         self, config: TrainConfig, model: torch.nn.Module, estimating: bool
     ) -> AbstractContextManager[Any] | None:
@@ -195,6 +211,11 @@ class Lever:
         parameter this lever made), given ``empty``, a fake tensor of its shape and dtype; None
         where a plain one will do."""
         return None
+
+    def estimate_reads_data(self, config: TrainConfig) -> bool:
+        """Whether ``effitrain estimate`` must load the data for it (the reference's table of
+        precomputed log-probs has a row per example), where the task's shapes need none."""
+        return False
 
     def estimate_notes(self, config: TrainConfig) -> list[str]:
         """What ``effitrain estimate`` models in its place, or leaves out."""

@@ -26,7 +26,8 @@ with the library baseline. ``MemTracker`` gives the peak and its parts in one pa
   the most gradient bytes alive at once (with the optimizer step in backward: a few tensors).
 
 Tensors created before the step and not owned by the model or the optimizer (the batch, RNG
-states) are not counted: they are a few KiB.
+states) are not counted: they are a few KiB. What a lever holds through every step besides them
+(DPO's frozen reference copy, its precomputed table) is given to the probe (``extra``) and counted.
 """
 
 from __future__ import annotations
@@ -115,8 +116,18 @@ class StepMemoryProbe:
     error mid-step leaves no tracker (a dispatch mode) active.
     """
 
-    def __init__(self, model: Any, optimizer: Any, device: Any, compiled_step: bool | None = None):
+    def __init__(
+        self,
+        model: Any,
+        optimizer: Any,
+        device: Any,
+        compiled_step: bool | None = None,
+        extra: list[Any] | tuple[Any, ...] = (),
+    ):
         self.model = model
+        self.extra = list(extra)
+        """Modules and tensors the step holds besides the model and the optimizer (a frozen
+        reference copy: its parameters count as parameters; a tensor as other)."""
         # accelerate's AcceleratedOptimizer keeps the real one as .optimizer.
         self.optimizer = getattr(optimizer, "optimizer", optimizer)
         self.device = device
@@ -156,7 +167,7 @@ class StepMemoryProbe:
             return
         self._warnings = _quiet_tracker_warnings()
         tracker = _make_tracker()
-        tracker.track_external(self.model, self.optimizer)
+        tracker.track_external(self.model, self.optimizer, *self.extra)
         if getattr(self.device, "type", str(self.device)) == "cuda":
             ledger.reset_cuda_peak(self.device)  # this step's peak; the run's is kept
         else:
@@ -311,6 +322,28 @@ def _make_tracker() -> Any:
                             ),
                         )
             return counted
+
+        def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
+            # The model called twice in one micro-batch (DPO's reference: the same model with
+            # its adapters switched off), which MemTracker takes for the next iteration and
+            # refuses: only its per-module statistics would suffer, and they are not read.
+            tracker = self._mod_tracker
+            root = set(tracker.parents) - {tracker.get_known_fqn(module)} == {"Global"}
+            if root and module in self.memory_tracking and not tracker.is_bw:
+                self.reset_mod_stats()
+            super()._pre_fw_hook(module, inputs)
+
+        def _post_fw_hook(self, module: Any, inputs: Any, outputs: Any) -> None:
+            if module in self.memory_tracking:  # else dropped by the reset above
+                super()._post_fw_hook(module, inputs, outputs)
+
+        def _pre_bw_hook(self, module: Any, args: Any) -> None:
+            if module is None or module in self.memory_tracking:
+                super()._pre_bw_hook(module, args)
+
+        def _post_bw_hook(self, module: Any, args: Any) -> None:
+            if module is None or module in self.memory_tracking:
+                super()._post_bw_hook(module, args)
 
         def _track_gradient(self, grad: Any) -> None:
             self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
