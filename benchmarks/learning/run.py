@@ -178,7 +178,9 @@ def judge(check: Check, metrics: dict) -> tuple[float, list[str]]:
     else:
         key = "rewards/accuracies" if check.metric == "reward accuracy" else "accuracy"
         value = metrics["eval"][key]
-        failed = [f"{check.metric} {value:.3f} < {check.bar}"] if check.bar and value < check.bar else []
+        failed = (
+            [f"{check.metric} {value:.3f} < {check.bar}"] if check.bar and value < check.bar else []
+        )
     printed = Path(metrics["process"]["output"]).read_text()
     failed += [f"did not print {line!r}" for line in check.output if line not in printed]
     failed += check.also(metrics) if check.also else []

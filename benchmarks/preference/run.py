@@ -54,11 +54,6 @@ ROWS: dict[str, tuple[str, str, list[str]]] = {
 ``effitrain train`` options on top of the shared ones (fp32 AdamW unless they say otherwise)."""
 BASE = "trl-copy"
 """The row every ratio is to: TRL's default."""
-GPU_ARGS: list[str] = []
-"""No GPU variant: the question is the CPU's memory (benchmarks/gpu.py skips an empty one)."""
-SMOKE_ARGS = ["--what", "memory", "--model", "tiny-llama", "--max-length", "64", "--rows",
-              "trl-copy", "effitrain-precompute"]  # fmt: skip
-"""A trial on any machine: the plumbing, not the numbers."""
 PARTS = (
     ("parameters", "parameter_bytes"),
     ("gradients", "gradient_bytes"),
@@ -81,7 +76,9 @@ def one_token_words(tokenizer) -> list[str]:
     """Words that the tokenizer encodes as one token each after a space: a text of n of them,
     each after a space, is n tokens (both sides tokenize the same number)."""
     words = sorted(
-        token[1:] for token in tokenizer.get_vocab() if token.startswith("Ġ") and token[1:].isalpha()
+        token[1:]
+        for token in tokenizer.get_vocab()
+        if token.startswith("Ġ") and token[1:].isalpha()
     )
     return [w for w in words if tokenizer.tokenize(" " + w) == ["Ġ" + w]]
 
@@ -172,8 +169,8 @@ def memory(args: argparse.Namespace, device: str) -> common.Run:
         row["ran"] = {"date": when["date"], "commit": when["effitrain_commit"]}
         if row["row"] in options:
             row.update(estimated(options[row["row"]]))
-    settings = {"model": args.model, "batch_size": 1, "max_length": args.max_length,
-                "steps": args.steps, "pairs": PAIRS}  # fmt: skip
+    settings = {"what": "memory", "model": args.model, "batch_size": 1,
+                "max_length": args.max_length, "steps": args.steps, "pairs": PAIRS}  # fmt: skip
     title = f"{args.model}, DPO, batch 1 × (2 × {args.max_length} tokens)"
     run = common.new_run(args, device, title, settings, comparison)
     run["name"] = args.name or f"memory-{device.replace('cuda', 'gpu')}"
@@ -247,7 +244,7 @@ def estimated(options: list[str]) -> dict:
     return {
         "estimate": {
             "peak_tensor_bytes": memory.peak_tensor_bytes,
-            "reference_bytes": getattr(memory, "reference_bytes", None),
+            "reference_bytes": (memory.lever_fields.get("reference") or {}).get("bytes"),
         }
     }
 
@@ -321,7 +318,9 @@ def style_pairs(towns: list[str], days: range) -> list[dict]:
     rows = []
     for town in towns:
         for day in days:
-            question = [{"role": "user", "content": f"Where is the market of {town} held on day {day}?"}]
+            question = [
+                {"role": "user", "content": f"Where is the market of {town} held on day {day}?"}
+            ]
             rows.append({
                 "prompt": question,
                 "chosen": [{"role": "assistant",
@@ -356,13 +355,18 @@ def answer_logps(folder: Path, pairs: Path) -> list[tuple[float, float]]:
     scores = []
     for line in pairs.read_text().splitlines():
         row = json.loads(line)
-        prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer.apply_chat_template(
+            row["prompt"], add_generation_prompt=True, tokenize=False
+        )
         prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         pair = []
         for answer in ("chosen", "rejected"):
             text = tokenizer.apply_chat_template(row["prompt"] + row[answer], tokenize=False)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            start = next((i for i, (a, b) in enumerate(zip(prompt_ids, ids)) if a != b), len(prompt_ids))
+            start = next(
+                (i for i, (a, b) in enumerate(zip(prompt_ids, ids, strict=False)) if a != b),
+                len(prompt_ids),
+            )
             with torch.no_grad():
                 logits = model(torch.tensor([ids])).logits[0, :-1].float()
             logps = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
@@ -419,8 +423,13 @@ def learning(args: argparse.Namespace, device: str) -> common.Run:
         "name": args.name or f"learning-{device.replace('cuda', 'gpu')}",
         "title": "SmolLM2-135M-Instruct learns a preference it does not have, "
         f"{common.where(device)}",
-        "settings": {"model": "smollm2", "train_pairs": 48, "validation_pairs": 16,
-                     "epochs": args.learning_epochs, "options": args.learning_options},  # fmt: skip
+        "settings": {
+            "model": "smollm2",
+            "train_pairs": 48,
+            "validation_pairs": 16,
+            "epochs": args.learning_epochs,
+            "options": args.learning_options,
+        },  # fmt: skip
         "rows": rows,
         "summary": summary,
         "notes": [],
