@@ -78,6 +78,41 @@ def test_precompute_and_an_fp32_copy_give_the_same_losses_and_weights(
     assert copy["reference"]["bytes"] == copy["parameter_bytes"]  # a whole second model
 
 
+def test_precompute_and_an_fp32_copy_give_the_same_gradients(pairs_file):
+    """On one built run's first batch: the loss with the precomputed table and with a frozen
+    fp32 copy, and every parameter's gradient, agree within fp32."""
+    import torch
+
+    from effitrain.build import build_run, checked_config
+    from effitrain.levers.reference import FrozenCopy, Precomputed
+    from effitrain.report import Reporter
+    from tests.conftest import _reset_accelerate
+
+    _reset_accelerate()
+    options = {"task": "preference", "dataset": str(pairs_file), "max_length": 48}
+    run = build_run(checked_config(None, {**options, "batch_size": 4}), Reporter(quiet=True))
+    try:
+        assert isinstance(run.loss.reference, Precomputed)
+        run.loss.reference.compute(run)
+        copy = FrozenCopy(run.accelerator.unwrap_model(run.model), run.loss, run.config)
+        batch = next(iter(run.train_loader))
+        gradients = []
+        for provider in (run.loss.reference, copy):
+            run.loss.reference = provider
+            run.model.zero_grad(set_to_none=True)
+            loss = run.loss(run.model, batch)
+            loss.backward()
+            gradients.append((loss.detach(), [p.grad.clone() for p in run.model.parameters()]))
+        (loss_a, grads_a), (loss_b, grads_b) = gradients
+        assert abs(float(loss_a) - 0.6931) < 1e-3  # the policy is the reference: log 2
+        torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-6)
+        assert len(grads_a) > 10
+        for a, b in zip(grads_a, grads_b, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    finally:
+        _reset_accelerate()
+
+
 def test_resume_with_a_precomputed_reference_is_exact_and_does_not_recompute(
     train_cli, tmp_path, pairs_file, monkeypatch
 ):
