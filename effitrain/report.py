@@ -565,10 +565,10 @@ def print_estimates(
 def _estimate_title(first: Estimate) -> str:
     settings = first.settings
     micro = f", {settings.grad_accum} micro-batches" if settings.grad_accum > 1 else ""
-    return (
-        f"Estimate: {settings.model}, batch {settings.batch_size} x {settings.max_length} "
-        f"tokens{micro}"
-    )
+    batch = f"{settings.batch_size}"
+    if settings.sequences_per_example == 2:
+        batch = f"{settings.batch_size} pairs ({2 * settings.batch_size} sequences)"
+    return f"Estimate: {settings.model}, batch {batch} x {settings.max_length} tokens{micro}"
 
 
 def estimates_table(results: list[Estimate], against: dict[str, Any] | None = None) -> Any:
