@@ -74,7 +74,10 @@ def copy_dtype(config: TrainConfig) -> str:
 class Reference(Lever):
     name = "reference"
     fields = ("reference", "reference_dtype")
-    removes = "the second model DPO's reference would be (adapters, precompute), or most of it"
+    removes = (
+        "the second model a DPO reference would hold (adapters, precompute), or part of it (a "
+        "bf16 or 4-bit copy)"
+    )
     task = "preference"
     time_cost = (
         "adapters and copy: one no-grad forward per micro-batch; precompute: one no-grad pass "
