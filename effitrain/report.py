@@ -720,6 +720,7 @@ COLUMNS = (
     ("final loss", "final_loss"),
     ("eval accuracy", "eval_accuracy"),
     ("eval perplexity", "eval_perplexity"),
+    ("eval reward acc", "eval_reward_accuracy"),
 )
 """The table's and the CSV's numeric columns."""
 
@@ -759,7 +760,7 @@ def comparison_table(rows: list[dict[str, Any]]) -> Any:
         table.add_column(row["label"].replace(" +", "\n+"), justify="right")
     for label, key in COLUMNS:
         if all(row[key] is None for row in rows):
-            continue  # eval accuracy for a causal LM, perplexity for a classifier
+            continue  # eval accuracy for a causal LM, perplexity for a classifier, …
         table.add_row(label, *(_compared_cell(row, base, key) for row in rows))
     return table
 
