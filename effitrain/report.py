@@ -190,6 +190,11 @@ class Reporter:
         if len(result.ranks) > 1 or result.sharding.get("kind", "single") != "single":
             c.print(ranks_table(result))
 
+    def status(self, message: str) -> None:
+        """What the run is doing before its first step (not with --quiet)."""
+        if self._chatty:
+            self._line(message)
+
     def saved_metrics(self, path: str) -> None:
         if self._chatty:
             self._line(f"metrics written to {path}")

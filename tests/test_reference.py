@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,7 @@ def preference(pairs_file: Path, *extra: str) -> tuple[str, ...]:
     return ("train", "--task", "preference", "--dataset", str(pairs_file), *SHORT, *extra)
 
 
-def run(train_cli, *args: str) -> None:
+def run(train_cli, *args: str) -> subprocess.CompletedProcess[str]:
     proc = train_cli(*args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
@@ -125,14 +126,15 @@ def test_resume_with_a_precomputed_reference_is_exact_and_does_not_recompute(
     )
     common = (*preference(pairs_file, "--max-steps", "4", "--save-every", "2"),)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run(train_cli, *common, "--output-dir", str(straight))
-    assert passes == [1]
+    first = run(train_cli, *common, "--output-dir", str(straight))
+    assert passes == [1] and "reference: computing the log-probs of" in first.stdout
     assert (straight / "checkpoint-2" / TABLE_FILE).is_file()
     resumed.mkdir()
     shutil.copytree(straight / "checkpoint-2", resumed / "checkpoint-2")
     proc = run(train_cli, *common, "--output-dir", str(resumed), "--resume", "latest")
     assert "resumed from" in proc.stdout
     assert passes == [1]  # the table came back from the checkpoint
+    assert "reference: log-probs read from the checkpoint, not recomputed" in proc.stdout
     assert_identical(load_tensors(straight / "final"), load_tensors(resumed / "final"))
     assert_identical(
         load_tensors(straight / "checkpoint-4"), load_tensors(resumed / "checkpoint-4")

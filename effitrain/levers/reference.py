@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from effitrain.config import TrainConfig
     from effitrain.distributed import Launch
     from effitrain.memory.step import StepMemory
+    from effitrain.report import Reporter
 
 TABLE_FILE = "reference_logps.safetensors"
 """The precomputed table's file in a checkpoint folder."""
@@ -127,10 +128,20 @@ class Reference(Lever):
         :meth:`before_training` (or read back by :meth:`load_extra`)."""
         run.loss.reference = make_provider(run)
 
-    def before_training(self, run: BuiltRun, resumed: bool) -> None:
+    def before_training(self, run: BuiltRun, resumed: bool, reporter: Reporter) -> None:
+        import time
+
         provider = run.loss.reference
         if isinstance(provider, Precomputed) and not provider.filled:
+            reporter.status(
+                f"reference: computing the log-probs of {provider.examples:,} pairs with the "
+                "initial model (one pass over the training and validation data)"
+            )
+            start = time.monotonic()
             provider.compute(run)
+            reporter.status(f"reference: log-probs computed in {time.monotonic() - start:.1f} s")
+        elif isinstance(provider, Precomputed):
+            reporter.status("reference: log-probs read from the checkpoint, not recomputed")
 
     def step_tensors(self, run: BuiltRun) -> list[Any]:
         provider = getattr(run.loss, "reference", None)
