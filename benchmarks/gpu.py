@@ -77,10 +77,26 @@ FSDP2 = " ".join(
 )
 """FSDP2 at world size 1 (the code path, not the sharding): every optimizer here trains, the
 factored ones as effitrain.optim.fsdp2's classes on DTensor parameters."""
+PREFERENCE_CASES = {
+    "precompute": "",
+    "copy-bf16": "--reference copy --reference-dtype bf16",
+    "copy-4bit": "--reference copy --reference-dtype 4bit",
+    "lora-adapters": "--lora-rank 8",
+    "qlora-adapters": "--lora-rank 8 --load-in-4bit",
+    "simpo-bf16": "--preference-loss simpo --mixed-precision bf16",
+}
+PREFERENCE = " ".join(
+    f"{sys.executable} -m effitrain train --task preference --epochs 1 {options} --save-strategy "
+    f'no --metrics-json /tmp/preference-{name}.json; echo "preference {name}: exit $?";'
+    for name, options in PREFERENCE_CASES.items()
+)
+"""Preference tuning on CUDA (never run there yet): each reference, LoRA and QLoRA (liger's
+fused log-probs where installed: the output layer is frozen), SimPO under bf16 autocast."""
 GPU_TESTS = ("tests/test_step_memory.py", "tests/test_memory.py", "tests/test_bf16.py")
 """The tests whose numbers differ on CUDA (step memory, the ledger, bf16 weights)."""
 CHECKS = [
     Step("fsdp2", alone=False, seconds=220, command=("bash", "-c", FSDP2 + " true")),
+    Step("preference", alone=False, seconds=220, command=("bash", "-c", PREFERENCE + " true")),
     Step("gpu-tests", alone=False, seconds=220, command=(
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
         *(test for test in GPU_TESTS if (REPO / test).exists()),

@@ -193,6 +193,7 @@ def summarize(configuration: Configuration, runs: list[dict[str, Any]]) -> dict[
         "final_loss": (first.get("loss_history") or [{"loss": first["train_loss"]}])[-1]["loss"],
         "eval_accuracy": first["eval"].get("accuracy"),
         "eval_perplexity": first["eval"].get("perplexity"),
+        "eval_reward_accuracy": first["eval"].get("rewards/accuracies"),
         "loss_history": first.get("loss_history", []),
         "repeats": len(runs),
     }

@@ -246,6 +246,7 @@ def estimate(config: TrainConfig, launch: Launch | None = None) -> Estimate:
             grad_accum=config.grad_accum,
             mixed_precision=config.mixed_precision,
             measured_step=STEPS,
+            sequences_per_example=len(batch["input_ids"]) // config.batch_size,
         ),
         per_device=per,
         notes=notes,

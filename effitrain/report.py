@@ -190,6 +190,11 @@ class Reporter:
         if len(result.ranks) > 1 or result.sharding.get("kind", "single") != "single":
             c.print(ranks_table(result))
 
+    def status(self, message: str) -> None:
+        """What the run is doing before its first step (not with --quiet)."""
+        if self._chatty:
+            self._line(message)
+
     def saved_metrics(self, path: str) -> None:
         if self._chatty:
             self._line(f"metrics written to {path}")
@@ -565,10 +570,10 @@ def print_estimates(
 def _estimate_title(first: Estimate) -> str:
     settings = first.settings
     micro = f", {settings.grad_accum} micro-batches" if settings.grad_accum > 1 else ""
-    return (
-        f"Estimate: {settings.model}, batch {settings.batch_size} x {settings.max_length} "
-        f"tokens{micro}"
-    )
+    batch = f"{settings.batch_size}"
+    if settings.sequences_per_example == 2:
+        batch = f"{settings.batch_size} pairs ({2 * settings.batch_size} sequences)"
+    return f"Estimate: {settings.model}, batch {batch} x {settings.max_length} tokens{micro}"
 
 
 def estimates_table(results: list[Estimate], against: dict[str, Any] | None = None) -> Any:
@@ -720,6 +725,7 @@ COLUMNS = (
     ("final loss", "final_loss"),
     ("eval accuracy", "eval_accuracy"),
     ("eval perplexity", "eval_perplexity"),
+    ("eval reward acc", "eval_reward_accuracy"),
 )
 """The table's and the CSV's numeric columns."""
 
@@ -759,7 +765,7 @@ def comparison_table(rows: list[dict[str, Any]]) -> Any:
         table.add_column(row["label"].replace(" +", "\n+"), justify="right")
     for label, key in COLUMNS:
         if all(row[key] is None for row in rows):
-            continue  # eval accuracy for a causal LM, perplexity for a classifier
+            continue  # eval accuracy for a causal LM, perplexity for a classifier, …
         table.add_row(label, *(_compared_cell(row, base, key) for row in rows))
     return table
 

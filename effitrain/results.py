@@ -226,6 +226,8 @@ class EstimateSettings:
     mixed_precision: str
     measured_step: int
     method: str = "fake tensors (torch FakeTensorMode) through the real training step"
+    sequences_per_example: int = 1
+    """2 for preference pairs (a chosen and a rejected sequence each)."""
 
 
 @dataclass(frozen=True)

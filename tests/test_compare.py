@@ -228,3 +228,25 @@ def test_the_table_has_flops_and_mfu_where_a_peak_is_known():
     assert "MFU" not in text
     text = render([row("a", 4e12, 4.0, 0.404), row("b", 5e12, 5.0, 0.505)])
     assert "40.4%" in text and "50.5%" in text
+
+
+def test_a_preference_runs_reward_accuracy_is_a_row():
+    """Read from the run's evaluation under TRL's name; absent for the other tasks."""
+    from rich.console import Console
+
+    from effitrain.comparison import Configuration, summarize
+    from effitrain.report import comparison_table
+
+    metrics = {
+        "label": "adamw", "optimizer": "adamw", "optimizer_class": "torch.optim.AdamW",
+        "parameter_bytes": 1, "gradient_bytes": 1, "peak_memory_bytes": 1,
+        "peak_memory_kind": "rss", "seconds_per_step": 1.0, "train_loss": 0.5,
+        "optimizer_state": {"bytes": 1, "elements": 1},
+        "eval": {"loss": 0.4, "rewards/accuracies": 0.875},
+    }  # fmt: skip
+    row = summarize(Configuration("adamw"), [metrics])
+    assert row["eval_reward_accuracy"] == 0.875 and row["eval_accuracy"] is None
+    console = Console(width=200, record=True)
+    console.print(comparison_table([row]))
+    text = console.export_text()  # it empties the record
+    assert "eval reward acc" in text and "0.875" in text

@@ -121,6 +121,10 @@ LORA_DDP = (
 """LoRA under DDP (plus the model): two processes x 8 or one process x 16."""
 
 
+PREFERENCE = ["train", "--task", "preference", "--max-steps", "3", "--max-length", "40"]
+"""DPO (precomputed reference) on the preference demo: two processes x 4 pairs or one x 8."""
+
+
 @pytest.fixture(scope="module")
 def ddp_runs(tmp_path_factory, no_dropout_model_dir, lm_model_dir):
     """Every two-process DDP ``effitrain train`` run of these tests, in ONE launch of the
@@ -131,7 +135,8 @@ def ddp_runs(tmp_path_factory, no_dropout_model_dir, lm_model_dir):
     - ``resumed``: the same run resumed from a copy of that checkpoint;
     - ``token-weighted``: one SGD step of two processes x two micro-batches of 2 uneven texts;
     - ``lora``: LoRA under DDP (where peft is installed);
-    - ``causal-lm``: the causal-LM task with a sample prompt.
+    - ``causal-lm``: the causal-LM task with a sample prompt;
+    - ``preference``: DPO on the preference demo, its reference log-probs precomputed.
 
     Without ``ACCELERATE_USE_CPU`` where there is no GPU: the config file alone must give two
     processes that train together.
@@ -198,6 +203,10 @@ def ddp_runs(tmp_path_factory, no_dropout_model_dir, lm_model_dir):
             ],  # fmt: skip
         },
     ]
+    preference = [*PREFERENCE, "--batch-size", "4", "--output-dir", str(out / "preference")]
+    runs.append(
+        {"name": "preference", "args": [*preference, "--metrics-json", str(out / "pref.json")]}
+    )
     if importlib.util.find_spec("peft") is not None:
         lora = ["train", "--model", model, *LORA_DDP, "--batch-size", "8"]
         runs.append({"name": "lora", "args": [*lora, "--output-dir", str(out / "lora")]})
@@ -393,6 +402,31 @@ def test_causal_lm_under_two_processes(ddp_runs):
     stdout = ddp_runs.launched.stdout("causal-lm")
     assert stdout.count("perplexity") >= 1 and stdout.count("sample ") == 1  # main only
     assert (ddp_runs.out / "causal-lm" / "final" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_preference_under_two_processes_matches_one_process(ddp_runs, train_cli, tmp_path):
+    """DPO with the reference precomputed (each process its share of the pass, the table
+    gathered): the same weights, losses and rewards as one process on the whole batch."""
+    ddp_runs.launched.assert_ran("preference")
+    data = json.loads((ddp_runs.out / "pref.json").read_text())
+    assert data["num_processes"] == 2 and data["reference"]["how"] == "precompute"
+    assert ddp_runs.launched.stdout("preference").count("eval (") == 1  # main only
+    one = train_cli(
+        *PREFERENCE, "--batch-size", "8", "--output-dir", str(tmp_path / "one"),
+        "--metrics-json", str(tmp_path / "one.json"),
+    )  # fmt: skip
+    assert one.returncode == 0, one.stderr
+    single = json.loads((tmp_path / "one.json").read_text())
+    assert data["eval"]["pairs"] == single["eval"]["pairs"] == 200  # each counted once
+    for key in ("loss", "rewards/accuracies", "rewards/margins"):
+        assert data["eval"][key] == pytest.approx(single["eval"][key], abs=1e-5), key
+    assert data["train_loss"] == pytest.approx(single["train_loss"], abs=1e-5)
+    difference = max_abs_difference(
+        load_parameters(ddp_runs.out / "preference" / "final"),
+        load_parameters(tmp_path / "one" / "final"),
+    )
+    assert difference < 1e-5
 
 
 # --------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from effitrain.config import (
 from effitrain.errors import EffitrainError
 
 CAUSAL = {"task": "causal-lm", "model": "tiny-llama"}
+PREFERENCE = {"task": "preference", "model": "tiny-llama"}
 LORA = {"lora_rank": 4}
 
 VALUES: dict[str, tuple[object, dict[str, object]]] = {
@@ -47,10 +48,10 @@ VALUES: dict[str, tuple[object, dict[str, object]]] = {
     "packing": (False, CAUSAL),
     "completion_only_loss": (False, CAUSAL),
     "sample_prompt": ("Once upon a time", CAUSAL),
-    "preference_loss": ("orpo", {}),
-    "beta": (0.2, {}),
-    "label_smoothing": (0.1, {}),
-    "simpo_gamma": (1.0, {}),
+    "preference_loss": ("orpo", PREFERENCE),
+    "beta": (0.2, PREFERENCE),
+    "label_smoothing": (0.1, PREFERENCE),
+    "simpo_gamma": (1.0, {**PREFERENCE, "preference_loss": "simpo"}),
     "optim": ("adafactor", {}),
     "lr": (3e-4, {}),
     "weight_decay": (0.1, {}),
@@ -74,8 +75,8 @@ VALUES: dict[str, tuple[object, dict[str, object]]] = {
     "chunked_loss": ("torch", CAUSAL),
     "activation_offload": (True, {}),
     "optimizer_offload": ("state", {}),
-    "reference": ("copy", {}),
-    "reference_dtype": ("bf16", {}),
+    "reference": ("copy", PREFERENCE),
+    "reference_dtype": ("bf16", {**PREFERENCE, "reference": "copy"}),
     "lora_rank": (8, {}),
     "lora_alpha": (32.0, LORA),
     "lora_dropout": (0.1, LORA),

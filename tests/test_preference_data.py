@@ -295,6 +295,15 @@ def test_the_task_is_registered_with_the_causal_lm_default_model():
     assert build_config(overrides={"task": "preference"}).model == "tiny-llama"
 
 
+def test_preference_options_are_refused_under_other_tasks(train_cli):
+    from tests.conftest import assert_clean_error
+
+    proc = train_cli("train", "--task", "causal-lm", "--beta", "0.2")
+    assert_clean_error(proc, "--beta needs --task preference (this run is causal-lm)")
+    proc = train_cli("train", "--preference-loss", "orpo")
+    assert_clean_error(proc, "--preference-loss needs --task preference")
+
+
 @pytest.mark.parametrize(
     ("options", "fragments"),
     [
@@ -303,6 +312,13 @@ def test_the_task_is_registered_with_the_causal_lm_default_model():
         (("--sample-prompt", "The board"), ("--sample-prompt needs --task causal-lm",)),
         (("--model", "tiny"), ("sequence-classification preset; for --task preference",)),
         (("--max-length", "1"), ("--max-length 1", "2 tokens")),
+        (("--simpo-gamma", "1"), ("--simpo-gamma is for --preference-loss simpo",)),
+        (
+            ("--label-smoothing", "0.1", "--preference-loss", "orpo"),
+            ("--label-smoothing is for --preference-loss dpo (this run is orpo)",),
+        ),
+        (("--label-smoothing", "0.5"), ("--label-smoothing must be from 0 to below 0.5",)),
+        (("--beta", "0"), ("--beta must be greater than 0",)),
     ],
 )
 def test_option_refusals(train_cli, options, fragments):

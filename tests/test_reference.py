@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,7 @@ def preference(pairs_file: Path, *extra: str) -> tuple[str, ...]:
     return ("train", "--task", "preference", "--dataset", str(pairs_file), *SHORT, *extra)
 
 
-def run(train_cli, *args: str) -> None:
+def run(train_cli, *args: str) -> subprocess.CompletedProcess[str]:
     proc = train_cli(*args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
@@ -78,6 +79,41 @@ def test_precompute_and_an_fp32_copy_give_the_same_losses_and_weights(
     assert copy["reference"]["bytes"] == copy["parameter_bytes"]  # a whole second model
 
 
+def test_precompute_and_an_fp32_copy_give_the_same_gradients(pairs_file):
+    """On one built run's first batch: the loss with the precomputed table and with a frozen
+    fp32 copy, and every parameter's gradient, agree within fp32."""
+    import torch
+
+    from effitrain.build import build_run, checked_config
+    from effitrain.levers.reference import FrozenCopy, Precomputed
+    from effitrain.report import Reporter
+    from tests.conftest import _reset_accelerate
+
+    _reset_accelerate()
+    options = {"task": "preference", "dataset": str(pairs_file), "max_length": 48}
+    run = build_run(checked_config(None, {**options, "batch_size": 4}), Reporter(quiet=True))
+    try:
+        assert isinstance(run.loss.reference, Precomputed)
+        run.loss.reference.compute(run)
+        copy = FrozenCopy(run.accelerator.unwrap_model(run.model), run.loss, run.config)
+        batch = next(iter(run.train_loader))
+        gradients = []
+        for provider in (run.loss.reference, copy):
+            run.loss.reference = provider
+            run.model.zero_grad(set_to_none=True)
+            loss = run.loss(run.model, batch)
+            loss.backward()
+            gradients.append((loss.detach(), [p.grad.clone() for p in run.model.parameters()]))
+        (loss_a, grads_a), (loss_b, grads_b) = gradients
+        assert abs(float(loss_a) - 0.6931) < 1e-3  # the policy is the reference: log 2
+        torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-6)
+        assert len(grads_a) > 10
+        for a, b in zip(grads_a, grads_b, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    finally:
+        _reset_accelerate()
+
+
 def test_resume_with_a_precomputed_reference_is_exact_and_does_not_recompute(
     train_cli, tmp_path, pairs_file, monkeypatch
 ):
@@ -90,14 +126,15 @@ def test_resume_with_a_precomputed_reference_is_exact_and_does_not_recompute(
     )
     common = (*preference(pairs_file, "--max-steps", "4", "--save-every", "2"),)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run(train_cli, *common, "--output-dir", str(straight))
-    assert passes == [1]
+    first = run(train_cli, *common, "--output-dir", str(straight))
+    assert passes == [1] and "reference: computing the log-probs of" in first.stdout
     assert (straight / "checkpoint-2" / TABLE_FILE).is_file()
     resumed.mkdir()
     shutil.copytree(straight / "checkpoint-2", resumed / "checkpoint-2")
     proc = run(train_cli, *common, "--output-dir", str(resumed), "--resume", "latest")
     assert "resumed from" in proc.stdout
     assert passes == [1]  # the table came back from the checkpoint
+    assert "reference: log-probs read from the checkpoint, not recomputed" in proc.stdout
     assert_identical(load_tensors(straight / "final"), load_tensors(resumed / "final"))
     assert_identical(
         load_tensors(straight / "checkpoint-4"), load_tensors(resumed / "checkpoint-4")

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from effitrain.config import TrainConfig
     from effitrain.distributed import Launch
     from effitrain.memory.step import StepMemory
+    from effitrain.report import Reporter
 
 TABLE_FILE = "reference_logps.safetensors"
 """The precomputed table's file in a checkpoint folder."""
@@ -74,7 +75,10 @@ def copy_dtype(config: TrainConfig) -> str:
 class Reference(Lever):
     name = "reference"
     fields = ("reference", "reference_dtype")
-    removes = "the second model DPO's reference would be (adapters, precompute), or most of it"
+    removes = (
+        "the second model a DPO reference would hold (adapters, precompute), or part of it (a "
+        "bf16 or 4-bit copy)"
+    )
     task = "preference"
     time_cost = (
         "adapters and copy: one no-grad forward per micro-batch; precompute: one no-grad pass "
@@ -124,10 +128,20 @@ class Reference(Lever):
         :meth:`before_training` (or read back by :meth:`load_extra`)."""
         run.loss.reference = make_provider(run)
 
-    def before_training(self, run: BuiltRun, resumed: bool) -> None:
+    def before_training(self, run: BuiltRun, resumed: bool, reporter: Reporter) -> None:
+        import time
+
         provider = run.loss.reference
         if isinstance(provider, Precomputed) and not provider.filled:
+            reporter.status(
+                f"reference: computing the log-probs of {provider.examples:,} pairs with the "
+                "initial model (one pass over the training and validation data)"
+            )
+            start = time.monotonic()
             provider.compute(run)
+            reporter.status(f"reference: log-probs computed in {time.monotonic() - start:.1f} s")
+        elif isinstance(provider, Precomputed):
+            reporter.status("reference: log-probs read from the checkpoint, not recomputed")
 
     def step_tensors(self, run: BuiltRun) -> list[Any]:
         provider = getattr(run.loss, "reference", None)
@@ -258,9 +272,6 @@ class FrozenCopy:
     """A frozen copy of the model as it starts, in ``--reference-dtype``, eval mode, no grads."""
 
     def __init__(self, unwrapped: Any, loss: Any, config: TrainConfig):
-        import copy
-        import warnings
-
         import torch
 
         self.loss = loss
@@ -268,23 +279,18 @@ class FrozenCopy:
         device = next(unwrapped.parameters()).device
         # Copied before any step or resume: the weights the run starts from (a checkpoint's as
         # read; a preset's seeded init), whatever it trains in.
-        with warnings.catch_warnings():
-            # torch's deepcopy reads an estimate's fake tensors' data pointers (and warns).
-            warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
-            model = copy.deepcopy(unwrapped)
+        wanted = torch.float32 if self.dtype == "4bit" else getattr(torch, DTYPES[self.dtype])
+        model = _copy_in(unwrapped, wanted)
         model.requires_grad_(False)
         if self.dtype == "4bit":
             from torch._subclasses.fake_tensor import is_fake
 
             from effitrain.levers.qlora import quantize_model
 
-            _cast(model, torch.float32)
             if is_fake(next(model.parameters())):
                 _quantize_fake(model, config)
             else:
                 model = quantize_model(model, config, device)
-        else:
-            _cast(model, getattr(torch, DTYPES[self.dtype]))
         model.eval()
         self.model = model
 
@@ -337,25 +343,28 @@ def _quantize_fake(model: torch.nn.Module, config: TrainConfig) -> None:
     no_cpu_repacking(model)
 
 
-def _cast(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Its floating-point parameters and buffers in ``dtype``, tensor by tensor (``.to(dtype)``
-    cannot swap an estimate's fake parameters); a tensor shared by several modules (tied
-    weights) stays shared."""
+def _copy_in(model: torch.nn.Module, dtype: torch.dtype) -> Any:
+    """A deep copy of ``model`` with its floating-point parameters and buffers in ``dtype``,
+    each cast as it is copied (a bf16 copy of an fp32 model never holds a second fp32 one;
+    ``.to(dtype)`` could not swap an estimate's fake parameters either); a tensor shared by
+    several modules (tied weights) stays shared."""
+    import copy
+    import warnings
+
     import torch
 
-    made: dict[int, Any] = {}
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for name, tensor in table.items():
-                if tensor is None or not tensor.is_floating_point() or tensor.dtype == dtype:
-                    continue
-                if id(tensor) not in made:
-                    cast = tensor.detach().to(dtype)
-                    is_parameter = isinstance(tensor, torch.nn.Parameter)
-                    made[id(tensor)] = (
-                        torch.nn.Parameter(cast, requires_grad=False) if is_parameter else cast
-                    )
-                table[name] = made[id(tensor)]
+    memo: dict[int, Any] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.is_floating_point() and tensor.dtype != dtype and id(tensor) not in memo:
+            cast = tensor.detach().to(dtype)
+            is_parameter = isinstance(tensor, torch.nn.Parameter)
+            memo[id(tensor)] = (
+                torch.nn.Parameter(cast, requires_grad=False) if is_parameter else cast
+            )
+    with warnings.catch_warnings():
+        # torch's deepcopy reads an estimate's fake tensors' data pointers (and warns).
+        warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+        return copy.deepcopy(model, memo)
 
 
 class Precomputed:

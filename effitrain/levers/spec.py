@@ -160,7 +160,7 @@ class Lever:
     def after_prepare(self, run: BuiltRun) -> None:
         """Once Accelerate prepared the model and optimizer."""
 
-    def before_training(self, run: BuiltRun, resumed: bool) -> None:
+    def before_training(self, run: BuiltRun, resumed: bool, reporter: Reporter) -> None:
         """Once the run is built and a ``--resume`` checkpoint loaded (``resumed``: one was),
         before the first step of ``fit``: work that needs the run as it will start and must not
         be repeated where a checkpoint kept its result (the reference's precomputed log-probs,

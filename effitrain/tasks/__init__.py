@@ -14,6 +14,7 @@ from effitrain.tasks.base import (
     CAUSAL_LM,
     DECODER_TASKS,
     PREFERENCE,
+    PREFERENCE_OPTIONS,
     SEQUENCE_CLASSIFICATION,
     TASK_NAMES,
     Task,
@@ -72,6 +73,22 @@ def check_options(config: TrainConfig) -> None:
         get_task(config.task).check_options(config)
     elif config.model in PRESETS:
         TASKS[SEQUENCE_CLASSIFICATION].check_options(config)
+    task = known_task(config)
+    if task is not None:
+        check_preference_options(config, task)
+
+
+def check_preference_options(config: TrainConfig, task: str) -> None:
+    """Refuse the preference losses' options under another task (they would do nothing)."""
+    if task == PREFERENCE:
+        return
+    from effitrain.config import default_for, option
+
+    for name in PREFERENCE_OPTIONS:
+        if getattr(config, name) != default_for(name):
+            raise EffitrainError(
+                f"{option(name)} needs --task preference (this run is {task}); drop it"
+            )
 
 
 def known_task(config: TrainConfig) -> str | None:
@@ -111,6 +128,7 @@ def resolve_task(config: TrainConfig) -> Task:
     """
     task = get_task(_task_name(config))
     task.check_options(config)
+    check_preference_options(config, task.name)
     return task
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import effitrain.models as models
-from effitrain.config import option
+from effitrain.config import default_for, option
 from effitrain.errors import EffitrainError
 from effitrain.tasks.base import PREFERENCE, Prepared, Task
 from effitrain.tasks.preference_data import (
@@ -48,6 +48,19 @@ class PreferenceTask(Task):
                 f"--max-length {config.max_length} leaves no answer token to score: a sequence "
                 "needs 2 tokens or more; raise --max-length"
             )
+        # Each loss's own option, refused under the others (it would change nothing).
+        for name, loss in (("label_smoothing", "dpo"), ("simpo_gamma", "simpo")):
+            if config.preference_loss != loss and getattr(config, name) != default_for(name):
+                raise EffitrainError(
+                    f"{option(name)} is for --preference-loss {loss} (this run is "
+                    f"{config.preference_loss}); drop it"
+                )
+        if not 0 <= config.label_smoothing < 0.5:
+            raise EffitrainError(
+                f"--label-smoothing must be from 0 to below 0.5 (got {config.label_smoothing})"
+            )
+        if config.beta is not None and not config.beta > 0:
+            raise EffitrainError(f"--beta must be greater than 0 (got {config.beta})")
 
     def load_data(self, config: TrainConfig) -> PreferenceData:
         return load_preference_data(config)
