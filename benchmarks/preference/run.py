@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
 import sys
 from pathlib import Path
 
@@ -453,8 +454,8 @@ def main(argv: list[str] | None = None) -> int:
         "--learning-epochs", type=int, default=3, help="learning: epochs of 12 steps (48 pairs)"
     )
     parser.add_argument(
-        "--learning-options", nargs="*", default=[], metavar="OPTION",
-        help="learning: more `effitrain train` options (e.g. --lora-rank 16)",
+        "--learning-options", type=shlex.split, default=[], metavar="'OPTIONS'",
+        help="learning: more `effitrain train` options, quoted: --learning-options='--lr 5e-6'",
     )  # fmt: skip
     parser.add_argument(
         "--keep-rows", action="store_true",
