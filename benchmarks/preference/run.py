@@ -255,14 +255,19 @@ def estimated(options: list[str]) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
+def _bytes(value: float) -> str:
+    """MiB as the other columns, or bytes where there are fewer than a MiB (a table of 40 B)."""
+    return common.mib(value) if value >= 2**20 else common.size(value)
+
+
 def _estimated(row: dict, key: str) -> str:
     predicted = (row.get("estimate") or {}).get(key)
     measured = row.get(key)
     if predicted is None:
         return row.get("estimate_error", "–") if key == "peak_tensor_bytes" else "–"
     if not measured:
-        return common.mib(predicted)
-    return f"{common.mib(predicted)} ({(predicted - measured) / measured:+.1%})"
+        return _bytes(predicted)
+    return f"{_bytes(predicted)} ({(predicted - measured) / measured:+.1%})"
 
 
 def render_memory(run: common.Run) -> str:
@@ -270,7 +275,10 @@ def render_memory(run: common.Run) -> str:
     base = next((row for row in rows if row["row"] == BASE), rows[0])
     columns = [common.Column("row", lambda row: row["label"], right=False)]
     columns += [
-        common.Column(label, lambda row, key=key: common.with_ratio(row, base, key, common.mib))
+        common.Column(
+            label,
+            lambda row, key=key: common.with_ratio(row, base, key, _bytes),
+        )
         for label, key in PARTS
     ]
     columns += [
@@ -278,7 +286,15 @@ def render_memory(run: common.Run) -> str:
         common.Column("estimated reference", lambda r: _estimated(r, "reference_bytes")),
         common.Column("s/step", lambda r: common.shown(r.get("seconds_per_step"), "{:.1f}".format)),
     ]
-    return common.markdown_table(columns, rows)
+    ran: dict[tuple, list[str]] = {}
+    for row in rows:
+        when = row.get("ran") or {}
+        ran.setdefault((when.get("date"), when.get("commit")), []).append(f"`{row['row']}`")
+    lines = [
+        f"- {', '.join(names)}: recorded {date} at effitrain commit `{commit}`"
+        for (date, commit), names in ran.items()
+    ]
+    return common.markdown_table(columns, rows) + "\n\nWhen each row ran:\n\n" + "\n".join(lines)
 
 
 def render(run: common.Run) -> str:
