@@ -168,12 +168,7 @@ def estimate(config: TrainConfig, launch: Launch | None = None) -> Estimate:
     import torch
 
     launch = launch or Launch.described(1, "ddp", "cpu")
-    build.check_config(config)
-    notes = build.check_launch(config, launch)
-    if config.mixed_precision == "fp16":
-        raise EffitrainError(
-            "effitrain estimate does not model fp16 loss scaling; use --mixed-precision bf16 or no"
-        )
+    notes = _checked(config, launch)
     task = build.resolve_task(config)
     # A causal LM needs no labels from the data (preference pairs neither): its shapes come
     # from the model alone; a lever may count something per example (the reference's table).
@@ -239,20 +234,37 @@ def estimate(config: TrainConfig, launch: Launch | None = None) -> Estimate:
         optimizer_class=spec.class_path,
         lr=run.hyperparameters.lr,
         memory=memory,
-        settings=EstimateSettings(
-            model=config.model,
-            batch_size=config.batch_size,
-            max_length=length,
-            grad_accum=config.grad_accum,
-            mixed_precision=config.mixed_precision,
-            measured_step=STEPS,
-            sequences_per_example=len(batch["input_ids"]) // config.batch_size,
-        ),
+        settings=_settings(config, length, len(batch["input_ids"]) // config.batch_size),
         per_device=per,
         notes=notes,
         cost=progress.step_cost,
         host=_host_memory(config, model, landed, launch, step),
     )
+
+
+def _settings(config: TrainConfig, length: int, sequences: int) -> EstimateSettings:
+    """The batch the estimate assumed (``sequences`` per example: 2 for preference pairs)."""
+    return EstimateSettings(
+        model=config.model,
+        batch_size=config.batch_size,
+        max_length=length,
+        grad_accum=config.grad_accum,
+        mixed_precision=config.mixed_precision,
+        measured_step=STEPS,
+        sequences_per_example=sequences,
+    )
+
+
+def _checked(config: TrainConfig, launch: Launch) -> list[str]:
+    """``train``'s checks of the options and the launch, and what estimate cannot model; the
+    launch's notes."""
+    build.check_config(config)
+    notes = build.check_launch(config, launch)
+    if config.mixed_precision == "fp16":
+        raise EffitrainError(
+            "effitrain estimate does not model fp16 loss scaling; use --mixed-precision bf16 or no"
+        )
+    return notes
 
 
 def _host_memory(

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import os
 import shlex
 import time
@@ -170,28 +171,8 @@ def plan(
             f" + {_gib(margin)} margin, {_gib(smallest + margin - budget)} over"
         )
     best = _seconds(ranked[0][1], launch) or 0.0
-    candidates = []
-    for screened, cost, peak, verification in ranked[:SHOWN]:
-        seconds = _seconds(cost, launch)
-        args = to_arguments(screened.changes)
-        candidates.append(
-            PlanCandidate(
-                args=args,
-                command=_command(launch, config_file, given or {}, screened.changes),
-                optimizer=screened.changes["optim"],
-                levers=screened.reasons,
-                batch_size=screened.changes["batch_size"],
-                grad_accum=screened.changes["grad_accum"],
-                peak_tensor_bytes=peak,
-                # The host model's figure where an estimate verified it (screens do not model it).
-                host_peak_bytes=_host_peak(verification),
-                flops_per_step=cost.flops_per_step if cost is not None else None,
-                step_seconds=seconds,
-                relative_step_time=round(seconds / best, 3) if seconds and best else 1.0,
-                full_parameter=screened.full_parameter,
-                verified=verification is not None,
-            )
-        )
+    command = functools.partial(_command, launch, config_file, given or {})
+    candidates = [_candidate(row, launch, best, command) for row in ranked[:SHOWN]]
     return PlanResult(
         budget_bytes=budget,
         margin_bytes=margin,
@@ -201,6 +182,33 @@ def plan(
         estimates=search.runs,
         seconds=round(time.monotonic() - start, 1),
         notes=search.notes,
+    )
+
+
+def _candidate(
+    row: tuple[Option, StepCost | None, int, Estimate | None],
+    launch: Launch,
+    best: float,
+    command: Callable[[dict[str, Any]], str],
+) -> PlanCandidate:
+    """A ranked row as printed: its options, command, peak, cost and time relative to ``best``."""
+    screened, cost, peak, verification = row
+    seconds = _seconds(cost, launch)
+    return PlanCandidate(
+        args=to_arguments(screened.changes),
+        command=command(screened.changes),
+        optimizer=screened.changes["optim"],
+        levers=screened.reasons,
+        batch_size=screened.changes["batch_size"],
+        grad_accum=screened.changes["grad_accum"],
+        peak_tensor_bytes=peak,
+        # The host model's figure where an estimate verified it (screens do not model it).
+        host_peak_bytes=_host_peak(verification),
+        flops_per_step=cost.flops_per_step if cost is not None else None,
+        step_seconds=seconds,
+        relative_step_time=round(seconds / best, 3) if seconds and best else 1.0,
+        full_parameter=screened.full_parameter,
+        verified=verification is not None,
     )
 
 
