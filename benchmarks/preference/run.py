@@ -23,6 +23,7 @@ import argparse
 import json
 import random
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -413,6 +414,7 @@ def learning(args: argparse.Namespace, device: str) -> common.Run:
     work = args.work_dir / "learning"
     train, validation = write_style_pairs(work / "data")
     output = work / "output"
+    shutil.rmtree(output, ignore_errors=True)  # an earlier run's model: effitrain keeps it
     options = ["--task", "preference", "--model", str(folder), "--train-file", str(train),
                "--validation-file", str(validation), "--batch-size", "4", "--eval-batch-size", "8",
                "--max-length", "128", "--epochs", str(args.learning_epochs), "--log-every", "4",
