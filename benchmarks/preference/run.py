@@ -441,7 +441,7 @@ def learning(args: argparse.Namespace, device: str) -> common.Run:
     return {
         "name": args.name or f"learning-{device.replace('cuda', 'gpu')}",
         "title": "SmolLM2-135M-Instruct learns a preference it does not have, "
-        f"{common.where(device)}",
+        f"lr {common.lr_text(metrics['lr'])}, {common.where(device)}",
         "settings": {
             "model": "smollm2",
             "train_pairs": 48,
