@@ -32,9 +32,11 @@ bitsandbytes is imported inside the functions: it is an optional extra (``effitr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +45,7 @@ from effitrain.levers.spec import BuiltRun, Lever
 from effitrain.results import MemoryRow
 
 if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
     from pathlib import Path
 
     import torch
@@ -203,10 +206,17 @@ def kept_modules(model: torch.nn.Module) -> list[str]:
     return kept
 
 
-def replace_linear_layers(model: torch.nn.Module, config: TrainConfig) -> Any:
+def replace_linear_layers(
+    model: torch.nn.Module,
+    config: TrainConfig,
+    new_weight: Callable[[Any, torch.Tensor], Any] | None = None,
+    replacing: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> Any:
     """Swap the Linear layers (outside :func:`kept_modules`) for bitsandbytes' ``Linear4bit``,
     each holding its original weight, not yet quantized (:func:`quantize_weights` does that on
-    the run's device). Works on the meta device too (``effitrain estimate``)."""
+    the run's device). Works on the meta device too (``effitrain estimate``). ``new_weight(layer,
+    weight)``: what the new layer holds instead (default: a ``Params4bit`` of the weight);
+    ``replacing``: a context around the swap itself."""
     require_bitsandbytes()
     import bitsandbytes as bnb
     from transformers.integrations.bitsandbytes import replace_with_bnb_linear
@@ -216,20 +226,28 @@ def replace_linear_layers(model: torch.nn.Module, config: TrainConfig) -> Any:
         for name, module in model.named_modules()
         if hasattr(module, "weight") and hasattr(module, "bias")
     }
-    replace_with_bnb_linear(model, kept_modules(model), quantization_config(config))
+    with replacing():
+        replace_with_bnb_linear(model, kept_modules(model), quantization_config(config))
     for name, module in model.named_modules():
         if isinstance(module, bnb.nn.Linear4bit):
             weight, bias = originals[name]
             if module.source_cls.__name__ == "Conv1D":  # GPT-2 stores [in, out]
                 weight = weight.t()
-            attributes = {k: v for k, v in vars(module.weight).items() if k != "module"}
-            module.weight = bnb.nn.Params4bit(
-                weight.data.contiguous(), requires_grad=False, module=module, **attributes
-            )
+            module.weight = (new_weight or _params_4bit)(module, weight)
             if bias is not None:
                 module.bias = bias  # frozen by peft with the rest of the base
     no_cpu_repacking(model)
     return model
+
+
+def _params_4bit(module: Any, weight: torch.Tensor) -> Any:
+    """The layer's ``Params4bit`` holding ``weight`` (quantized when moved to the device)."""
+    import bitsandbytes as bnb
+
+    attributes = {k: v for k, v in vars(module.weight).items() if k != "module"}
+    return bnb.nn.Params4bit(
+        weight.data.contiguous(), requires_grad=False, module=module, **attributes
+    )
 
 
 def no_cpu_repacking(model: torch.nn.Module) -> None:

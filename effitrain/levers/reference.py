@@ -311,36 +311,25 @@ def _quantize_fake(model: torch.nn.Module, config: TrainConfig) -> None:
     run's (bitsandbytes' ``Linear4bit``), each weight given the packed codes and quant state that
     bitsandbytes' own shape logic makes of the fake fp32 weight (:func:`quantized_like`: a fake
     tensor cannot become a ``Params4bit``)."""
-    import bitsandbytes as bnb
     import torch
     from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
 
-    from effitrain.levers.qlora import (
-        kept_modules,
-        no_cpu_repacking,
-        quantization_config,
-        quantized_like,
+    from effitrain.levers.qlora import quantized_like, replace_linear_layers
+
+    @contextlib.contextmanager
+    def on_meta() -> Iterator[None]:
+        # The new layers are made on the meta device, outside the fake mode (a fake tensor
+        # cannot become a Params4bit), as the QLoRA lever makes a run's before an estimate
+        # gives them storage.
+        with unset_fake_temporarily(), torch.device("meta"):
+            yield
+
+    replace_linear_layers(
+        model,
+        config,
+        new_weight=lambda layer, weight: quantized_like(layer.weight, weight.detach().contiguous()),
+        replacing=on_meta,
     )
-
-    originals = {
-        name: (module.weight, module.bias)
-        for name, module in model.named_modules()
-        if hasattr(module, "weight") and hasattr(module, "bias")
-    }
-    # The new layers are made on the meta device, outside the fake mode (a fake tensor cannot
-    # become a Params4bit), as the QLoRA lever makes a run's before an estimate gives them storage.
-    with unset_fake_temporarily(), torch.device("meta"):
-        replace_with_bnb_linear(model, kept_modules(model), quantization_config(config))
-    for name, module in model.named_modules():
-        if isinstance(module, bnb.nn.Linear4bit):
-            weight, bias = originals[name]
-            if module.source_cls.__name__ == "Conv1D":  # GPT-2 stores [in, out]
-                weight = weight.t()
-            module.weight = quantized_like(module.weight, weight.detach().contiguous())
-            if bias is not None:
-                module.bias = bias
-    no_cpu_repacking(model)
 
 
 def _copy_in(model: torch.nn.Module, dtype: torch.dtype) -> Any:
