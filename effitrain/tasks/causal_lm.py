@@ -105,11 +105,32 @@ def generate_sample(run: Prepared, prompt: str, max_new_tokens: int = SAMPLE_TOK
     return tokenizer.decode(new, skip_special_tokens=True)
 
 
-class CausalLMTask(Task):
+class DecoderTask(Task):
+    """What every task that trains a ``*ForCausalLM`` shares: the model, loaded or built from
+    its config, and the chunked loss's implementation for it."""
+
+    speed_unit = "tokens"
+
+    def load_model(
+        self, config: TrainConfig, data: Any, tokenizer: Any, options: models.LoadOptions
+    ) -> Any:
+        return models.load_causal_lm(config.model, tokenizer, options)
+
+    def model_from_config(self, config: TrainConfig, data: Any, tokenizer: Any) -> Any:
+        return models.model_from_config(config.model, tokenizer, causal_lm=True)
+
+    @staticmethod
+    def loss_choice(model: Any, device: Any, sharded: str | None, options: dict[str, Any]) -> Any:
+        """The chunked loss's implementation (``--chunked-loss``, via the levers' ``options``)."""
+        from effitrain.tasks.lm_loss import choose
+
+        return choose(options.get("chunked", "off"), model, device, sharded)
+
+
+class CausalLMTask(DecoderTask):
     """Causal-LM training: ``*ForCausalLM``, packed or padded sequences, perplexity."""
 
     name = CAUSAL_LM
-    speed_unit = "tokens"
 
     def check_options(self, config: TrainConfig) -> None:
         if config.max_length < 2:
@@ -121,14 +142,6 @@ class CausalLMTask(Task):
 
     def load_data(self, config: TrainConfig) -> LMData:
         return load_lm_data(config)
-
-    def load_model(
-        self, config: TrainConfig, data: LMData, tokenizer: Any, options: models.LoadOptions
-    ) -> Any:
-        return models.load_causal_lm(config.model, tokenizer, options)
-
-    def model_from_config(self, config: TrainConfig, data: LMData | None, tokenizer: Any) -> Any:
-        return models.model_from_config(config.model, tokenizer, causal_lm=True)
 
     def check_model(self, config: TrainConfig, data: LMData, model: Any) -> None:
         check_packing(data, model.config.model_type, config)
@@ -147,9 +160,9 @@ class CausalLMTask(Task):
         *,
         config: TrainConfig,
     ) -> LMLoss:
-        from effitrain.tasks.lm_loss import LMLoss, choose
+        from effitrain.tasks.lm_loss import LMLoss
 
-        return LMLoss(choose(options.get("chunked", "off"), model, device, sharded), model)
+        return LMLoss(self.loss_choice(model, device, sharded, options), model)
 
     def evaluate(self, run: Prepared) -> dict[str, Any]:
         return evaluate_lm(run)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import effitrain.models as models
 from effitrain.config import default_for, option
 from effitrain.errors import EffitrainError
-from effitrain.tasks.base import PREFERENCE, Prepared, Task
+from effitrain.tasks.base import CAUSAL_LM_OPTIONS, PREFERENCE, Prepared
+from effitrain.tasks.causal_lm import DecoderTask
 from effitrain.tasks.preference_data import (
     FORMATS,
     PreferenceData,
@@ -26,16 +26,15 @@ if TYPE_CHECKING:
 
     from effitrain.config import TrainConfig
 
-REFUSED_OPTIONS = ("packing", "completion_only_loss", "sample_prompt")
+REFUSED_OPTIONS = CAUSAL_LM_OPTIONS
 """Causal-LM options that preference pairs do not take: they are never packed, the loss is on
 the answers by construction, and evaluation reports rewards, not a sample."""
 
 
-class PreferenceTask(Task):
+class PreferenceTask(DecoderTask):
     """Preference tuning: ``*ForCausalLM``, pairs of answers, rewards and reward accuracy."""
 
     name = PREFERENCE
-    speed_unit = "tokens"
 
     def check_options(self, config: TrainConfig) -> None:
         given = [option(name) for name in REFUSED_OPTIONS if getattr(config, name) is not None]
@@ -65,16 +64,6 @@ class PreferenceTask(Task):
     def load_data(self, config: TrainConfig) -> PreferenceData:
         return load_preference_data(config)
 
-    def load_model(
-        self, config: TrainConfig, data: PreferenceData, tokenizer: Any, options: models.LoadOptions
-    ) -> Any:
-        return models.load_causal_lm(config.model, tokenizer, options)
-
-    def model_from_config(
-        self, config: TrainConfig, data: PreferenceData | None, tokenizer: Any
-    ) -> Any:
-        return models.model_from_config(config.model, tokenizer, causal_lm=True)
-
     def dataloaders(
         self,
         config: TrainConfig,
@@ -93,12 +82,9 @@ class PreferenceTask(Task):
         *,
         config: TrainConfig,
     ) -> Any:
-        from effitrain.tasks.lm_loss import choose
         from effitrain.tasks.preference_loss import PreferenceLoss
 
-        return PreferenceLoss(
-            config, choose(options.get("chunked", "off"), model, device, sharded), model
-        )
+        return PreferenceLoss(config, self.loss_choice(model, device, sharded, options), model)
 
     def evaluate(self, run: Prepared) -> dict[str, Any]:
         from effitrain.tasks.preference_loss import evaluate_preference
