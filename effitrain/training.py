@@ -58,7 +58,7 @@ def train(config: TrainConfig, reporter: Reporter) -> TrainResult:
     checkpointer = make_checkpointer(run)
     if config.resume:
         resume(run, progress, checkpointer, reporter)
-    levers.before_training(run, bool(config.resume), reporter)  # e.g. DPO's reference pass
+    levers.before_training(run, reporter)  # e.g. DPO's reference pass
     if config.output_dir:  # before training, not after: final/ never goes back to an older model
         checkpoint.check_final(config.output_dir, run.plan.total_steps)
     run.trackers.start(progress.global_step, reporter)

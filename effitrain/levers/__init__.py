@@ -208,10 +208,10 @@ def after_prepare(run: BuiltRun) -> None:
         lever.after_prepare(run)
 
 
-def before_training(run: BuiltRun, resumed: bool, reporter: Reporter) -> None:
+def before_training(run: BuiltRun, reporter: Reporter) -> None:
     """After the build and any resume, before the first step (``Lever.before_training``)."""
     for lever in active(run.config):
-        lever.before_training(run, resumed, reporter)
+        lever.before_training(run, reporter)
 
 
 def step_tensors(run: BuiltRun) -> list[Any]:

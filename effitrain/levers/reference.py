@@ -128,7 +128,7 @@ class Reference(Lever):
         :meth:`before_training` (or read back by :meth:`load_extra`)."""
         run.loss.reference = make_provider(run)
 
-    def before_training(self, run: BuiltRun, resumed: bool, reporter: Reporter) -> None:
+    def before_training(self, run: BuiltRun, reporter: Reporter) -> None:
         import time
 
         provider = run.loss.reference

@@ -160,11 +160,12 @@ class Lever:
     def after_prepare(self, run: BuiltRun) -> None:
         """Once Accelerate prepared the model and optimizer."""
 
-    def before_training(self, run: BuiltRun, resumed: bool, reporter: Reporter) -> None:
-        """Once the run is built and a ``--resume`` checkpoint loaded (``resumed``: one was),
-        before the first step of ``fit``: work that needs the run as it will start and must not
-        be repeated where a checkpoint kept its result (the reference's precomputed log-probs,
-        read back by :meth:`load_extra`). Not called by ``effitrain estimate``."""
+    def before_training(self, run: BuiltRun, reporter: Reporter) -> None:
+        """Once the run is built and any ``--resume`` checkpoint loaded, before the first step
+        of ``fit``: work that needs the run as it will start and must not be repeated where a
+        checkpoint kept its result (the reference's precomputed log-probs, read back by
+        :meth:`load_extra`); ``reporter`` says what it does. Not called by ``effitrain
+        estimate``."""
 
     def step_tensors(self, run: BuiltRun) -> list[Any]:
         """Modules and tensors of its own that every step holds besides the model's and the
