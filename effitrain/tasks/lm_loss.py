@@ -182,7 +182,7 @@ def _token_losses(
     them: logits upcast to fp32, then cross-entropy."""
     import torch.nn.functional as F
 
-    return _from_logits(F.linear(hidden, weight, bias), labels, softcap)
+    return losses_from_logits(F.linear(hidden, weight, bias), labels, softcap)
 
 
 @functools.cache
@@ -226,7 +226,7 @@ def _linear_cross_entropy() -> Any:
             for h, t in zip(hidden.split(ctx.size), labels.split(ctx.size), strict=True):
                 with torch.enable_grad(), torch.autocast(kind, dtype=dtype, enabled=enabled):
                     raw = torch.nn.functional.linear(h, weight, bias).detach().requires_grad_()
-                    losses = _from_logits(raw, t, ctx.softcap)
+                    losses = losses_from_logits(raw, t, ctx.softcap)
                     if not ctx.per_token:
                         losses = losses.sum()
                 # With per_token, each token's loss has its own incoming gradient.
@@ -309,13 +309,15 @@ def sequence_loss_sums(
     with torch.no_grad():
         for h, t in zip(flat.split(size), targets.split(size), strict=True):
             if weight is None:
-                losses.append(_from_logits(h, t, softcap))
+                losses.append(losses_from_logits(h, t, softcap))
             else:
                 losses.append(_token_losses(h, weight, bias, t, softcap))
     return torch.cat(losses).view(batch, length).sum(dim=-1)
 
 
-def _from_logits(logits: torch.Tensor, labels: torch.Tensor, softcap: float | None) -> torch.Tensor:
+def losses_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, softcap: float | None
+) -> torch.Tensor:
     """Per-token fp32 losses from logits (ignored labels give 0)."""
     import torch
     import torch.nn.functional as F
@@ -400,7 +402,7 @@ class LMLoss(ChosenLoss):
         labels = shifted_labels(batch["labels"])
         if not self.choice.chunked:  # the model's logits are final: softcapped where it caps
             logits = model(**inputs).logits
-            return _from_logits(
+            return losses_from_logits(
                 logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), None
             ).sum()
 

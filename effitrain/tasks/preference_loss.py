@@ -36,6 +36,7 @@ from effitrain.tasks.lm_loss import (
     chunked_loss_sum,
     chunked_token_losses,
     loss_in_output_layer,
+    losses_from_logits,
     shifted_labels,
     softcap_of,
 )
@@ -138,13 +139,8 @@ def masked_loss_sums(
     inputs = model_inputs(batch)
     if not choice.chunked:  # the model's logits are final: softcapped where it caps
         logits = model(**inputs).logits
-        losses = F.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]),
-            targets.reshape(-1),
-            ignore_index=IGNORE_INDEX,
-            reduction="none",
-        ).view(targets.shape)
-        return masked(losses)
+        losses = losses_from_logits(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), None)
+        return masked(losses.view(targets.shape))
     softcap = softcap_of(unwrapped)
 
     def sums(hidden: torch.Tensor, head: Any) -> torch.Tensor:
