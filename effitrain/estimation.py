@@ -204,23 +204,8 @@ def estimate(config: TrainConfig, launch: Launch | None = None) -> Estimate:
             scope.enter_context(_without_compiled_update())
         _materialize(model, device, config)
         landed = host.landed_weights(model)
-        accelerator = build.build_accelerator(config, cpu=True)
         batch = task.fake_batch(tokenizer, config.batch_size, length)
-        run = build.assemble(
-            config=config,
-            accelerator=accelerator,
-            launch=launch,
-            task=task,
-            data=data,
-            tokenizer=tokenizer,
-            model=model,
-            loss=loss,
-            train_loader=_FakeLoader([batch] * (config.grad_accum * STEPS)),
-            eval_loader=_FakeLoader(),
-            plan=Plan(steps_per_epoch=STEPS, total_steps=STEPS, epochs=1, warmup_steps=0),
-            trackers=Trackers(None, config),
-            estimating=True,
-        )
+        run = _fake_run(config, launch, task, data, tokenizer, model, loss, batch)
         progress = _run_steps(run, device)
         levers.finish_steps(run)
         memory = memory_record(run, progress)
@@ -239,6 +224,35 @@ def estimate(config: TrainConfig, launch: Launch | None = None) -> Estimate:
         notes=notes,
         cost=progress.step_cost,
         host=_host_memory(config, model, landed, launch, step),
+    )
+
+
+def _fake_run(
+    config: TrainConfig,
+    launch: Launch,
+    task: Any,
+    data: Any,
+    tokenizer: Any,
+    model: Any,
+    loss: Any,
+    batch: dict[str, Any],
+) -> Run:
+    """The run as ``build.assemble`` makes a real one, on a CPU accelerator, with ``batch`` as
+    every micro-batch of :data:`STEPS` optimizer steps (inside the fake mode)."""
+    return build.assemble(
+        config=config,
+        accelerator=build.build_accelerator(config, cpu=True),
+        launch=launch,
+        task=task,
+        data=data,
+        tokenizer=tokenizer,
+        model=model,
+        loss=loss,
+        train_loader=_FakeLoader([batch] * (config.grad_accum * STEPS)),
+        eval_loader=_FakeLoader(),
+        plan=Plan(steps_per_epoch=STEPS, total_steps=STEPS, epochs=1, warmup_steps=0),
+        trackers=Trackers(None, config),
+        estimating=True,
     )
 
 
