@@ -46,6 +46,9 @@ def train(config: TrainConfig, reporter: Reporter) -> TrainResult:
     check_config(config)
     check_outputs(config)
     tracking.check(config)
+    resume_notes: list[str] = []
+    if config.resume:  # before anything is built: the accumulation shapes the data loaders
+        config, resume_notes = continue_checkpoint_run(config)
     if config.max_memory is not None:  # before any weight is read
         from effitrain.config import parse_size
         from effitrain.planning import check_budget, launch_from_environment
@@ -53,6 +56,8 @@ def train(config: TrainConfig, reporter: Reporter) -> TrainResult:
         budget = parse_size(config.max_memory, "--max-memory")
         check_budget(config, launch_from_environment(), budget)
     run = build_run(config, reporter)
+    for note in resume_notes:
+        reporter.note(note)
     reporter.run_started(describe(run))
     progress = TrainingProgress.for_accelerator(run.accelerator)
     checkpointer = make_checkpointer(run)
@@ -80,6 +85,17 @@ def train(config: TrainConfig, reporter: Reporter) -> TrainResult:
     levers.after_final_save(run, reporter)  # after the summary: LoRA's merge changes the model
     run.trackers.finish(result)
     return result
+
+
+def continue_checkpoint_run(config: TrainConfig) -> tuple[TrainConfig, list[str]]:
+    """The ``--resume`` run's options as they continue its checkpoint's run on this launch's
+    process count (:func:`effitrain.checkpoint.continued_config`), and the notes on what changed."""
+    from effitrain.planning import launch_from_environment
+
+    path, _ = checkpoint.resolve_resume(config.resume, config.output_dir)
+    meta = checkpoint.read_metadata(path)
+    processes = launch_from_environment().sharding.num_processes
+    return checkpoint.continued_config(config, meta, path, processes)
 
 
 def make_checkpointer(run: Run) -> checkpoint.Checkpointer:
@@ -131,6 +147,7 @@ def resume(
         reporter.note(f"{problem}: skipped; resuming from {path.name}")
     meta = checkpoint.read_metadata(path)
     checkpoint.check_step(meta, path)
+    checkpoint.check_layout(path, run.launch.sharding.kind)
     checkpoint.check_resumable(
         meta,
         path,
@@ -142,21 +159,19 @@ def resume(
     )
     for note in checkpoint.check_schedule(meta, schedule_of(run), config, path):
         reporter.note(note)
-    differences = checkpoint.config_differences(meta, config, used=options_as_used)
+    differences = checkpoint.config_differences(
+        meta, config, used=options_as_used, num_processes=accelerator.num_processes
+    )
     if differences:
         reporter.note(
             f"options differ from the checkpoint's run ({'; '.join(differences)}): "
             "the resumed run is not an exact continuation"
         )
-    if meta.get("world_size") != accelerator.num_processes:
-        reporter.note(
-            f"the checkpoint was written by {meta.get('world_size')} process(es), this run has "
-            f"{accelerator.num_processes}: data order and batch size differ from the original run"
-        )
     levers.check_checkpoint(run, path)
     unrestored = _random_state_problems(accelerator, path)
     checkpoint.load_checkpoint(accelerator, path, strict=levers.strict_load(config))
     checkpoint.check_counters(meta, path, run.optimizer, run.lr_scheduler)
+    checkpoint.continue_schedule(run.lr_scheduler, meta, accelerator.num_processes)
     levers.load_extra(run, path)
     if unrestored:
         reporter.note(

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -25,7 +27,7 @@ import pytest
 
 from effitrain import distributed
 from effitrain.errors import EffitrainError
-from tests.conftest import OFFLINE
+from tests.conftest import OFFLINE, train_in_process
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_CONFIG = REPO / "configs" / "accelerate" / "cpu-2proc.yaml"
@@ -133,6 +135,7 @@ def ddp_runs(tmp_path_factory, no_dropout_model_dir, lm_model_dir):
 
     - ``two-proc``: an uninterrupted Adam-mini run with a checkpoint at step 3;
     - ``resumed``: the same run resumed from a copy of that checkpoint;
+    - ``from-one-proc``: the same run resumed from a one-process run's step-3 checkpoint;
     - ``token-weighted``: one SGD step of two processes x two micro-batches of 2 uneven texts;
     - ``lora``: LoRA under DDP (where peft is installed);
     - ``causal-lm``: the causal-LM task with a sample prompt;
@@ -149,6 +152,11 @@ def ddp_runs(tmp_path_factory, no_dropout_model_dir, lm_model_dir):
     from tests.test_causal_lm import SHORT, TEXT
 
     out = tmp_path_factory.mktemp("ddp")
+    # One process x 8 x 2 accumulated, saving at step 3: the launch's two processes continue it.
+    one = train_in_process(
+        *two_process_args(no_dropout_model_dir, out / "one-proc", "--grad-accum", "2")
+    )
+    assert one.returncode == 0, one.stdout + one.stderr
     uneven = out / "uneven.jsonl"
     uneven.write_text(
         "".join(json.dumps({"text": " ".join(["word"] * n)}) + "\n" for n in UNEVEN_LENGTHS)
@@ -163,6 +171,22 @@ def ddp_runs(tmp_path_factory, no_dropout_model_dir, lm_model_dir):
             "copy": [
                 str(out / "two-proc" / "run" / "checkpoint-3"),
                 str(out / "resumed" / "run" / "checkpoint-3"),
+            ],
+        },
+        {
+            "name": "from-one-proc",
+            # The one-process command repeated under the launcher: --grad-accum 2 becomes 1.
+            "args": two_process_args(
+                no_dropout_model_dir,
+                out / "from-one-proc",
+                "--grad-accum",
+                "2",
+                "--resume",
+                "latest",
+            ),
+            "copy": [
+                str(out / "one-proc" / "run" / "checkpoint-3"),
+                str(out / "from-one-proc" / "run" / "checkpoint-3"),
             ],
         },
         {
@@ -365,6 +389,57 @@ def test_two_process_resume_is_exact(ddp_runs, two_process_run):
     assert difference == 0.0
     checksums = {r["parameter_checksum"] for r in resumed["ranks"]}
     assert checksums == {two_process_run.metrics["ranks"][0]["parameter_checksum"]}
+
+
+def logged_lr(stdout: str) -> dict[int, str]:
+    """The lr each progress line printed, by step."""
+    found = re.findall(r"^step (\d+)/\d+ .* lr (\S+) ", stdout, flags=re.MULTILINE)
+    return {int(step): lr for step, lr in found}
+
+
+@pytest.mark.slow
+def test_one_process_continues_a_two_process_run(ddp_runs, two_process_run, train_cli, tmp_path):
+    """The two-process run's step-3 checkpoint finished by one process: the accumulation
+    doubles to keep the global batch, the lr continues the schedule (it was 0 from the resume
+    on: the scheduler counted both processes' steps), and the weights end as the uninterrupted
+    two-process run's (no dropout)."""
+    out = tmp_path / "out"
+    (out / "run").mkdir(parents=True)
+    shutil.copytree(two_process_run.out / "run" / "checkpoint-3", out / "run" / "checkpoint-3")
+    args = two_process_args(ddp_runs.model, out, "--resume", "latest", "--log-every", "1")
+    proc = train_cli(*args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (
+        "--grad-accum 2 keeps the checkpoint's global batch of 16 on 1 process(es)" in proc.stdout
+    )
+    assert "not an exact continuation" not in proc.stdout
+    lr = logged_lr(proc.stdout)
+    base = json.loads((out / "metrics.json").read_text())["lr"]
+    # warmup 1, linear to 0 at step 6: the lr after step k is base x (6 - k) / 5.
+    assert lr == {k: f"{base * (6 - k) / 5:.2e}" for k in (4, 5, 6)}
+    assert logged_lr(two_process_run.stdout)[6] == lr[6]
+    difference = max_abs_difference(
+        load_parameters(two_process_run.out / "run" / "final"),
+        load_parameters(out / "run" / "final"),
+    )
+    assert difference < 1e-5
+
+
+@pytest.mark.slow
+def test_two_processes_continue_a_one_process_run(ddp_runs, two_process_run):
+    """A one-process run (8 x 2 accumulated) continued by two processes (8 each): the same
+    global batch, the same schedule, the weights of the uninterrupted two-process run; the
+    second process has no random state of its own in the checkpoint, and says so."""
+    ddp_runs.launched.assert_ran("from-one-proc")
+    stdout = ddp_runs.launched.stdout("from-one-proc")
+    assert "--grad-accum 1 keeps the checkpoint's global batch of 16 on 2 process(es)" in stdout
+    assert "random_states_1.pkl is missing" in stdout
+    assert logged_lr(stdout)[6] == logged_lr(two_process_run.stdout)[6]
+    difference = max_abs_difference(
+        load_parameters(two_process_run.out / "run" / "final"),
+        load_parameters(ddp_runs.out / "from-one-proc" / "run" / "final"),
+    )
+    assert difference < 1e-5
 
 
 @pytest.mark.slow

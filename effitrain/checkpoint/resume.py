@@ -180,19 +180,36 @@ def config_differences(
     meta: dict[str, Any],
     config: TrainConfig,
     used: Callable[[dict[str, Any]], dict[str, Any]] = lambda values: values,
+    num_processes: int = 1,
 ) -> list[str]:
     """Options that differ from the checkpoint's run (resume is exact only without any),
-    compared as ``used`` says a run uses them (an unset --max-grad-norm: its default)."""
+    compared as ``used`` says a run uses them (an unset --max-grad-norm: its default). What
+    :func:`continued_config` changes to continue the same run is no difference: the batch and
+    the accumulation that keep the global batch on ``num_processes``, the warmup the
+    checkpoint's run derived."""
     from effitrain.config import option
 
     saved = used(dict(meta.get("config", {})))
     current = used(config.to_dict())
-
+    same = set(RUN_ONLY_OPTIONS)
+    if _global_batch(saved, meta.get("world_size") or 1) == _global_batch(current, num_processes):
+        same |= {"batch_size", "grad_accum"}
+    if saved.get("warmup_steps") is None and current.get("warmup_steps") == (
+        meta.get("schedule") or {}
+    ).get("warmup_steps"):
+        same.add("warmup_steps")
     return [
         f"{option(key)[2:]} {saved.get(key)!r} -> {value!r}"
         for key, value in current.items()
-        if key not in RUN_ONLY_OPTIONS and key in saved and saved[key] != value
+        if key not in same and key in saved and saved[key] != value
     ]
+
+
+def _global_batch(values: dict[str, Any], num_processes: int) -> Any:
+    batch, accum = values.get("batch_size"), values.get("grad_accum")
+    if isinstance(batch, int) and isinstance(accum, int):
+        return batch * accum * num_processes
+    return None
 
 
 def check_step(meta: dict[str, Any], checkpoint: Path) -> None:
@@ -345,3 +362,119 @@ def resume_command(config: TrainConfig, num_processes: int) -> str:
         "accelerate launch <same launch options> -m effitrain" if num_processes > 1 else "effitrain"
     )
     return f"{launcher} train {shlex.join(words)}"
+
+
+def continued_config(
+    config: TrainConfig, meta: dict[str, Any], checkpoint: Path, num_processes: int
+) -> tuple[TrainConfig, list[str]]:
+    """This run's options as they continue the checkpoint's run (before anything is built: the
+    accumulation and the schedule's length shape the data loaders and the scheduler); returns
+    the options and what was changed, one note each.
+
+    - On another process count the global batch (per-process batch x processes x accumulation)
+      is kept by changing ``--grad-accum`` where the user left it as the checkpoint had it.
+    - A warmup the checkpoint's run derived from its length (no ``--warmup-steps``) stays the
+      checkpoint's when the run is extended or cut: the warmup already done cannot change.
+
+    Raises:
+        EffitrainError: the global batch cannot be kept on ``num_processes`` (one line with the
+            options that would keep it).
+    """
+    import dataclasses
+
+    saved_config, saved_world = meta.get("config", {}), meta.get("world_size") or 1
+    changes: dict[str, Any] = {}
+    notes = []
+    saved_batch, saved_accum = saved_config.get("batch_size"), saved_config.get("grad_accum")
+    if (
+        saved_world != num_processes
+        and isinstance(saved_batch, int)
+        and isinstance(saved_accum, int)
+    ):
+        wanted = saved_batch * saved_world * saved_accum
+        batch, accum = config.batch_size, config.grad_accum
+        if batch * num_processes * accum != wanted:
+            share, left = divmod(wanted, batch * num_processes)
+            if accum != saved_accum or left or share == 0:
+                raise EffitrainError(
+                    f"{checkpoint} was trained with a global batch of {wanted} ({saved_world} "
+                    f"process(es) x {saved_batch} x {saved_accum} accumulated); "
+                    f"{_batch_way(wanted, num_processes, batch)}"
+                )
+            changes["grad_accum"] = share
+            notes.append(
+                f"--grad-accum {share} keeps the checkpoint's global batch of {wanted} on "
+                f"{num_processes} process(es) (it had {saved_world} x {saved_batch} x "
+                f"{saved_accum})"
+            )
+    saved_warmup = (meta.get("schedule") or {}).get("warmup_steps")
+    if (
+        config.warmup_steps is None
+        and saved_config.get("warmup_steps") is None
+        and isinstance(saved_warmup, int)
+    ):
+        changes["warmup_steps"] = saved_warmup  # derived from the first run's length: kept
+    return dataclasses.replace(config, **changes), notes
+
+
+def _batch_way(wanted: int, num_processes: int, batch: int) -> str:
+    """How ``num_processes`` keep a global batch of ``wanted``, or why they cannot."""
+    if wanted % num_processes:
+        return (
+            f"{num_processes} processes cannot split it evenly: resume on a process count "
+            f"that divides {wanted}"
+        )
+    per_process = wanted // num_processes
+    if per_process % batch == 0:
+        way = f"--batch-size {batch} --grad-accum {per_process // batch}"
+    else:
+        way = f"--batch-size {per_process} --grad-accum 1"
+    return f"on {num_processes} process(es) resume with {way} to keep it"
+
+
+def continue_schedule(lr_scheduler: Any, meta: dict[str, Any], num_processes: int) -> None:
+    """Carry the loaded lr schedule over to this run's process count (after
+    :func:`check_counters`). Accelerate's prepared scheduler steps once per process on every
+    optimizer step, so the position it saved counts the checkpoint's processes; left as loaded,
+    a 2-process checkpoint resumed by one process would be twice as far along (lr 0 at its end).
+    The position becomes the same optimizer step counted in this run's processes, and the
+    param groups take the lr of that position."""
+    saved_world = meta.get("world_size") or 1
+    if saved_world == num_processes:
+        return
+    scheduler = getattr(lr_scheduler, "scheduler", lr_scheduler)
+    position = scheduler.last_epoch * num_processes // saved_world
+    scheduler.last_epoch = position
+    scheduler._step_count = position + 1  # what stepping to ``position`` would have counted
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "get_lr() outside step()": called on purpose
+        rates = scheduler.get_lr()
+    for group, rate in zip(scheduler.optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+
+
+def check_layout(checkpoint: Path, sharding_kind: str) -> None:
+    """The checkpoint's files are the kind this launch loads: Accelerate writes a run under FSDP
+    as ``pytorch_model_fsdp_*`` (sharded: torch.distributed.checkpoint folders, one piece per
+    process, resharded to any process count on load) and any other run as ``model.safetensors``;
+    neither loads the other's.
+
+    Raises:
+        EffitrainError: the launch cannot load these files (one line: how to resume them).
+    """
+    saved_under_fsdp = any(checkpoint.glob("pytorch_model_fsdp_*"))
+    fsdp_now = sharding_kind in ("fsdp1", "fsdp2")
+    if saved_under_fsdp and not fsdp_now:
+        raise EffitrainError(
+            f"{checkpoint} was saved under FSDP (its model and optimizer sharded by "
+            "torch.distributed.checkpoint), so only an FSDP launch can load it: resume with "
+            "accelerate launch --config_file <your FSDP config> --num_processes N -m effitrain "
+            "train ... (any N; configs/accelerate/fsdp2-full-shard.yaml is one)"
+        )
+    if fsdp_now and not saved_under_fsdp:
+        raise EffitrainError(
+            f"{checkpoint} was saved without FSDP (a whole model.safetensors and optimizer.bin), "
+            "so an FSDP launch cannot load it: resume it on one process or under DDP "
+            "(accelerate launch --multi_gpu --num_processes N -m effitrain train ...)"
+        )

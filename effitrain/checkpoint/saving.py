@@ -18,6 +18,7 @@ from effitrain.checkpoint.metadata import (
     TRASH_PREFIX,
     complete_checkpoints,
     find_latest,
+    list_checkpoints,
 )
 from effitrain.errors import EffitrainError, first_line
 
@@ -208,12 +209,18 @@ def check_final(output_dir: str | Path, last_step: int) -> None:
     Raises:
         EffitrainError: this run would end at ``last_step``, before the final model's step.
     """
-    held = final_step(output_dir)
+    final = Path(output_dir) / FINAL_DIR
+    held, what = final_step(output_dir), "holds the model of step"
+    if held is None and final.exists():
+        # Unstamped (its effitrain.json deleted, or an older effitrain's): the newest checkpoint
+        # beside it is the latest step it can hold.
+        held = max((step for step, _ in list_checkpoints(output_dir)), default=None)
+        what = "holds a model of unknown step, as late as checkpoint step"
     if held is not None and last_step < held:
         raise EffitrainError(
-            f"{Path(output_dir) / FINAL_DIR} holds the model of step {held}, and this run ends at "
-            f"step {last_step}: it would be replaced by an earlier model; train to step {held} or "
-            "more (--max-steps), or use another --output-dir"
+            f"{final} {what} {held}, and this run ends at step {last_step}: it would be replaced "
+            f"by an earlier model; train to step {held} or more (--max-steps), or use another "
+            "--output-dir"
         )
 
 
