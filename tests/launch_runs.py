@@ -87,8 +87,9 @@ class Launched:
 
 
 def launch_runs(out: Path, runs: list[dict], **launch_options) -> Launched:
-    """Run ``runs`` (``{"name", "args", "copy"?}``) in one two-process launch with their files
-    under ``out``; ``launch_options`` go to :func:`tests.test_distributed.launch`."""
+    """Run ``runs`` (``{"name", "args", "copy"?}``) in one launch (two processes unless
+    ``processes=1`` says one) with their files under ``out``; ``launch_options`` go to
+    :func:`tests.test_distributed.launch`."""
     from tests.test_distributed import launch
 
     (out / "runs.json").write_text(json.dumps(runs))

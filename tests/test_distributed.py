@@ -54,13 +54,15 @@ def launch(
     config: Path = CPU_CONFIG,
     script: Path | None = None,
     extra_env: dict[str, str] | None = None,
+    processes: int = 2,
 ) -> subprocess.CompletedProcess:
     """``accelerate launch`` two CPU processes running ``effitrain ARGS``.
 
     The config file is the shipped ``cpu-2proc.yaml`` unless ``config`` says otherwise; the
     port is a free one. ``no_python``: the console-script form (``--no_python effitrain …``)
     instead of ``-m effitrain …``; ``script``: a Python file to run instead (effitrain's CLI
-    behind a harness, or a test script); ``extra_env``: more environment variables.
+    behind a harness, or a test script); ``extra_env``: more environment variables;
+    ``processes``: how many (with another config file than ``cpu-2proc.yaml``).
     ``use_cpu_env``: set ``ACCELERATE_USE_CPU=1``; without it, on a machine without GPUs,
     effitrain itself must put the processes on CPU (``distributed.cpu_for_launch``).
     """
@@ -80,7 +82,7 @@ def launch(
         "accelerate.commands.launch",
         "--config_file",
         str(config),
-        *(("--num_processes", "2") if config != CPU_CONFIG else ()),
+        *(("--num_processes", str(processes)) if config != CPU_CONFIG else ()),
         "--main_process_port",
         str(free_port()),
         *target,
@@ -409,9 +411,7 @@ def test_one_process_continues_a_two_process_run(ddp_runs, two_process_run, trai
     args = two_process_args(ddp_runs.model, out, "--resume", "latest", "--log-every", "1")
     proc = train_cli(*args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert (
-        "--grad-accum 2 keeps the checkpoint's global batch of 16 on 1 process(es)" in proc.stdout
-    )
+    assert "has 1: --grad-accum 2 keeps its global batch of 16" in proc.stdout
     assert "not an exact continuation" not in proc.stdout
     lr = logged_lr(proc.stdout)
     base = json.loads((out / "metrics.json").read_text())["lr"]
@@ -432,7 +432,7 @@ def test_two_processes_continue_a_one_process_run(ddp_runs, two_process_run):
     second process has no random state of its own in the checkpoint, and says so."""
     ddp_runs.launched.assert_ran("from-one-proc")
     stdout = ddp_runs.launched.stdout("from-one-proc")
-    assert "--grad-accum 1 keeps the checkpoint's global batch of 16 on 2 process(es)" in stdout
+    assert "has 2: --grad-accum 1 keeps its global batch of 16" in stdout
     assert "random_states_1.pkl is missing" in stdout
     assert logged_lr(stdout)[6] == logged_lr(two_process_run.stdout)[6]
     difference = max_abs_difference(

@@ -268,3 +268,49 @@ def test_effitrain_trains_adafactor_under_fsdp2_and_resumes_bit_for_bit(tmp_path
     a = load_parameters(tmp_path / "straight" / "final")
     b = load_parameters(tmp_path / "resumed" / "final")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_fsdp2_resumes_on_another_process_count(no_dropout_model_dir, tmp_path):
+    """FSDP2's sharded checkpoint (torch.distributed.checkpoint) resharded on load, 1 -> 2 and
+    2 -> 1 processes, each resume run with the command of the run it continues: the global
+    batch kept by the accumulation, the lr schedule continued, and the weights of the
+    uninterrupted two-process run within 1e-5 (dropout off: one process draws the two
+    processes' micro-batches' dropout masks from one random stream)."""
+    from tests.launch_runs import launch_runs
+    from tests.test_distributed import (
+        REPO,
+        load_parameters,
+        logged_lr,
+        max_abs_difference,
+    )
+
+    config = REPO / "configs" / "accelerate" / "fsdp2-full-shard.yaml"
+    args = ["--model", str(no_dropout_model_dir), "--optim", "adamw", "--max-steps", "4", "--save-every", "2",
+            "--batch-size", "8", "--log-every", "1", "--warmup-steps", "1"]  # fmt: skip
+
+    def train(name: str, *extra: str) -> dict:
+        run = ["train", *args, "--output-dir", str(tmp_path / name), *extra]
+        return {"name": name, "args": run}
+
+    def resume(name: str, source: str, *extra: str) -> dict:
+        copy = [str(tmp_path / folder / "checkpoint-2") for folder in (source, name)]
+        return {**train(name, *extra, "--resume", "latest"), "copy": copy}
+
+    one = launch_runs(tmp_path, [train("one", "--grad-accum", "2")], config=config, processes=1)
+    one.assert_ran("one", codes=(0, None))
+    two = launch_runs(
+        tmp_path, [train("two"), resume("one-to-two", "one", "--grad-accum", "2")], config=config
+    )
+    two.assert_ran("two")
+    two.assert_ran("one-to-two")
+    back = launch_runs(tmp_path, [resume("two-to-one", "two")], config=config, processes=1)
+    back.assert_ran("two-to-one", codes=(0, None))
+
+    assert "has 2: --grad-accum 1 keeps its global batch of 16" in two.stdout("one-to-two")
+    assert "has 1: --grad-accum 2 keeps its global batch of 16" in back.stdout("two-to-one")
+    straight = load_parameters(tmp_path / "two" / "final")
+    expected_lr = logged_lr(two.stdout("two"))
+    for name, launched in (("one-to-two", two), ("two-to-one", back)):
+        assert max_abs_difference(straight, load_parameters(tmp_path / name / "final")) < 1e-5
+        assert logged_lr(launched.stdout(name)) == {k: expected_lr[k] for k in (3, 4)}

@@ -20,6 +20,7 @@ from tests.checkpoint_helpers import train_args
 from tests.conftest import assert_clean_error
 
 CHECKPOINT = Path("out/checkpoint-6")
+WRITTEN = "the checkpoint was written by 2 process(es), this run has 1"
 
 
 def meta(world: int, batch: int, accum: int, warmup: int | None = None, derived: int = 1):
@@ -35,8 +36,8 @@ def test_one_process_keeps_a_two_process_global_batch_by_accumulating():
     config, notes = continued_config(TrainConfig(batch_size=8), meta(2, 8, 1), CHECKPOINT, 1)
     assert config.grad_accum == 2 and config.batch_size == 8
     assert notes == [
-        "--grad-accum 2 keeps the checkpoint's global batch of 16 on 1 process(es) (it had "
-        "2 x 8 x 1)"
+        "the checkpoint was written by 2 process(es), this run has 1: --grad-accum 2 keeps its "
+        "global batch of 16 (2 x 8 x 1 before)"
     ]
     # Two processes back from one process accumulating 4 x 2.
     config, _ = continued_config(
@@ -48,7 +49,11 @@ def test_one_process_keeps_a_two_process_global_batch_by_accumulating():
 def test_a_global_batch_already_kept_is_left_alone():
     for batch, accum in ((8, 2), (16, 1)):  # the accumulation doubled, or the batch instead
         given = TrainConfig(batch_size=batch, grad_accum=accum, warmup_steps=1)
-        assert continued_config(given, meta(2, 8, 1), CHECKPOINT, 1) == (given, [])
+        kept = continued_config(given, meta(2, 8, 1), CHECKPOINT, 1)
+        assert kept == (
+            given,
+            [f"{WRITTEN}: the same global batch of 16, its lr schedule continued"],
+        )
 
 
 @pytest.mark.parametrize(

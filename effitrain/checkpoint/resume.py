@@ -393,7 +393,12 @@ def continued_config(
     ):
         wanted = saved_batch * saved_world * saved_accum
         batch, accum = config.batch_size, config.grad_accum
-        if batch * num_processes * accum != wanted:
+        written = (
+            f"the checkpoint was written by {saved_world} process(es), this run has {num_processes}"
+        )
+        if batch * num_processes * accum == wanted:
+            notes.append(f"{written}: the same global batch of {wanted}, its lr schedule continued")
+        else:
             share, left = divmod(wanted, batch * num_processes)
             if accum != saved_accum or left or share == 0:
                 raise EffitrainError(
@@ -403,14 +408,14 @@ def continued_config(
                 )
             changes["grad_accum"] = share
             notes.append(
-                f"--grad-accum {share} keeps the checkpoint's global batch of {wanted} on "
-                f"{num_processes} process(es) (it had {saved_world} x {saved_batch} x "
-                f"{saved_accum})"
+                f"{written}: --grad-accum {share} keeps its global batch of {wanted} "
+                f"({saved_world} x {saved_batch} x {saved_accum} before)"
             )
     saved_warmup = (meta.get("schedule") or {}).get("warmup_steps")
     if (
         config.warmup_steps is None
         and saved_config.get("warmup_steps") is None
+        and config.warmup_ratio == saved_config.get("warmup_ratio")  # a new ratio: refused later
         and isinstance(saved_warmup, int)
     ):
         changes["warmup_steps"] = saved_warmup  # derived from the first run's length: kept
