@@ -277,6 +277,7 @@ def test_fsdp2_resumes_on_another_process_count(no_dropout_model_dir, tmp_path):
     batch kept by the accumulation, the lr schedule continued, and the weights of the
     uninterrupted two-process run within 1e-5 (dropout off: one process draws the two
     processes' micro-batches' dropout masks from one random stream)."""
+    from tests.conftest import train_in_process
     from tests.launch_runs import launch_runs
     from tests.test_distributed import (
         REPO,
@@ -297,13 +298,24 @@ def test_fsdp2_resumes_on_another_process_count(no_dropout_model_dir, tmp_path):
         copy = [str(tmp_path / folder / "checkpoint-2") for folder in (source, name)]
         return {**train(name, *extra, "--resume", "latest"), "copy": copy}
 
+    # A checkpoint of a run without FSDP (one process), which an FSDP launch cannot load.
+    plain = train_in_process(*train(
+        "plain", "--grad-accum", "2", "--max-steps", "2")["args"])  # fmt: skip
+    assert plain.returncode == 0, plain.stdout + plain.stderr
     one = launch_runs(tmp_path, [train("one", "--grad-accum", "2")], config=config, processes=1)
     one.assert_ran("one", codes=(0, None))
-    two = launch_runs(
-        tmp_path, [train("two"), resume("one-to-two", "one", "--grad-accum", "2")], config=config
-    )
+    runs = [
+        train("two"),
+        resume("one-to-two", "one", "--grad-accum", "2"),
+        resume("plain-under-fsdp", "plain", "--grad-accum", "2"),
+    ]
+    two = launch_runs(tmp_path, runs, config=config)
     two.assert_ran("two")
     two.assert_ran("one-to-two")
+    two.assert_ran("plain-under-fsdp", codes=(1, 1))
+    refused = two.stderr("plain-under-fsdp")
+    assert "Traceback" not in refused
+    assert refused.count("was saved without FSDP") == 1, refused  # printed once, by rank 0
     back = launch_runs(tmp_path, [resume("two-to-one", "two")], config=config, processes=1)
     back.assert_ran("two-to-one", codes=(0, None))
 
