@@ -564,3 +564,13 @@ def test_a_max_length_above_the_positions_is_noted(train_cli):
     assert note in " ".join(estimated.stdout.split())
     default = train_cli("train", "--max-steps", "1", "--batch-size", "4")  # 128: the default
     assert "--max-length" not in default.stdout
+
+
+def test_the_banner_counts_all_parameters_and_the_trainable_ones(train_cli):
+    import re
+
+    proc = train_cli("train", *LM_RUN, "--lora-rank", "8")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    banner = re.search(r"\(LlamaForCausalLM, ([\d,]+) params, ([\d,]+) trainable\)", proc.stdout)
+    lever = re.search(r"([\d,]+) of ([\d,]+) parameters train", proc.stdout)
+    assert banner.group(1) == lever.group(2) and banner.group(2) == lever.group(1)
