@@ -574,3 +574,18 @@ def test_the_banner_counts_all_parameters_and_the_trainable_ones(train_cli):
     banner = re.search(r"\(LlamaForCausalLM, ([\d,]+) params, ([\d,]+) trainable\)", proc.stdout)
     lever = re.search(r"([\d,]+) of ([\d,]+) parameters train", proc.stdout)
     assert banner.group(1) == lever.group(2) and banner.group(2) == lever.group(1)
+
+
+def test_saving_a_tied_model_says_nothing_of_its_shared_tensor(tmp_path, train_cli, caplog):
+    """tiny-llama's output layer is tied to its embeddings: Accelerate's save_state keeps the
+    tensor once, as expected, and its warning stays off the console."""
+    import logging
+
+    caplog.set_level(logging.WARNING)
+    out = tmp_path / "out"
+    options = ("--max-steps", "1", "--save-every", "1", "--output-dir", str(out))
+    proc = train_cli("train", *LM_RUN[:-2], *options)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (out / "checkpoint-1").is_dir()
+    said = proc.stdout + proc.stderr + caplog.text
+    assert "Removed shared tensor" not in said
