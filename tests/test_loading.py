@@ -554,16 +554,28 @@ def test_an_unreachable_hub_is_one_line(tmp_path):
     assert "Retrying" not in proc.stderr
 
 
-def test_a_max_length_above_the_positions_is_noted(train_cli):
-    """train says where it cuts --max-length, in estimate's words."""
-    note = "note: --max-length 100 is above the 64 positions the model takes: sequences are cut"
+CUT = "note: --max-length 100 is above the 64 positions the model takes: sequences are cut"
+
+
+def test_a_max_length_above_the_positions_is_noted_by_train(train_cli):
     trained = train_cli("train", "--max-length", "100", "--max-steps", "1", "--batch-size", "4")
     assert trained.returncode == 0, trained.stdout + trained.stderr
-    assert trained.stdout.count(note) == 1
+    assert trained.stdout.count(CUT) == 1
+
+
+def test_a_max_length_above_the_positions_is_noted_by_estimate_alike(train_cli):
     estimated = train_cli("estimate", "--max-length", "100", "--batch-size", "4")
-    assert note in " ".join(estimated.stdout.split())
-    default = train_cli("train", "--max-steps", "1", "--batch-size", "4")  # 128: the default
-    assert "--max-length" not in default.stdout
+    assert CUT in " ".join(estimated.stdout.split())  # rich wraps the note
+
+
+def test_the_default_max_length_is_cut_without_a_note():
+    """The default (128) is above the tiny preset's 64 positions: no note on every demo run."""
+    from effitrain.config import default_for
+    from effitrain.models import capped_length
+
+    notes: list[str] = []
+    assert capped_length(default_for("max_length"), 64, notes) == 64 and notes == []
+    assert capped_length(100, 64, notes) == 64 and len(notes) == 1
 
 
 def test_the_banner_counts_all_parameters_and_the_trainable_ones(train_cli):
