@@ -494,11 +494,12 @@ def check_loaded(
         problems.append(str(info["error_msgs"][0]).strip().splitlines()[0])
     if problems:
         architecture = f"{type(model).__name__}, model_type {model.config.model_type}"
-        cause = (
-            "a truncated or partial checkpoint, or a config.json that does not describe it"
-            if missing and not (unexpected or reshaped)
-            else f"a config.json whose architecture ({architecture}) does not match the weights"
-        )
+        if missing and not (unexpected or reshaped):
+            cause = "a truncated or partial checkpoint, or a config.json that does not describe it"
+        elif reshaped and not (missing or unexpected):
+            cause = f"a config.json ({architecture}) whose sizes do not match the weights"
+        else:
+            cause = f"a config.json whose architecture ({architecture}) does not match the weights"
         raise EffitrainError(
             f"cannot load model '{name}': {'; '.join(problems)}. Likely cause: {cause}"
         )
