@@ -346,14 +346,14 @@ def _tokenizer_or_config(config: TrainConfig, notes: list[str]) -> tuple[Any, in
     Raises:
         EffitrainError: neither a tokenizer nor a model config can be read.
     """
-    from effitrain.models import load_model_config, load_tokenizer, max_positions
+    from effitrain.models import capped_length, load_model_config, load_tokenizer, max_positions
 
     try:
         tokenizer = load_tokenizer(config.model)
     except EffitrainError:
         model_config = load_model_config(config.model)  # its one-line error where none either
     else:
-        return tokenizer, tokenizer.model_max_length
+        return tokenizer, capped_length(config.max_length, tokenizer.model_max_length, notes)
     positions = max_positions(model_config)
     length = min(config.max_length, positions or config.max_length)
     vocabulary = getattr(model_config, "vocab_size", None)

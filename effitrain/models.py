@@ -203,7 +203,36 @@ def is_offline() -> bool:
     )
 
 
+HUB_PROBE_SECONDS = 2.0
+"""How long the one request that tells whether the hub can be reached may take."""
+_unreachable_hub: str | None = None
+"""The hub endpoint this process found it could not reach (it then went offline), else None."""
+
+
+def _is_path(name: str) -> bool:
+    return Path(name).exists() or name.startswith((".", "/", "~"))
+
+
+def offline_unless_hub_reachable(name: str) -> None:
+    """Before ``name`` (a hub id: not a preset, not a path) is looked up, one request with a
+    short timeout tells whether the hub can be reached (once per process); where it cannot,
+    this process goes offline, so that a cached copy loads and a missing one fails at once:
+    huggingface_hub would retry each file for half a minute, logging every try."""
+    global _unreachable_hub
+    if is_preset(name) or _is_path(name) or is_offline():
+        return
+    from huggingface_hub import constants, get_session
+
+    try:
+        get_session().head(constants.ENDPOINT, timeout=HUB_PROBE_SECONDS)
+    except Exception:  # noqa: BLE001 - any failure of this one request means unreachable
+        _unreachable_hub = constants.ENDPOINT
+        os.environ["HF_HUB_OFFLINE"] = "1"  # for this process's libraries and its children
+        constants.HF_HUB_OFFLINE = True  # read once at import by huggingface_hub
+
+
 def cannot_load(what: str, name: str, exc: BaseException) -> EffitrainError:
+    presets = ", ".join([*PRESETS, *CAUSAL_PRESETS])
     if what == "model" and Path(name).is_dir() and not (Path(name) / "config.json").exists():
         reason = "the folder has no config.json"
     elif Path(name).exists():
@@ -211,10 +240,17 @@ def cannot_load(what: str, name: str, exc: BaseException) -> EffitrainError:
     elif name.startswith((".", "/", "~")):
         reason = "no such folder"
     elif is_offline():
-        reason = "not a preset or local folder, and the hub is offline (HF_HUB_OFFLINE=1)"
+        hub = (
+            f"the hub ({_unreachable_hub}) cannot be reached"
+            if _unreachable_hub
+            else "the hub is offline (HF_HUB_OFFLINE=1)"
+        )
+        return EffitrainError(
+            f"cannot load {what} '{name}': {hub} and no copy is cached; offline, use a preset "
+            f"({presets}) or a local folder saved with save_pretrained"
+        )
     else:
         reason = first_line(exc)
-    presets = ", ".join([*PRESETS, *CAUSAL_PRESETS])
     return EffitrainError(f"cannot load {what} '{name}': {reason}. Presets: {presets}")
 
 
@@ -262,6 +298,7 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
             f"cannot load tokenizer from '{name}': the folder has no tokenizer files "
             f"({', '.join(TOKENIZER_FILES[:3])} …); save it with tokenizer.save_pretrained"
         )
+    offline_unless_hub_reachable(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError, KeyError) as exc:
@@ -282,12 +319,14 @@ def load_model(
     label_names: list[str],
     tokenizer: PreTrainedTokenizerBase,
     options: LoadOptions | None = None,
+    notes: list[str] | None = None,
 ) -> PreTrainedModel:
     """Build a preset or load a pretrained model with a classification head for these labels,
     read as ``options`` say (default: fp32).
 
-    A pretrained head with a different number of labels is replaced (``ignore_mismatched_sizes``);
-    the head is then freshly initialised, as in the Trainer.
+    A head the checkpoint lacks, or has for another number of labels, is freshly initialised,
+    as in the Trainer, and named in a note added to ``notes``; any other weight that does not
+    load refuses the run (:func:`check_loaded`).
 
     Raises:
         EffitrainError: the model cannot be loaded.
@@ -314,18 +353,170 @@ def load_model(
     try:
         if options.receives:
             return empty_model(AutoModelForSequenceClassification, config, options.dtype)
-        # In the options' dtype (fp32 by default), whatever the checkpoint's (transformers 5
-        # keeps it by default): the weights' dtype is the levers' choice.
-        model = AutoModelForSequenceClassification.from_pretrained(
-            name,
-            config=config,
-            ignore_mismatched_sizes=True,
-            **options.from_pretrained_kwargs(AutoModelForSequenceClassification, config),
+        return read_checkpoint(
+            AutoModelForSequenceClassification, name, options, config, new_head=True, notes=notes
         )
     except (OSError, ValueError, KeyError) as exc:
         raise cannot_load("model", name, exc) from exc
+
+
+def read_checkpoint(
+    auto_class: Any,
+    name: str,
+    options: LoadOptions,
+    model_config: Any,
+    new_head: bool,
+    notes: list[str] | None,
+) -> PreTrainedModel:
+    """``auto_class.from_pretrained(name)``, read as ``options`` say, its loading checked
+    (:func:`check_loaded`; ``new_head``: the task initializes its head on purpose).
+
+    Raises:
+        EffitrainError: a weight file is truncated or a pickle, or weights did not load.
+    """
+    import pickle
+
+    from safetensors import SafetensorError
+
+    offline_unless_hub_reachable(name)
+    try:
+        # In the options' dtype (fp32 by default), whatever the checkpoint's (transformers 5
+        # keeps it by default): the weights' dtype is the levers' choice. Mismatched shapes
+        # are reported, not raised: check_loaded refuses them outside a new head.
+        model, info = auto_class.from_pretrained(
+            name,
+            **({"config": model_config} if model_config is not None else {}),
+            ignore_mismatched_sizes=True,
+            output_loading_info=True,
+            **options.from_pretrained_kwargs(auto_class, model_config),
+        )
+    except SafetensorError as exc:
+        file = _first_unreadable(name, "*.safetensors") or "a .safetensors file"
+        raise EffitrainError(
+            f"cannot load model '{name}': {file} is truncated or corrupt ({first_line(exc)}); "
+            "download or save it again"
+        ) from exc
+    except pickle.UnpicklingError as exc:
+        file = _first_unreadable(name, "*.bin") or "pytorch_model.bin"
+        raise EffitrainError(
+            f"cannot load model '{name}': {file} is a pickle holding more than tensors, refused "
+            "(untrusted pickles are never unpickled with code execution); if you trust it, "
+            'convert it once: python -c "import torch, safetensors.torch as st; d = torch.load('
+            f"'{file}', weights_only=False); st.save_file({{k: v.clone() for k, v in d.items() "
+            f"if torch.is_tensor(v)}}, '{Path(file).with_name('model.safetensors')}', "
+            "{'format': 'pt'})\" and remove the .bin"
+        ) from exc
+    check_loaded(name, model, info, new_head, notes)
     release_read_pages()
     return model
+
+
+def _first_unreadable(name: str, pattern: str) -> str | None:
+    """The first of the checkpoint's files matching ``pattern`` (its folder, or its cached
+    snapshot) that safetensors or torch's weights-only loader cannot read, else None."""
+    folder = Path(name)
+    if not folder.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = Path(snapshot_download(name, local_files_only=True))
+        except Exception:  # noqa: BLE001 - not cached as a snapshot: the file goes unnamed
+            return None
+    for path in sorted(folder.glob(pattern)):
+        try:
+            if path.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                with safe_open(str(path), framework="pt"):
+                    pass
+            else:
+                import torch
+
+                torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:  # noqa: BLE001 - unreadable, whatever the reason
+            return str(path)
+    return None
+
+
+LISTED_KEYS = 4
+"""How many weight names a note lists before it counts the rest."""
+
+
+def check_loaded(
+    name: str, model: Any, info: dict[str, Any], new_head: bool, notes: list[str] | None
+) -> None:
+    """Refuse a model whose checkpoint did not fill it: weights missing from the checkpoint
+    (they would train from random values), in it with no place in the model, or of another
+    shape. Except, named in one note added to ``notes``: a task's head outside the base model
+    (``new_head``: a classification head, and the base model's pooler it reads), which the
+    task initializes on purpose, and a head of the checkpoint's own that this task does not
+    use. Tied weights (an output layer tied to the embeddings) are not missing: transformers
+    ties them after reading.
+
+    Raises:
+        EffitrainError: one line naming how many weights and one of each, and the likely cause.
+    """
+    prefix = getattr(model, "base_model_prefix", "")
+    base = f"{prefix}." if prefix and hasattr(model, prefix) else None
+
+    def outside_base(key: str) -> bool:
+        return base is not None and (not key.startswith(base) or key.startswith(f"{base}pooler."))
+
+    mismatched = {
+        key: (tuple(saved), tuple(built)) for key, saved, built in info["mismatched_keys"]
+    }
+    absent = sorted(info["missing_keys"]) + sorted(mismatched)
+    new = [key for key in absent if new_head and outside_base(key)]
+    missing = [key for key in sorted(info["missing_keys"]) if key not in new]
+    reshaped = [key for key in sorted(mismatched) if key not in new]
+    unexpected = sorted(info["unexpected_keys"])
+    dropped = [key for key in unexpected if outside_base(key)]
+    if not (missing or reshaped):  # else they tell the cause: the weights of another model
+        unexpected = [key for key in unexpected if key not in dropped]
+    problems = []
+    if missing:
+        problems.append(
+            f"{len(missing)} weight(s) missing from the checkpoint (e.g. {missing[0]}) would "
+            "train from random values"
+        )
+    if unexpected:
+        problems.append(
+            f"{len(unexpected)} weight(s) in the checkpoint have no place in the model (e.g. "
+            f"{unexpected[0]})"
+        )
+    if reshaped:
+        saved, built = mismatched[reshaped[0]]
+        problems.append(
+            f"{len(reshaped)} weight(s) have another shape in the checkpoint (e.g. {reshaped[0]}: "
+            f"{list(saved)} saved, {list(built)} in the model)"
+        )
+    if info.get("error_msgs"):
+        problems.append(str(info["error_msgs"][0]).strip().splitlines()[0])
+    if problems:
+        architecture = f"{type(model).__name__}, model_type {model.config.model_type}"
+        if missing and not (unexpected or reshaped):
+            cause = "a truncated or partial checkpoint, or a config.json that does not describe it"
+        elif reshaped and not (missing or unexpected):
+            cause = f"a config.json ({architecture}) whose sizes do not match the weights"
+        else:
+            cause = f"a config.json whose architecture ({architecture}) does not match the weights"
+        raise EffitrainError(
+            f"cannot load model '{name}': {'; '.join(problems)}. Likely cause: {cause}"
+        )
+    said = []
+    if new:
+        said.append(
+            f"{_listed(new)} {'is' if len(new) == 1 else 'are'} new: initialized for this task"
+        )
+    if dropped:
+        said.append(f"the checkpoint's own head ({_listed(dropped)}) is not used by this task")
+    if said and notes is not None:
+        notes.append("; ".join(said))
+
+
+def _listed(keys: list[str]) -> str:
+    shown = ", ".join(keys[:LISTED_KEYS])
+    return shown if len(keys) <= LISTED_KEYS else f"{shown} and {len(keys) - LISTED_KEYS} more"
 
 
 def causal_preset_settings(name: str) -> dict[str, Any]:
@@ -343,6 +534,7 @@ def load_model_config(name: str, **kwargs: Any) -> Any:
     """
     from transformers import AutoConfig
 
+    offline_unless_hub_reachable(name)
     try:
         return AutoConfig.from_pretrained(name, **kwargs)
     except (OSError, ValueError, KeyError) as exc:
@@ -398,6 +590,23 @@ def max_positions(model_config: Any) -> int | None:
     return None
 
 
+def capped_length(max_length: int, limit: int, notes: list[str]) -> int:
+    """``--max-length`` capped by the longest sequence the model takes (``limit``: its
+    tokenizer's ``model_max_length``; longer inputs would index past its position embeddings),
+    as train and estimate cut sequences; a note added to ``notes`` says so where a length the
+    user chose is cut (the default, 128, is above the tiny preset's 64 positions)."""
+    from effitrain.config import default_for
+
+    if max_length <= limit:
+        return max_length
+    if max_length != default_for("max_length"):
+        notes.append(
+            f"--max-length {max_length:,} is above the {limit:,} positions the model takes: "
+            f"sequences are cut at {limit:,} tokens"
+        )
+    return limit
+
+
 def _label_fields(label_names: list[str]) -> dict[str, Any]:
     """A classification config's label fields for these label names."""
     id2label = dict(enumerate(label_names))
@@ -409,10 +618,14 @@ def _label_fields(label_names: list[str]) -> dict[str, Any]:
 
 
 def load_causal_lm(
-    name: str, tokenizer: PreTrainedTokenizerBase, options: LoadOptions | None = None
+    name: str,
+    tokenizer: PreTrainedTokenizerBase,
+    options: LoadOptions | None = None,
+    notes: list[str] | None = None,
 ) -> PreTrainedModel:
     """Build a causal-LM preset (random init) or load a pretrained ``AutoModelForCausalLM``,
-    read as ``options`` say (default: fp32).
+    read as ``options`` say (default: fp32), every weight loaded (:func:`check_loaded`; the
+    output layer is no new head: a checkpoint without it is refused, unless it is tied).
 
     Raises:
         EffitrainError: the model cannot be loaded, or has no causal-LM head.
@@ -439,8 +652,7 @@ def load_causal_lm(
         if options.receives:
             model = empty_model(auto, config, options.dtype, generation_from=name)
         else:
-            # In the options' dtype whatever the checkpoint's, as load_model.
-            model = auto.from_pretrained(name, **options.from_pretrained_kwargs(auto, config))
+            model = read_checkpoint(auto, name, options, config, new_head=False, notes=notes)
     except ValueError as exc:
         if "Unrecognized configuration class" in str(exc):
             raise EffitrainError(
@@ -450,7 +662,6 @@ def load_causal_lm(
         raise cannot_load("model", name, exc) from exc
     except (OSError, KeyError) as exc:
         raise cannot_load("model", name, exc) from exc
-    release_read_pages()
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return _for_training(model, tokenizer)

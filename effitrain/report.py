@@ -83,9 +83,11 @@ class Reporter:
         self._speed_unit = info.speed_unit
         if not self._chatty:
             return
+        trainable = info.trainable_parameters
+        frozen = f", {_count(trainable)} trainable" if trainable < info.parameters else ""
         self._line(
             f"[bold]effitrain[/] · model [cyan]{info.model}[/] ({info.model_class}, "
-            f"{_count(info.parameters)} params)"
+            f"{_count(info.parameters)} params{frozen})"
         )
         self._line(
             f"  data      {info.dataset}: {info.train_examples:,} train / "

@@ -25,6 +25,9 @@ class RunInfo:
     model: str
     model_class: str
     parameters: int
+    """All of the model's weights (a 4-bit one counted as its original shape's)."""
+    trainable_parameters: int
+    """Those that train (fewer than ``parameters`` where a lever freezes the model's: LoRA)."""
     dataset: str
     train_examples: int
     validation_examples: int

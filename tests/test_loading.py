@@ -367,3 +367,239 @@ def test_a_receiving_process_builds_the_model_without_reading_it(lm_model_dir, r
     assert model.training == read.training and model.config.use_cache == read.config.use_cache
     quantized = LoadOptions(receive=receive, quantization_config=BitsAndBytesConfig())
     assert LoadOptions(receive=receive).receives == receive and quantized.receives is None
+
+
+# --------------------------------------------------------------------------------------------
+# Weights load or the run is refused; what a checkpoint or the hub cannot give, in one line
+# (issue 44, item 2 and the loading edges of items 6 and 7)
+# --------------------------------------------------------------------------------------------
+
+LM_RUN = (*LM, *SHAPE, "--max-steps", "1")
+
+
+@pytest.fixture
+def lm_copy(lm_model_dir, tmp_path) -> Path:
+    """A copy of the saved tiny-llama folder, to break."""
+    import shutil
+
+    return Path(shutil.copytree(lm_model_dir, tmp_path / "model"))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [(), ("--weights-dtype", "bf16"), ("--load-in-4bit", "--lora-rank", "8")],
+    ids=["fp32", "bf16", "qlora"],
+)
+def test_a_checkpoint_missing_a_layer_is_refused(lm_copy, train_cli, options):
+    from safetensors.torch import load_file, save_file
+
+    from tests.conftest import assert_clean_error
+
+    weights = lm_copy / "model.safetensors"
+    kept = {k: v for k, v in load_file(weights).items() if not k.startswith("model.layers.1.")}
+    save_file(kept, weights, metadata={"format": "pt"})
+    proc = train_cli("train", "--model", str(lm_copy), *LM_RUN, *options)
+    assert_clean_error(
+        proc,
+        "9 weight(s) missing from the checkpoint (e.g. model.layers.1.",
+        "truncated or partial checkpoint",
+    )
+
+
+def test_a_config_of_another_architecture_is_refused(lm_copy, train_cli):
+    from tests.conftest import assert_clean_error
+
+    config = json.loads((lm_copy / "config.json").read_text())
+    config.update(model_type="bert", architectures=["BertForMaskedLM"])
+    (lm_copy / "config.json").write_text(json.dumps(config))
+    proc = train_cli("train", "--model", str(lm_copy), *LM_RUN)
+    assert_clean_error(
+        proc,
+        "missing from the checkpoint (e.g. bert.",
+        "in the checkpoint have no place in the model (e.g. model.",
+        "architecture (BertLMHeadModel, model_type bert) does not match the weights",
+    )
+
+
+def test_a_config_with_other_shapes_is_refused(lm_copy, train_cli):
+    from tests.conftest import assert_clean_error
+
+    config = json.loads((lm_copy / "config.json").read_text())
+    config["intermediate_size"] *= 2
+    (lm_copy / "config.json").write_text(json.dumps(config))
+    proc = train_cli("train", "--model", str(lm_copy), *LM_RUN)
+    assert_clean_error(
+        proc, "6 weight(s) have another shape in the checkpoint", "whose sizes do not"
+    )
+
+
+def test_a_base_model_gets_a_classification_head_with_a_note(tmp_path, train_cli):
+    """A checkpoint of the base model alone (no head): the task's head is new, said once."""
+    from effitrain.models import load_model, load_tokenizer
+
+    tokenizer = load_tokenizer("tiny")
+    load_model("tiny", ["no", "yes"], tokenizer).base_model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    proc = train_cli("train", "--model", str(tmp_path), "--max-steps", "1", "--batch-size", "4")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    notes = [line for line in proc.stdout.splitlines() if "initialized for this task" in line]
+    assert notes == [
+        "note: classifier.bias, classifier.weight, pre_classifier.bias, pre_classifier.weight "
+        "are new: initialized for this task"
+    ]
+
+
+def test_a_truncated_safetensors_names_the_file(lm_copy, train_cli):
+    from tests.conftest import assert_clean_error
+
+    weights = lm_copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    line = assert_clean_error(
+        train_cli("train", "--model", str(lm_copy), *LM_RUN),
+        f"{weights} is truncated or corrupt",
+    )
+    assert "SafetensorError" not in line
+
+
+def test_a_pickle_checkpoint_is_refused_with_a_conversion(lm_copy, train_cli):
+    """A pytorch_model.bin that the weights-only loader refuses (it holds more than tensors):
+    refused, never unpickled here; the printed conversion gives a folder that trains."""
+    import argparse
+    import re
+
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.conftest import assert_clean_error
+
+    weights = load_file(lm_copy / "model.safetensors")
+    (lm_copy / "model.safetensors").unlink()
+    pickled = lm_copy / "pytorch_model.bin"
+    torch.save({**weights, "args": argparse.Namespace(lr=1.0)}, pickled)
+    line = assert_clean_error(
+        train_cli("train", "--model", str(lm_copy), *LM_RUN),
+        f"{pickled} is a pickle holding more than tensors, refused",
+        "never unpickled with code execution",
+    )
+    assert "weights_only=False" not in line.split("convert it once:")[0]
+    code = re.search(r'python -c "(.*)" and remove', line).group(1)
+    exec(code, {})  # the user's step, on a file this test wrote
+    pickled.unlink()
+    proc = train_cli("train", "--model", str(lm_copy), *LM_RUN)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_an_uncached_hub_id_offline_says_what_works(train_cli):
+    from tests.conftest import assert_clean_error
+
+    assert_clean_error(  # the tests run with HF_HUB_OFFLINE=1
+        train_cli("train", "--model", "effitrain-test/not-cached", "--max-steps", "1"),
+        "cannot load model 'effitrain-test/not-cached': the hub is offline (HF_HUB_OFFLINE=1)",
+        "offline, use a preset (tiny,",
+        "or a local folder",
+    )
+
+
+@pytest.fixture
+def online(monkeypatch):
+    """This process as if HF_HUB_OFFLINE were unset, with the hub at a loopback port where
+    nothing listens (refused at once)."""
+    from huggingface_hub import constants
+
+    import effitrain.models as models
+
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(models, "_unreachable_hub", None)
+
+
+def test_an_unreachable_hub_goes_offline_at_once(online, caplog):
+    """One request tells that the hub cannot be reached: the process goes offline (a cached
+    copy would load) and an uncached id fails without huggingface_hub's retries."""
+    import os
+
+    from huggingface_hub import constants
+
+    from effitrain.errors import EffitrainError
+    from effitrain.models import load_model_config
+
+    with pytest.raises(EffitrainError) as error:
+        load_model_config("effitrain-test/not-cached")
+    assert str(error.value).startswith(
+        "cannot load model 'effitrain-test/not-cached': the hub (http://127.0.0.1:9) cannot be "
+        "reached and no copy is cached; offline, use a preset (tiny,"
+    )
+    assert os.environ["HF_HUB_OFFLINE"] == "1" and constants.HF_HUB_OFFLINE
+    assert not [r for r in caplog.records if "Retrying" in r.getMessage()]
+
+
+@pytest.mark.slow  # a fresh process, with the hub's environment unset
+def test_an_unreachable_hub_is_one_line(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import OFFLINE, assert_clean_error
+
+    env = {k: v for k, v in os.environ.items() if k not in OFFLINE and k != "EFFITRAIN_DEBUG"}
+    env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path), COLUMNS="200")
+    proc = subprocess.run(
+        [sys.executable, "-m", "effitrain", "train", "--model", "org/not-cached"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert_clean_error(proc, "the hub (http://127.0.0.1:9) cannot be reached")
+    assert "Retrying" not in proc.stderr
+
+
+CUT = "note: --max-length 100 is above the 64 positions the model takes: sequences are cut"
+
+
+def test_a_max_length_above_the_positions_is_noted_by_train(train_cli):
+    trained = train_cli("train", "--max-length", "100", "--max-steps", "1", "--batch-size", "4")
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    assert trained.stdout.count(CUT) == 1
+
+
+def test_a_max_length_above_the_positions_is_noted_by_estimate_alike(train_cli):
+    estimated = train_cli("estimate", "--max-length", "100", "--batch-size", "4")
+    assert CUT in " ".join(estimated.stdout.split())  # rich wraps the note
+
+
+def test_the_default_max_length_is_cut_without_a_note():
+    """The default (128) is above the tiny preset's 64 positions: no note on every demo run."""
+    from effitrain.config import default_for
+    from effitrain.models import capped_length
+
+    notes: list[str] = []
+    assert capped_length(default_for("max_length"), 64, notes) == 64 and notes == []
+    assert capped_length(100, 64, notes) == 64 and len(notes) == 1
+
+
+def test_the_banner_counts_all_parameters_and_the_trainable_ones(train_cli):
+    import re
+
+    proc = train_cli("train", *LM_RUN, "--lora-rank", "8")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    banner = re.search(r"\(LlamaForCausalLM, ([\d,]+) params, ([\d,]+) trainable\)", proc.stdout)
+    lever = re.search(r"([\d,]+) of ([\d,]+) parameters train", proc.stdout)
+    assert banner.group(1) == lever.group(2) and banner.group(2) == lever.group(1)
+
+
+def test_saving_a_tied_model_says_nothing_of_its_shared_tensor(tmp_path, train_cli, caplog):
+    """tiny-llama's output layer is tied to its embeddings: Accelerate's save_state keeps the
+    tensor once, as expected, and its warning stays off the console."""
+    import logging
+
+    caplog.set_level(logging.WARNING)
+    out = tmp_path / "out"
+    options = ("--max-steps", "1", "--save-every", "1", "--output-dir", str(out))
+    proc = train_cli("train", *LM_RUN[:-2], *options)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (out / "checkpoint-1").is_dir()
+    said = proc.stdout + proc.stderr + caplog.text
+    assert "Removed shared tensor" not in said

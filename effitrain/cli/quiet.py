@@ -21,11 +21,33 @@ QUIET_LOGGERS = (
 )
 
 
+# logger -> the start of a message it logs that says nothing a user can act on.
+QUIET_MESSAGES = {
+    # Accelerate's save_state, on every checkpoint of a model with tied weights (an output
+    # layer tied to the embeddings): it saves the tied tensor once, as expected, and warns.
+    "accelerate.utils.other": "Removed shared tensor",
+}
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, start: str) -> None:
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # Accelerate's multi-process adapter puts "[RANK n] " before the message.
+        return not record.getMessage().split("] ", 1)[-1].startswith(self.start)
+
+
 def quiet_libraries() -> None:
-    """Silence the loggers above (before the libraries are imported) and the datasets and
-    transformers progress bars and info logs. Errors still show."""
+    """Silence the loggers above (before the libraries are imported), the messages above, and
+    the datasets and transformers progress bars and info logs. Errors still show."""
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
+    for name, start in QUIET_MESSAGES.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessage) and f.start == start for f in logger.filters):
+            logger.addFilter(_DropMessage(start))
 
     import datasets
     import transformers

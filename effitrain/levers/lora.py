@@ -299,14 +299,14 @@ def original_parameters(model: torch.nn.Module) -> list[Any]:
 
 def describe(model: torch.nn.Module, config: TrainConfig) -> str:
     """One banner line: rank, alpha, dropout, the adapted layers, the head, what trains."""
-    from effitrain.memory.ledger import logical_numel, trainable_parameter_count
+    from effitrain.memory.ledger import parameter_count, trainable_parameter_count
 
     peft_model = model
     base = peft_model.get_base_model()
     head = head_modules(base)
     why = _why(config.lora_target_modules)  # checked by apply, on the model before peft
     targeted = _leaf_names(list(peft_model.base_model.targeted_module_names))
-    total = sum(logical_numel(p) for p in peft_model.parameters())  # 4-bit: unpacked
+    total = parameter_count(peft_model)  # 4-bit: unpacked
     default = "" if config.lora_alpha is not None else " (2 x rank)"
     return (
         f"LoRA r={config.lora_rank} alpha={alpha(config):g}{default} dropout "

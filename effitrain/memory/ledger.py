@@ -45,6 +45,7 @@ __all__ = [
     "quant_state_tensors",
     "tensor_storage",
     "trainable_parameter_bytes",
+    "parameter_count",
     "trainable_parameter_count",
     "unwrap_optimizer",
 ]
@@ -505,22 +506,29 @@ def _view_identity(t: torch.Tensor) -> Hashable:
     return (ptr, str(t.device), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
 
 
-def trainable_parameter_count(model: Any) -> int:
-    """Total ``numel()`` of parameters with ``requires_grad``; tied parameters count once.
+def parameter_count(model: Any, trainable_only: bool = False) -> int:
+    """The weights of all parameters (``trainable_only``: of those with ``requires_grad``);
+    tied parameters count once.
 
-    This is the logical count: a DTensor parameter counts its global shape.
+    This is the logical count: a DTensor parameter counts its global shape, a 4-bit weight its
+    original shape (:func:`logical_numel`).
     """
     seen: set[Hashable] = set()
     total = 0
     for p in _parameters(model):
-        if not p.requires_grad:
+        if trainable_only and not p.requires_grad:
             continue
         ident = _view_identity(p)
         if ident in seen:
             continue
         seen.add(ident)
-        total += p.numel()
+        total += logical_numel(p)
     return total
+
+
+def trainable_parameter_count(model: Any) -> int:
+    """:func:`parameter_count` of the parameters with ``requires_grad``."""
+    return parameter_count(model, trainable_only=True)
 
 
 def gradient_bytes(model: Any) -> int:

@@ -114,7 +114,7 @@ class DecoderTask(Task):
     def load_model(
         self, config: TrainConfig, data: Any, tokenizer: Any, options: models.LoadOptions
     ) -> Any:
-        return models.load_causal_lm(config.model, tokenizer, options)
+        return models.load_causal_lm(config.model, tokenizer, options, data.notes)
 
     def model_from_config(self, config: TrainConfig, data: Any, tokenizer: Any) -> Any:
         return models.model_from_config(config.model, tokenizer, causal_lm=True)

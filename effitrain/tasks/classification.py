@@ -197,7 +197,7 @@ def tokenize(
     ``max_length`` is capped by the tokenizer's ``model_max_length``: longer inputs would index
     past the model's position embeddings.
     """
-    max_length = min(max_length, tokenizer.model_max_length)
+    max_length = models.capped_length(max_length, tokenizer.model_max_length, data.notes)
 
     def encode(batch: dict[str, list[Any]]) -> dict[str, Any]:
         texts = [["" if t is None else str(t) for t in batch[c]] for c in data.text_columns]
@@ -277,7 +277,7 @@ class ClassificationTask(Task):
     def load_model(
         self, config: TrainConfig, data: LoadedData, tokenizer: Any, options: models.LoadOptions
     ) -> Any:
-        return models.load_model(config.model, data.label_names, tokenizer, options)
+        return models.load_model(config.model, data.label_names, tokenizer, options, data.notes)
 
     def model_from_config(self, config: TrainConfig, data: LoadedData, tokenizer: Any) -> Any:
         return models.model_from_config(

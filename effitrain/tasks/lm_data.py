@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from effitrain.errors import EffitrainError
+from effitrain.models import capped_length
 from effitrain.tasks.sources import (
     LABEL_COLUMN_CANDIDATES,
     LOCAL_FORMATS,
@@ -493,7 +494,7 @@ def tokenize_lm(
             "the tokenizer has no end-of-sequence token, which separates documents; use a "
             "tokenizer with an eos_token"
         )
-    max_length = min(max_length, tokenizer.model_max_length)
+    max_length = capped_length(max_length, tokenizer.model_max_length, data.notes)
     if data.format in ("messages", "instruction") and tokenizer.chat_template is None:
         tokenizer.chat_template = CHATML_TEMPLATE
         data.notes.append(

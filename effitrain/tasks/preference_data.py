@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from effitrain.errors import EffitrainError
+from effitrain.models import capped_length
 from effitrain.tasks.lm_data import CHAT_ROLES, CHATML_TEMPLATE, IGNORE_INDEX
 from effitrain.tasks.sources import hold_out, load_splits, loaders, train_and_validation
 
@@ -299,7 +300,7 @@ def tokenize_preference(
             "the tokenizer has no end-of-sequence token, which ends each answer; use a tokenizer "
             "with an eos_token"
         )
-    limit = min(max_length, tokenizer.model_max_length)
+    limit = capped_length(max_length, tokenizer.model_max_length, data.notes)
     if data.conversational and tokenizer.chat_template is None:
         tokenizer.chat_template = CHATML_TEMPLATE
         data.notes.append(
