@@ -215,6 +215,18 @@ class Reporter:
         if self._chatty:
             self._line(f"model and tokenizer saved to {path} (save_pretrained, safetensors)")
 
+    def not_saved(self) -> None:
+        if self._chatty:
+            self._line(
+                "the trained model is not saved (no --output-dir); add --output-dir DIR to keep it"
+            )
+
+    def stopped_before_training(self, signal_name: str) -> None:
+        """A signal stopped the run before its first step (even with --quiet)."""
+        if self.enabled:
+            self.progress_finished()
+            self._line(f"[yellow]stopped[/] by {signal_name} before training; nothing was saved")
+
     def stopped(
         self, signal_name: str, step: int, checkpoint: Path | None, resume_command: str | None
     ) -> None:

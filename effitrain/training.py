@@ -30,7 +30,7 @@ from effitrain.memory import ledger
 from effitrain.progress import Stopwatch, TrainingProgress
 from effitrain.results import TrainResult
 from effitrain.run import Run
-from effitrain.signals import stop_on_signals
+from effitrain.signals import StoppedBeforeTraining, TrainingStopped, stop_on_signals
 
 if TYPE_CHECKING:
     from effitrain.report import Reporter
@@ -39,11 +39,34 @@ if TYPE_CHECKING:
 def train(config: TrainConfig, reporter: Reporter) -> TrainResult:
     """Run one training job as configured and return what it measured.
 
+    The output folder is locked for the run (:func:`effitrain.checkpoint.output_lock`, by the
+    main process) before anything is written to it.
+
     Raises:
-        EffitrainError: a user-fixable problem (bad data, model, optimizer, options).
-        TrainingStopped: SIGINT/SIGTERM stopped it after a complete (and saved) step.
+        EffitrainError: a user-fixable problem (bad data, model, optimizer, options), or another
+            run holds the output folder.
+        TrainingStopped: SIGINT/SIGTERM stopped it (after a complete and saved step once
+            training has started; at once before that).
     """
     check_config(config)
+    reporter.enabled = reporter.enabled and distributed.is_launch_main_process()
+    locked = config.output_dir if distributed.is_launch_main_process() else None
+    with checkpoint.output_lock(locked, reporter.note), stop_on_signals() as stop:
+        try:
+            with stop.at_once():  # no step to finish yet: a signal stops at once
+                run, progress, checkpointer = prepare(config, reporter)
+        except StoppedBeforeTraining as early:
+            reporter.stopped_before_training(early.signal_name)
+            raise TrainingStopped(early.exit_code, None) from None
+        timer = fit(run, progress, checkpointer, reporter, stop)
+        return finish(run, progress, checkpointer, timer, reporter)
+
+
+def prepare(
+    config: TrainConfig, reporter: Reporter
+) -> tuple[Run, TrainingProgress, checkpoint.Checkpointer]:
+    """Everything before the first step: the checks, the build, the resume, the levers' work
+    before training (DPO's reference pass)."""
     check_outputs(config)
     tracking.check(config)
     if config.max_memory is not None:  # before any weight is read
@@ -62,8 +85,19 @@ def train(config: TrainConfig, reporter: Reporter) -> TrainResult:
     if config.output_dir:  # before training, not after: final/ never goes back to an older model
         checkpoint.check_final(config.output_dir, run.plan.total_steps)
     run.trackers.start(progress.global_step, reporter)
-    with stop_on_signals() as stop:
-        timer = fit(run, progress, checkpointer, reporter, stop)
+    return run, progress, checkpointer
+
+
+def finish(
+    run: Run,
+    progress: TrainingProgress,
+    checkpointer: checkpoint.Checkpointer,
+    timer: Stopwatch,
+    reporter: Reporter,
+) -> TrainResult:
+    """After the last step: the final evaluation where it is missing, the final model, the
+    summary."""
+    config = run.config
     if not progress.eval_history or progress.eval_history[-1]["step"] != progress.global_step:
         # Resumed from a checkpoint saved at the last step but before its evaluation.
         metrics = evaluate(run)
@@ -76,6 +110,8 @@ def train(config: TrainConfig, reporter: Reporter) -> TrainResult:
             run.accelerator, run.model, run.tokenizer, config.output_dir, progress.global_step
         )
         reporter.saved_final(str(final_model_dir))
+    else:
+        reporter.not_saved()
     result = summarize(run, progress, timer, checkpointer.last_path, final_model_dir)
     levers.after_final_save(run, reporter)  # after the summary: LoRA's merge changes the model
     run.trackers.finish(result)
