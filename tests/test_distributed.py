@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -72,6 +74,10 @@ def launch(
         target = [str(script)]
         env["PYTHONPATH"] = str(REPO)
     env.update(extra_env or {})
+    # torchrun's agent makes a torchelastic_* folder for its logs in the temp folder: a private
+    # one, removed after the launch, leaves none behind in the system's.
+    scratch = tempfile.mkdtemp(prefix="effitrain-launch-")
+    env["TMPDIR"] = scratch
     command = [
         sys.executable,
         "-m",
@@ -84,9 +90,12 @@ def launch(
         *target,
         *args,
     ]
-    return subprocess.run(
-        command, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout
-    )
+    try:
+        return subprocess.run(
+            command, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout
+        )
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def load_parameters(folder: Path) -> dict:
