@@ -13,6 +13,7 @@ and the causal LM's included) runs in one launch, :func:`ddp_runs`.
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import shutil
@@ -78,6 +79,11 @@ def launch(
     # one, removed after the launch, leaves none behind in the system's.
     scratch = tempfile.mkdtemp(prefix="effitrain-launch-")
     env["TMPDIR"] = scratch
+    # Inductor's compile cache stays where it was (it lives in the temp folder by default).
+    env.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR",
+        str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"),
+    )
     command = [
         sys.executable,
         "-m",
