@@ -221,11 +221,11 @@ class Reporter:
                 "the trained model is not saved (no --output-dir); add --output-dir DIR to keep it"
             )
 
-    def stopped_before_training(self, signal_name: str) -> None:
-        """A signal stopped the run before its first step (even with --quiet)."""
+    def stopped_at_once(self, signal_name: str, when: str) -> None:
+        """A signal stopped the run outside the loop, ``when`` (even with --quiet)."""
         if self.enabled:
             self.progress_finished()
-            self._line(f"[yellow]stopped[/] by {signal_name} before training; nothing was saved")
+            self._line(f"[yellow]stopped[/] by {signal_name} {when}")
 
     def stopped(
         self, signal_name: str, step: int, checkpoint: Path | None, resume_command: str | None

@@ -3,8 +3,9 @@
 The handler only sets a flag (:class:`StopRequest`); the loop's step guard reads it before each
 update, all processes agree on it in the same all-reduce as the non-finite check, and the loop
 saves a checkpoint (with ``--output-dir``) and raises :class:`TrainingStopped`. Before the loop
-(the build, DPO's reference pass) there is no step to finish and nothing to keep: inside
-:meth:`StopRequest.at_once` a signal raises :class:`StoppedBeforeTraining` where the code is.
+(the build, DPO's reference pass) and after it (the final evaluation and save) there is no step
+to finish: inside :meth:`StopRequest.at_once` a signal raises :class:`StoppedAtOnce` where the
+code is.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class StopRequest:
 
     @contextmanager
     def at_once(self) -> Iterator[None]:
-        """In this block a first signal raises :class:`StoppedBeforeTraining` at once."""
+        """In this block a first signal raises :class:`StoppedAtOnce` at once."""
         self._at_once = True
         try:
             yield
@@ -56,7 +57,7 @@ class StopRequest:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self._at_once and self.signum is None:
             self.signum = signum
-            raise StoppedBeforeTraining(signum)
+            raise StoppedAtOnce(signum)
         self.request(signum)
 
 
@@ -91,9 +92,9 @@ class TrainingStopped(Exception):
         self.checkpoint_path = checkpoint_path
 
 
-class StoppedBeforeTraining(BaseException):
-    """A signal arrived before the first step (:meth:`StopRequest.at_once`). A BaseException,
-    as KeyboardInterrupt is: library code that catches Exception must not swallow it."""
+class StoppedAtOnce(BaseException):
+    """A signal arrived outside the loop (:meth:`StopRequest.at_once`). A BaseException, as
+    KeyboardInterrupt is: library code that catches Exception must not swallow it."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)

@@ -13,6 +13,8 @@ With ``--report-to``, Accelerate's trackers follow along (:mod:`effitrain.tracki
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +32,7 @@ from effitrain.memory import ledger
 from effitrain.progress import Stopwatch, TrainingProgress
 from effitrain.results import TrainResult
 from effitrain.run import Run
-from effitrain.signals import StoppedBeforeTraining, TrainingStopped, stop_on_signals
+from effitrain.signals import StoppedAtOnce, StopRequest, TrainingStopped, stop_on_signals
 
 if TYPE_CHECKING:
     from effitrain.report import Reporter
@@ -45,21 +47,37 @@ def train(config: TrainConfig, reporter: Reporter) -> TrainResult:
     Raises:
         EffitrainError: a user-fixable problem (bad data, model, optimizer, options), or another
             run holds the output folder.
-        TrainingStopped: SIGINT/SIGTERM stopped it (after a complete and saved step once
-            training has started; at once before that).
+        TrainingStopped: SIGINT/SIGTERM stopped it (after a complete and saved step in the
+            loop; at once before it and after it: :func:`stopped_at_once`).
     """
     check_config(config)
     reporter.enabled = reporter.enabled and distributed.is_launch_main_process()
     locked = config.output_dir if distributed.is_launch_main_process() else None
     with checkpoint.output_lock(locked, reporter.note), stop_on_signals() as stop:
-        try:
-            with stop.at_once():  # no step to finish yet: a signal stops at once
-                run, progress, checkpointer = prepare(config, reporter)
-        except StoppedBeforeTraining as early:
-            reporter.stopped_before_training(early.signal_name)
-            raise TrainingStopped(early.exit_code, None) from None
+        with stopped_at_once(stop, reporter, "before training; nothing was saved"):
+            run, progress, checkpointer = prepare(config, reporter)
         timer = fit(run, progress, checkpointer, reporter, stop)
-        return finish(run, progress, checkpointer, timer, reporter)
+        last = checkpointer.last_path
+        kept = f"last checkpoint: {last}" if last else "no checkpoint"
+        when = f"after its last step ({progress.global_step}), before the run finished; {kept}"
+        with stopped_at_once(stop, reporter, when):
+            return finish(run, progress, checkpointer, timer, reporter)
+
+
+@contextmanager
+def stopped_at_once(stop: StopRequest, reporter: Reporter, when: str) -> Iterator[None]:
+    """Outside the loop there is no step to finish: a signal in the block stops the run at once,
+    with one line saying ``when``.
+
+    Raises:
+        TrainingStopped: a signal arrived, with its exit code (128 + the signal's number).
+    """
+    try:
+        with stop.at_once():
+            yield
+    except StoppedAtOnce as signalled:
+        reporter.stopped_at_once(signalled.signal_name, when)
+        raise TrainingStopped(signalled.exit_code, None) from None
 
 
 def prepare(

@@ -123,7 +123,48 @@ def test_the_lock_is_released_after_an_error_and_after_a_stop(
     assert sorted(p.name for p in stopped.iterdir()) == ["checkpoint-1"]
 
 
-def test_sigterm_during_the_reference_pass_stops_in_one_line(train_cli, tmp_path, monkeypatch):
+@pytest.fixture
+def sigterm_to_the_run():
+    """A SIGTERM that the run under test does not handle fails the test (instead of ending
+    pytest, as the default handler would)."""
+
+    def not_handled(signum, frame):
+        raise RuntimeError("SIGTERM was not handled by the run")
+
+    previous = signal.signal(signal.SIGTERM, not_handled)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_sigterm_after_the_last_step_stops_in_one_line(
+    train_cli, data, tmp_path, monkeypatch, sigterm_to_the_run
+):
+    """The final model's save: a SIGTERM there stops at once, says so, and frees the folder."""
+    import os
+
+    import effitrain.checkpoint
+
+    save_final = effitrain.checkpoint.save_final
+
+    def terminated(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return save_final(*args, **kwargs)
+
+    monkeypatch.setattr(effitrain.checkpoint, "save_final", terminated)
+    out = tmp_path / "out"
+    proc = train_cli(*train_args(data, out, "--max-steps", "2", "--save-every", "2"))
+    assert proc.returncode == 143, proc.stdout + proc.stderr
+    line = (
+        f"stopped by SIGTERM after its last step (2), before the run finished; last checkpoint: "
+        f"{out / 'checkpoint-2'}"
+    )
+    assert line in proc.stdout.splitlines()
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2"]
+
+
+def test_sigterm_during_the_reference_pass_stops_in_one_line(
+    train_cli, tmp_path, monkeypatch, sigterm_to_the_run
+):
     """DPO's precomputed reference: a SIGTERM in its pass (before any step) ends the run with
     the stopped line and 128 + 15, and releases the folder."""
     import os
@@ -142,19 +183,12 @@ def test_sigterm_during_the_reference_pass_stops_in_one_line(train_cli, tmp_path
         os.kill(os.getpid(), signal.SIGTERM)
         return sequence_logps(*args, **kwargs)
 
-    def not_here(signum, frame):  # what reaches the test's own process: the run missed it
-        raise RuntimeError("SIGTERM was not handled by the run")
-
     monkeypatch.setattr(reference, "_sequence_logps", terminated)
-    previous = signal.signal(signal.SIGTERM, not_here)
     out = tmp_path / "out"
-    try:
-        proc = train_cli(
-            "train", "--task", "preference", "--dataset", str(pairs), "--max-length", "32",
-            "--batch-size", "4", "--reference", "precompute", "--output-dir", str(out),
-        )  # fmt: skip
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    proc = train_cli(
+        "train", "--task", "preference", "--dataset", str(pairs), "--max-length", "32",
+        "--batch-size", "4", "--reference", "precompute", "--output-dir", str(out),
+    )  # fmt: skip
     assert proc.returncode == 143, proc.stdout + proc.stderr
     assert "stopped by SIGTERM before training; nothing was saved" in proc.stdout.splitlines()
     assert "Traceback" not in proc.stdout + proc.stderr
