@@ -197,7 +197,12 @@ def test_sigterm_during_the_reference_pass_stops_in_one_line(
 
 @pytest.mark.parametrize(
     ("key", "value", "wanted"),
-    [("global_step", "4", "an integer"), ("config", [], "an object"), ("window", 3, "a list")],
+    [
+        ("global_step", "4", "an integer"),
+        ("config", [], "an object"),
+        ("window", 3, "a list"),
+        ("optimizer.name", 3, "a string"),
+    ],
 )
 def test_metadata_of_the_wrong_type_is_one_line_naming_file_and_key(
     train_cli, saved_run, tmp_path, key, value, wanted
@@ -208,7 +213,11 @@ def test_metadata_of_the_wrong_type_is_one_line_naming_file_and_key(
     shutil.copytree(saved_run.out, out)
     meta_file = out / "checkpoint-4" / "effitrain.json"
     meta = json.loads(meta_file.read_text())
-    meta[key] = value
+    *parents, name = key.split(".")
+    holder = meta
+    for parent in parents:
+        holder = holder[parent]
+    holder[name] = value
     meta_file.write_text(json.dumps(meta))
     proc = train_cli(
         *train_args(saved_run.data, out, "--max-steps", "6", "--resume", str(out / "checkpoint-4"))

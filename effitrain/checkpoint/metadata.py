@@ -173,8 +173,13 @@ METADATA_TYPES: dict[str, tuple[type, ...]] = {
     "schedule": (dict,),
     "config": (dict,),
     "files": (dict,),
+    "optimizer.name": (str,),
+    "optimizer.class": (str,),
+    "optimizer.param_groups": (list,),
+    "optimizer.param_names": (list,),
 }
-"""The JSON type of each key that a resume reads (a key left out is checked where it is read)."""
+"""The JSON type of each key that a resume reads (a key left out is checked where it is read;
+``a.b``: key ``b`` of the object at ``a``)."""
 _JSON_NAMES = {int: "an integer", float: "a number", list: "a list", dict: "an object"}
 
 
@@ -182,8 +187,12 @@ def _type_problem(meta: dict[str, Any]) -> str | None:
     """What is wrong with the first key of ``effitrain.json`` whose value has the wrong JSON
     type (None: none)."""
     for key, types in METADATA_TYPES.items():
-        value = meta.get(key)
-        if key in meta and (isinstance(value, bool) or not isinstance(value, types)):
+        *parents, name = key.split(".")
+        holder = meta
+        for parent in parents:  # an object already checked above, or absent
+            holder = holder.get(parent) or {}
+        value = holder.get(name)
+        if name in holder and (isinstance(value, bool) or not isinstance(value, types)):
             wanted = _JSON_NAMES.get(types[-1], "a string")
             return f"{key} is {json.dumps(value)[:40]}, not {wanted}"
     return None
