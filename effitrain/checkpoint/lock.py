@@ -35,7 +35,7 @@ def output_lock(output_dir: str | Path | None, note: Callable[[str], None]) -> I
     if not output_dir:
         yield
         return
-    folder = Path(output_dir).expanduser()
+    folder = Path(output_dir)  # as the checkpoints are written: no ~ expansion of its own
     created = not folder.exists()
     try:
         folder.mkdir(parents=True, exist_ok=True)
