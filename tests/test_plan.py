@@ -173,6 +173,7 @@ def test_max_memory_measures_a_step_that_holds_the_optimizer_state(
     assert_clean_error(proc, f"--max-memory {budget}: step 2 measured", "1 B over; stopped")
 
 
+@pytest.mark.slow
 def test_max_memory_after_a_resume_measures_this_run(train_cli, monkeypatch, tmp_path):
     """A resume without the lever its checkpoint's run had (gradient checkpointing) measures its
     own step: the metrics JSON holds this run's peak, not the checkpoint's, and a budget between
