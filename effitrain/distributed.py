@@ -39,6 +39,12 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 
+def is_launch_main_process() -> bool:
+    """Whether this is the launch's main process, before Accelerate is started: ``accelerate
+    launch`` (torchrun) gives every process its global ``RANK``; a plain run has none."""
+    return os.environ.get("RANK", "0") in ("", "0")
+
+
 FACTORED_OPTIMIZERS = frozenset({"adafactor", "adafactor-hf", "came"})
 """Optimizers whose savings come from factoring the second moment of >=2-D weights. Under FSDP2
 they run as :mod:`effitrain.optim.fsdp2`'s sharding-aware classes."""

@@ -276,7 +276,7 @@ def fit(
     probe = StepMemoryProbe(
         run.model, run.optimizer, run.accelerator.device, extra=levers.step_tensors(run)
     )
-    first_step = True
+    budget_checked = config.max_memory is None
     with probe:  # an error mid-step leaves no tracker behind
         while progress.global_step < plan.total_steps:
             for done in train_steps(run, epoch_batches(run, progress), progress, guard, probe):
@@ -284,9 +284,9 @@ def fit(
                 if done.measured:
                     timer.leave_out_last()
                 reporter.step_done(progress.global_step)
-                if first_step and config.max_memory is not None:
+                if not budget_checked and progress.global_step > budget_step(run):
                     check_measured_budget(run, progress, checkpointer, reporter)
-                first_step = False
+                    budget_checked = True
                 if progress.global_step % config.log_every == 0 or _finished(run, progress):
                     reporter.logged(log_line(run, progress, timer))
                 if done.stop:
@@ -322,14 +322,24 @@ def measure_now(run: Run, progress: TrainingProgress, probe: StepMemoryProbe) ->
     laid out so that every later step grows it, which would raise the run's peak RSS
     (docs/memory.md). Late, the bookkeeping lands where RSS already peaks, so the probe trims
     the heap first (:func:`effitrain.memory.step.return_freed_heap`). A run stopped before that
-    step (a signal) has no breakdown. With ``--max-memory`` on the CPU, the first step this
-    process runs instead: its peak tensor bytes are what the budget is checked against.
+    step (a signal) has no breakdown; a resumed run that starts after it measures its first
+    step. With ``--max-memory`` on the CPU, :func:`budget_step` instead: its peak tensor bytes
+    are what the budget is checked against.
     """
     if progress.step_memory or probe.done:
         return False
     if run.config.max_memory is not None and run.accelerator.device.type == "cpu":
-        return True  # the first step, for --max-memory's check (check_measured_budget)
-    return run.config.memory_breakdown and progress.global_step == run.plan.measured_step
+        return progress.global_step >= budget_step(run)  # for check_measured_budget
+    return run.config.memory_breakdown and progress.global_step >= run.plan.measured_step
+
+
+def budget_step(run: Run) -> int:
+    """The step (0-based) whose peak ``--max-memory`` is checked against, the first of this run
+    at or after it: one that starts with the optimizer's state in place, as every later step
+    does (a fresh run's second step; a resumed run's first, its state loaded; a one-step run's
+    only step). The first step of a fresh run creates the state, so its backward runs without
+    it and under-states the rest."""
+    return min(1, run.plan.total_steps - 1)
 
 
 def _finished(run: Run, progress: TrainingProgress) -> bool:
@@ -442,8 +452,8 @@ def check_measured_budget(
     checkpointer: checkpoint.Checkpointer,
     reporter: Reporter,
 ) -> None:
-    """``--max-memory``, after the first step: a measured peak above it (on any process) keeps
-    this step as a signal would and stops the run.
+    """``--max-memory``, after :func:`budget_step`: a measured peak above it (on any process)
+    keeps this step as a signal would and stops the run.
 
     Raises:
         EffitrainError: over the budget; the message names the checkpoint and the overshoot.
@@ -451,6 +461,7 @@ def check_measured_budget(
     import torch
 
     from effitrain.config import parse_size
+    from effitrain.memory.ledger import format_bytes
 
     budget = parse_size(run.config.max_memory or "", "--max-memory")
     peak = measured_peak(run, progress)
@@ -464,7 +475,7 @@ def check_measured_budget(
     what = "reserved" if run.accelerator.device.type == "cuda" else "peak tensor memory"
     raise EffitrainError(
         f"--max-memory {run.config.max_memory}: step {progress.global_step} measured "
-        f"{peak / 2**30:,.2f} GiB {what}, {(peak - budget) / 2**30:,.2f} GiB over; stopped, "
+        f"{format_bytes(peak)} {what}, {format_bytes(peak - budget)} over; stopped, "
         f"{kept}"
     )
 

@@ -167,22 +167,22 @@ class TrainingProgress:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict` output (``effitrain.json`` of a checkpoint).
+        """Continue from :meth:`state_dict` output (``effitrain.json`` of a checkpoint); the
+        :data:`MEASURED` fields stay unmeasured.
 
         Raises:
             EffitrainError: a field is missing (a checkpoint of another effitrain version).
         """
         import torch
 
-        missing = [
-            name for name in (*(f.name for f in fields(self)), "window") if name not in state
-        ]
+        restored = [f for f in fields(self) if f.name not in MEASURED]
+        missing = [name for name in (*(f.name for f in restored), "window") if name not in state]
         if missing or len(state["window"]) != _WINDOW:
             raise EffitrainError(
                 f"the checkpoint's progress lacks {', '.join(missing) or 'a full window'}: it was "
                 "written by another effitrain version; start a new --output-dir"
             )
-        for f in fields(self):
+        for f in restored:
             # int(), float(), list() and dict() of the saved JSON values.
             setattr(self, f.name, type(_default(f))(state[f.name]))
         # The window was summed over processes when saved: only the main process takes it back.
@@ -191,6 +191,9 @@ class TrainingProgress:
 
 
 _WINDOW = 4
+MEASURED = frozenset({"gradient_bytes", "step_memory"})
+"""Measurements of the run that saved a checkpoint, not counters: a resumed run (other levers,
+other processes) measures its own, so they are not restored."""
 
 
 def _default(f: Field[Any]) -> Any:

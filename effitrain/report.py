@@ -217,6 +217,18 @@ class Reporter:
         if self._chatty:
             self._line(f"model and tokenizer saved to {path} (save_pretrained, safetensors)")
 
+    def not_saved(self) -> None:
+        if self._chatty:
+            self._line(
+                "the trained model is not saved (no --output-dir); add --output-dir DIR to keep it"
+            )
+
+    def stopped_at_once(self, signal_name: str, when: str) -> None:
+        """A signal stopped the run outside the loop, ``when`` (even with --quiet)."""
+        if self.enabled:
+            self.progress_finished()
+            self._line(f"[yellow]stopped[/] by {signal_name} {when}")
+
     def stopped(
         self, signal_name: str, step: int, checkpoint: Path | None, resume_command: str | None
     ) -> None:

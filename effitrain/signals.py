@@ -2,7 +2,10 @@
 
 The handler only sets a flag (:class:`StopRequest`); the loop's step guard reads it before each
 update, all processes agree on it in the same all-reduce as the non-finite check, and the loop
-saves a checkpoint (with ``--output-dir``) and raises :class:`TrainingStopped`.
+saves a checkpoint (with ``--output-dir``) and raises :class:`TrainingStopped`. Before the loop
+(the build, DPO's reference pass) and after it (the final evaluation and save) there is no step
+to finish: inside :meth:`StopRequest.at_once` a signal raises :class:`StoppedAtOnce` where the
+code is.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self._at_once = False
 
     @property
     def requested(self) -> bool:
@@ -41,7 +45,19 @@ class StopRequest:
             raise KeyboardInterrupt
         self.signum = signum
 
+    @contextmanager
+    def at_once(self) -> Iterator[None]:
+        """In this block a first signal raises :class:`StoppedAtOnce` at once."""
+        self._at_once = True
+        try:
+            yield
+        finally:
+            self._at_once = False
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._at_once and self.signum is None:
+            self.signum = signum
+            raise StoppedAtOnce(signum)
         self.request(signum)
 
 
@@ -74,3 +90,13 @@ class TrainingStopped(Exception):
         super().__init__(f"stopped (exit code {exit_code})")
         self.exit_code = exit_code
         self.checkpoint_path = checkpoint_path
+
+
+class StoppedAtOnce(BaseException):
+    """A signal arrived outside the loop (:meth:`StopRequest.at_once`). A BaseException, as
+    KeyboardInterrupt is: library code that catches Exception must not swallow it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signal_name = signal.Signals(signum).name
+        self.exit_code = 128 + signum

@@ -13,6 +13,8 @@ With ``--report-to``, Accelerate's trackers follow along (:mod:`effitrain.tracki
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +32,7 @@ from effitrain.memory import ledger
 from effitrain.progress import Stopwatch, TrainingProgress
 from effitrain.results import TrainResult
 from effitrain.run import Run
-from effitrain.signals import stop_on_signals
+from effitrain.signals import StoppedAtOnce, StopRequest, TrainingStopped, stop_on_signals
 
 if TYPE_CHECKING:
     from effitrain.report import Reporter
@@ -39,11 +41,50 @@ if TYPE_CHECKING:
 def train(config: TrainConfig, reporter: Reporter) -> TrainResult:
     """Run one training job as configured and return what it measured.
 
+    The output folder is locked for the run (:func:`effitrain.checkpoint.output_lock`, by the
+    main process) before anything is written to it.
+
     Raises:
-        EffitrainError: a user-fixable problem (bad data, model, optimizer, options).
-        TrainingStopped: SIGINT/SIGTERM stopped it after a complete (and saved) step.
+        EffitrainError: a user-fixable problem (bad data, model, optimizer, options), or another
+            run holds the output folder.
+        TrainingStopped: SIGINT/SIGTERM stopped it (after a complete and saved step in the
+            loop; at once before it and after it: :func:`stopped_at_once`).
     """
     check_config(config)
+    reporter.enabled = reporter.enabled and distributed.is_launch_main_process()
+    locked = config.output_dir if distributed.is_launch_main_process() else None
+    with checkpoint.output_lock(locked, reporter.note), stop_on_signals() as stop:
+        with stopped_at_once(stop, reporter, "before training; nothing was saved"):
+            run, progress, checkpointer = prepare(config, reporter)
+        timer = fit(run, progress, checkpointer, reporter, stop)
+        last = checkpointer.last_path
+        kept = f"last checkpoint: {last}" if last else "no checkpoint"
+        when = f"after its last step ({progress.global_step}), before the run finished; {kept}"
+        with stopped_at_once(stop, reporter, when):
+            return finish(run, progress, checkpointer, timer, reporter)
+
+
+@contextmanager
+def stopped_at_once(stop: StopRequest, reporter: Reporter, when: str) -> Iterator[None]:
+    """Outside the loop there is no step to finish: a signal in the block stops the run at once,
+    with one line saying ``when``.
+
+    Raises:
+        TrainingStopped: a signal arrived, with its exit code (128 + the signal's number).
+    """
+    try:
+        with stop.at_once():
+            yield
+    except StoppedAtOnce as signalled:
+        reporter.stopped_at_once(signalled.signal_name, when)
+        raise TrainingStopped(signalled.exit_code, None) from None
+
+
+def prepare(
+    config: TrainConfig, reporter: Reporter
+) -> tuple[Run, TrainingProgress, checkpoint.Checkpointer]:
+    """Everything before the first step: the checks, the build, the resume, the levers' work
+    before training (DPO's reference pass)."""
     check_outputs(config)
     tracking.check(config)
     resume_notes: list[str] = []
@@ -67,8 +108,19 @@ def train(config: TrainConfig, reporter: Reporter) -> TrainResult:
     if config.output_dir:  # before training, not after: final/ never goes back to an older model
         checkpoint.check_final(config.output_dir, run.plan.total_steps)
     run.trackers.start(progress.global_step, reporter)
-    with stop_on_signals() as stop:
-        timer = fit(run, progress, checkpointer, reporter, stop)
+    return run, progress, checkpointer
+
+
+def finish(
+    run: Run,
+    progress: TrainingProgress,
+    checkpointer: checkpoint.Checkpointer,
+    timer: Stopwatch,
+    reporter: Reporter,
+) -> TrainResult:
+    """After the last step: the final evaluation where it is missing, the final model, the
+    summary."""
+    config = run.config
     if not progress.eval_history or progress.eval_history[-1]["step"] != progress.global_step:
         # Resumed from a checkpoint saved at the last step but before its evaluation.
         metrics = evaluate(run)
@@ -81,6 +133,8 @@ def train(config: TrainConfig, reporter: Reporter) -> TrainResult:
             run.accelerator, run.model, run.tokenizer, config.output_dir, progress.global_step
         )
         reporter.saved_final(str(final_model_dir))
+    else:
+        reporter.not_saved()
     result = summarize(run, progress, timer, checkpointer.last_path, final_model_dir)
     levers.after_final_save(run, reporter)  # after the summary: LoRA's merge changes the model
     run.trackers.finish(result)

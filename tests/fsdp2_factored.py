@@ -177,7 +177,9 @@ def checkpoint_facts(name: str, mesh, state: PartialState, kind: str) -> dict:
     model = shard(make_model(), mesh)
     optimizer = build(name, model, sharded=True)
     train(model, optimizer, range(2), rank, n)
-    directory = tempfile.mkdtemp(prefix="fsdp2-ckpt-") if rank == 0 else None
+    # In the test's own folder, which pytest cleans up; not the system's temp folder.
+    scratch = os.environ["FSDP_FACTS_DIR"]
+    directory = tempfile.mkdtemp(prefix="fsdp2-ckpt-", dir=scratch) if rank == 0 else None
     directory = broadcast_str(state, directory)
     save_fsdp_optimizer(plugin, accelerator, optimizer, model, directory)
     state.wait_for_everyone()

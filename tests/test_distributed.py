@@ -13,6 +13,7 @@ and the causal LM's included) runs in one launch, :func:`ddp_runs`.
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import re
@@ -20,6 +21,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -76,6 +78,15 @@ def launch(
         target = [str(script)]
         env["PYTHONPATH"] = str(REPO)
     env.update(extra_env or {})
+    # torchrun's agent makes a torchelastic_* folder for its logs in the temp folder: a private
+    # one, removed after the launch, leaves none behind in the system's.
+    scratch = tempfile.mkdtemp(prefix="effitrain-launch-")
+    env["TMPDIR"] = scratch
+    # Inductor's compile cache stays where it was (it lives in the temp folder by default).
+    env.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR",
+        str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"),
+    )
     command = [
         sys.executable,
         "-m",
@@ -88,9 +99,12 @@ def launch(
         *target,
         *args,
     ]
-    return subprocess.run(
-        command, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout
-    )
+    try:
+        return subprocess.run(
+            command, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout
+        )
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def load_parameters(folder: Path) -> dict:

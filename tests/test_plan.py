@@ -126,8 +126,11 @@ def test_max_memory_refuses_before_reading_weights(train_cli, monkeypatch, tmp_p
     )
 
 
-def test_max_memory_stops_after_the_first_step_with_a_checkpoint(train_cli, monkeypatch, tmp_path):
-    """The estimate fits; the measured first step does not: a checkpoint, one line, exit 1."""
+def test_max_memory_stops_after_the_measured_step_with_a_checkpoint(
+    train_cli, monkeypatch, tmp_path
+):
+    """The estimate fits; the measured step (the second: the first with optimizer state) does
+    not: a checkpoint, one line, exit 1."""
     import effitrain.loop
 
     measured = effitrain.loop.measured_peak
@@ -139,9 +142,61 @@ def test_max_memory_stops_after_the_first_step_with_a_checkpoint(train_cli, monk
         "train", *LM, "--batch-size", "2", "--max-steps", "3", "--max-memory", "1GiB",
         "--output-dir", str(out),
     )  # fmt: skip
-    line = assert_clean_error(proc, "--max-memory 1GiB: step 1 measured", "over; stopped")
+    line = assert_clean_error(proc, "--max-memory 1GiB: step 2 measured", "over; stopped")
     assert f"checkpoint: {out}" in line
-    assert (out / "checkpoint-1").is_dir(), sorted(p.name for p in out.iterdir())
+    assert (out / "checkpoint-2").is_dir(), sorted(p.name for p in out.iterdir())
+
+
+def _measured_only(monkeypatch):
+    """``--max-memory`` decided by the measured step alone: the estimate before the build,
+    which would refuse these budgets first, is left out."""
+    import effitrain.planning
+
+    monkeypatch.setattr(effitrain.planning, "check_budget", lambda *args: 0)
+
+
+def _peak(metrics) -> int:
+    return json.loads(metrics.read_text())["peak_tensor_bytes"]
+
+
+def test_max_memory_measures_a_step_that_holds_the_optimizer_state(
+    train_cli, monkeypatch, tmp_path
+):
+    """AdamW creates its state in the first step, whose backward then runs without it: a budget
+    that the first step fits and every later step exceeds is refused at step 2."""
+    _measured_only(monkeypatch)
+    base = ["train", *LM, "--batch-size", "2", "--optim", "adamw", "--max-steps", "3", "--quiet"]
+    metrics = tmp_path / "metrics.json"
+    assert train_cli(*base, "--metrics-json", str(metrics)).returncode == 0
+    budget = f"{_peak(metrics) - 1}B"  # the late step's breakdown, one byte under it
+    proc = train_cli(*base, "--max-memory", budget)
+    assert_clean_error(proc, f"--max-memory {budget}: step 2 measured", "1 B over; stopped")
+
+
+@pytest.mark.slow
+def test_max_memory_after_a_resume_measures_this_run(train_cli, monkeypatch, tmp_path):
+    """A resume without the lever its checkpoint's run had (gradient checkpointing) measures its
+    own step: the metrics JSON holds this run's peak, not the checkpoint's, and a budget between
+    the two is refused."""
+    import shutil
+
+    _measured_only(monkeypatch)
+    base = ["train", *LM, "--batch-size", "2", "--optim", "adamw", "--quiet"]
+    out, copy = tmp_path / "out", tmp_path / "copy"
+    before, after = tmp_path / "before.json", tmp_path / "after.json"
+    first = train_cli(
+        *base, "--gradient-checkpointing", "--max-steps", "2", "--save-every", "1",
+        "--output-dir", str(out), "--metrics-json", str(before),
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr
+    shutil.copytree(out, copy)
+    resume = [*base, "--max-steps", "4", "--resume", "latest"]
+    resumed = train_cli(*resume, "--output-dir", str(out), "--metrics-json", str(after))
+    assert resumed.returncode == 0, resumed.stderr
+    assert _peak(after) > _peak(before)  # activations kept, no longer recomputed
+    budget = f"{(_peak(before) + _peak(after)) // 2}B"
+    proc = train_cli(*resume, "--output-dir", str(copy), "--max-memory", budget)
+    assert_clean_error(proc, f"--max-memory {budget}: step 3 measured", "over; stopped")
 
 
 @pytest.mark.slow

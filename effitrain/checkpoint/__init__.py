@@ -12,6 +12,7 @@ Layout of an output folder::
                                     (with --lora-rank: the adapters, peft's save_pretrained)
     DIR/final-merged/               --lora-merge: the adapters merged into the base model
     DIR/.tmp-checkpoint-<step>/     a save in progress (or left over from a crash): ignored
+    DIR/.effitrain.lock             the run that owns DIR now (:mod:`.lock`): one at a time
 
 A save writes everything into ``.tmp-checkpoint-<step>``, fsyncs it, and only then renames it to
 ``checkpoint-<step>`` (``os.replace``: atomic on one file system). Old checkpoints are deleted
@@ -32,6 +33,7 @@ earlier model (:func:`check_final`). The modules: :mod:`.metadata` (``effitrain.
 finding checkpoints), :mod:`.saving`, :mod:`.resume`, :mod:`.policy` (when the loop saves).
 """
 
+from effitrain.checkpoint.lock import LOCK_FILE, output_lock
 from effitrain.checkpoint.metadata import (
     CHECKPOINT_PREFIX,
     FINAL_DIR,
@@ -82,6 +84,7 @@ from effitrain.checkpoint.saving import (
 __all__ = [
     "CHECKPOINT_PREFIX",
     "FINAL_DIR",
+    "LOCK_FILE",
     "METADATA_FILE",
     "METADATA_FORMAT",
     "METADATA_VERSION",
@@ -111,6 +114,7 @@ __all__ = [
     "library_versions",
     "list_checkpoints",
     "load_checkpoint",
+    "output_lock",
     "param_group_hyperparameters",
     "random_state_problem",
     "read_metadata",

@@ -113,7 +113,8 @@ def read_metadata(checkpoint: str | Path) -> dict[str, Any]:
     """Read and check a checkpoint's ``effitrain.json``, and that every listed file is whole.
 
     Raises:
-        EffitrainError: missing folder, not an effitrain checkpoint, corrupt JSON, or a file
+        EffitrainError: missing folder, not an effitrain checkpoint, corrupt JSON, a value of
+            the wrong type (naming the key), or a file
             missing or of the wrong size (an incomplete or truncated checkpoint).
     """
     path = Path(checkpoint)
@@ -140,10 +141,61 @@ def read_metadata(checkpoint: str | Path) -> dict[str, Any]:
             f"{path} has checkpoint format version {meta.get('version')}; this effitrain reads "
             f"version {METADATA_VERSION}"
         )
+    problem = _type_problem(meta)
+    if problem:
+        raise EffitrainError(f"{meta_path}: {problem} (edited?); pick another checkpoint")
     problem = _file_problem(path, meta.get("files"))
     if problem:
         raise EffitrainError(f"checkpoint {path} is incomplete or corrupt: {problem}")
     return meta
+
+
+_COUNT = (int,)
+_NUMBER = (int, float)
+METADATA_TYPES: dict[str, tuple[type, ...]] = {
+    "global_step": _COUNT,
+    "epoch": _COUNT,
+    "step_in_epoch": _COUNT,
+    "total_loss": _NUMBER,
+    "total_batches": _NUMBER,
+    "total_samples": _NUMBER,
+    "total_tokens": _NUMBER,
+    "gradient_bytes": _COUNT,
+    "eval_history": (list,),
+    "loss_history": (list,),
+    "step_memory": (dict,),
+    "window": (list,),
+    "optimizer": (dict,),
+    "parameters": (dict,),
+    "world_size": _COUNT,
+    "mixed_precision": (str,),
+    "counters": (dict,),
+    "schedule": (dict,),
+    "config": (dict,),
+    "files": (dict,),
+    "optimizer.name": (str,),
+    "optimizer.class": (str,),
+    "optimizer.param_groups": (list,),
+    "optimizer.param_names": (list,),
+}
+"""The JSON type of each key that a resume reads (a key left out is checked where it is read;
+``a.b``: key ``b`` of the object at ``a``)."""
+_JSON_NAMES = {int: "an integer", float: "a number", list: "a list", dict: "an object"}
+
+
+def _type_problem(meta: dict[str, Any]) -> str | None:
+    """What is wrong with the first key of ``effitrain.json`` whose value has the wrong JSON
+    type (None: none)."""
+    for key, types in METADATA_TYPES.items():
+        *parents, name = key.split(".")
+        holder = meta
+        for parent in parents:  # an object already checked above, or absent
+            holder = holder.get(parent) or {}
+        value = holder.get(name)
+        if name in holder and (isinstance(value, bool) or not isinstance(value, types)):
+            wanted = _JSON_NAMES.get(types[-1], "a string")
+            return f"{key} is {json.dumps(value)[:40]}, not {wanted}"
+    return None
 
 
 def _file_problem(path: Path, files: Any) -> str | None:

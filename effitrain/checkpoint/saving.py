@@ -77,13 +77,18 @@ def rotate(output_dir: Path, keep: int, newest: Path) -> list[Path]:
     """Delete the oldest complete checkpoints so that ``keep`` remain; never ``newest``.
 
     Incomplete ``checkpoint-*`` folders are left alone (they are ignored by resume, and a human
-    may want to look at them). Returns the deleted folders.
+    may want to look at them). A checkpoint that is a symbolic link counts as one and is rotated
+    as a link: the link goes, what it points to is left whole (it is not this folder's).
+    Returns the deleted folders and links.
     """
     complete = [path for path in complete_checkpoints(output_dir) if path != newest]
     surplus = len(complete) + 1 - keep
     deleted = []
     for path in complete[: max(surplus, 0)]:
-        shutil.rmtree(path, ignore_errors=True)
+        if path.is_symlink():
+            path.unlink()
+        else:
+            shutil.rmtree(path, ignore_errors=True)
         deleted.append(path)
     return deleted
 
