@@ -77,7 +77,10 @@ class Reporter:
     def note(self, message: str) -> None:
         """A warning or hint the user should see even with --quiet."""
         if self.enabled:
-            self._line(f"[yellow]note:[/] {message}")
+            from rich.markup import escape
+
+            # escaped: a hint such as pip install 'effitrain[lora]' is text, not markup
+            self._line(f"[yellow]note:[/] {escape(message)}")
 
     def run_started(self, info: RunInfo) -> None:
         self._speed_unit = info.speed_unit
@@ -564,7 +567,7 @@ def print_estimates(
     notes = [*dict.fromkeys(n for r in results for n in r.notes)]
     notes += (against or {}).get("mismatches", []) + (skipped or [])
     for note in notes:
-        console.print(f"note: {note}")
+        console.print(f"note: {note}", markup=False)
 
 
 def _estimate_title(first: Estimate) -> str:
@@ -745,7 +748,10 @@ def print_comparison(
     console.print(comparison_table(rows))
     console.print("Wrote " + ", ".join(str(path) for path in written.values()), soft_wrap=True)
     if "png" not in written:
-        console.print("note: no compare.png: install matplotlib (pip install 'effitrain[plot]')")
+        console.print(
+            "note: no compare.png: install matplotlib (pip install 'effitrain[plot]')",
+            markup=False,
+        )
     for label, error in failed.items():
         console.print(f"[red]failed[/]: {escape(label)}: {escape(error)}", soft_wrap=True)
 
