@@ -34,3 +34,18 @@ def test_compare_and_note_hints_keep_their_extra():
     console = _console()
     Reporter(console=console).note("--lora needs peft: pip install 'effitrain[lora]'")
     assert "pip install 'effitrain[lora]'" in console.file.getvalue()
+
+
+def test_yaml_unknown_key_says_what_was_meant(train_cli, tmp_path):
+    """It listed all 58 keys on one line, with no guess."""
+    from tests.conftest import assert_clean_error
+
+    path = tmp_path / "bad.yaml"
+    for key, hint in (
+        ("lerning_rate", "did you mean 'lr'?"),  # a typo of transformers' name
+        ("batchsize", "did you mean 'batch_size'?"),
+        ("colour", "the keys are the options of effitrain train --help (batch_size: 16)"),
+    ):
+        path.write_text(f"{key}: 1\n")
+        error = assert_clean_error(train_cli("train", "--config", str(path)))
+        assert error == f"error: unknown key '{key}' in {path}; {hint}"
