@@ -65,6 +65,9 @@ class Reporter:
         self._task: Any = None
         self._speed_unit = "samples"
         """What throughput counts: the task's (set by run_started)."""
+        self._epochs = 1
+        """How many epochs the run has (set by run_started): a log line names the epoch only
+        when there are several."""
 
     def _line(self, text: str) -> None:
         # soft_wrap: never insert hard line breaks (log files and narrow terminals stay greppable).
@@ -84,6 +87,7 @@ class Reporter:
 
     def run_started(self, info: RunInfo) -> None:
         self._speed_unit = info.speed_unit
+        self._epochs = info.epochs
         if not self._chatty:
             return
         self._line(
@@ -107,9 +111,11 @@ class Reporter:
             f"{info.steps_per_epoch} steps), {info.warmup_steps} warmup then {info.scheduler}"
             f"{schedule_note}, global batch {info.global_batch_size}"
         )
+        # Said here, once: the closing lines then leave the MFU out.
+        peak = f"; no MFU: the peak FLOP/s of {info.peak_unknown} is unknown"
         self._line(
             f"  device    {info.device} × {info.num_processes} process(es), "
-            f"mixed precision {info.mixed_precision}"
+            f"mixed precision {info.mixed_precision}{peak if info.peak_unknown else ''}"
         )
         for lever in info.levers:
             self._line(f"  lever     {lever}")
@@ -155,8 +161,12 @@ class Reporter:
         if self._progress is not None:
             self._progress.update(self._task, completed=log.step, stats=stats)
         else:
+            # Within 100 characters for most runs, so a terminal does not wrap it: the epoch
+            # only where there are several, "tok/s" (the closing lines spell it out)
+            epoch = f" · epoch {log.epoch}" if self._epochs > 1 else ""
+            stats = stats.replace(" tokens/s", " tok/s")
             self._line(
-                f"step {log.step}/{log.total_steps} · epoch {log.epoch} · {stats} · "
+                f"step {log.step}/{log.total_steps}{epoch} · {stats} · "
                 f"eta {_duration(log.eta_seconds)}"
             )
 
@@ -184,9 +194,11 @@ class Reporter:
         ev = result.eval
         speed = _speed(result, result.speed_unit)
         self._line(
-            f"[bold green]done[/] · {result.global_steps} steps in {result.train_seconds:.1f} s "
-            f"({result.seconds_per_step * 1000:.1f} ms/step, {speed}{_work_text(result)}) · "
+            f"[bold green]done[/] · {result.global_steps} steps in {result.train_seconds:.1f} s · "
             f"train loss {result.train_loss:.4f} · eval {_eval_text(ev)}"
+        )
+        self._line(
+            f"  speed     {result.seconds_per_step * 1000:.1f} ms/step · {speed}{_work_text(result)}"
         )
         c.print(optimizer_state_table(result))
         c.print(memory_table(result.memory, result.optimizer, result))
@@ -812,19 +824,16 @@ def format_flops(flops: float) -> str:
 
 
 def _work_text(result: TrainResult) -> str:
-    """The step's FLOPs, what the device achieved and, where its peak is known, the MFU."""
+    """The step's FLOPs, what the device achieved and, where its peak is known, the MFU (the
+    banner says once where it is not)."""
     if result.flops_per_step is None:
-        return ", FLOPs not counted"  # torchao's compiled step: docs/cost.md
+        return " · FLOPs not counted"  # torchao's compiled step: docs/cost.md
     if result.achieved_tflops is None:
         return ""
-    mfu = (
-        f"MFU {result.mfu:.1%}"
-        if result.mfu is not None
-        else f"MFU: peak of {result.device_name or result.device} unknown"
-    )
+    mfu = f" · MFU {result.mfu:.1%}" if result.mfu is not None else ""
     return (
-        f", {format_flops(result.flops_per_step)}/step, "
-        f"{format_flops(result.achieved_tflops * 1e12)}/s per device, {mfu}"
+        f" · {format_flops(result.flops_per_step)}/step · "
+        f"{format_flops(result.achieved_tflops * 1e12)}/s per device{mfu}"
     )
 
 

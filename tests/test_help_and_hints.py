@@ -49,3 +49,39 @@ def test_yaml_unknown_key_says_what_was_meant(train_cli, tmp_path):
         path.write_text(f"{key}: 1\n")
         error = assert_clean_error(train_cli("train", "--config", str(path)))
         assert error == f"error: unknown key '{key}' in {path}; {hint}"
+
+
+def _narrow(*args: str, columns: int):
+    """``effitrain ARGS`` in this process in a terminal ``columns`` wide."""
+    from typer.testing import CliRunner
+
+    from effitrain.cli import app
+    from tests.conftest import OFFLINE, _reset_accelerate
+
+    _reset_accelerate()
+    result = CliRunner().invoke(app, list(args), env={"COLUMNS": str(columns), **OFFLINE})
+    _reset_accelerate()
+    return result
+
+
+def test_preference_lines_fit_100_columns_and_say_an_unknown_peak_once(tmp_path):
+    """Step lines were ~115 characters and the closing line ended 'MFU: peak of cpu unknown'."""
+    import json
+
+    path = tmp_path / "pairs.jsonl"
+    rows = [{"prompt": f"Q{i}:", "chosen": f" yes {i}", "rejected": f" no {i}"} for i in range(8)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    # orpo: no reference pass to wait for, and the same reward columns as dpo
+    options = "--max-length 16 --batch-size 2 --max-steps 3 --log-every 1 --preference-loss orpo"
+    result = _narrow(
+        "train", "--task", "preference", "--train-file", str(path), *options.split(), columns=100
+    )
+    assert result.exit_code == 0, result.output
+    # the progress lines and the closing ones (the banner's lines are one line each, as long as
+    # they need: a terminal wraps them)
+    ends = ("step ", "eval ", "done ", "  speed ")
+    lines = [line for line in result.stdout.splitlines() if line.startswith(ends)]
+    assert len(lines) == 6 and max(len(line) for line in lines) <= 100, max(lines, key=len)
+    assert sum(line.startswith("step ") for line in lines) == 3
+    assert result.stdout.count("peak FLOP/s of cpu is unknown") == 1
+    assert "MFU" not in next(line for line in lines if line.startswith("  speed"))
