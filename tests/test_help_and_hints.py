@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 
+import pytest
+
 from tests.conftest import hide_package
 
 
@@ -85,3 +87,29 @@ def test_preference_lines_fit_100_columns_and_say_an_unknown_peak_once(tmp_path)
     assert sum(line.startswith("step ") for line in lines) == 3
     assert result.stdout.count("peak FLOP/s of cpu is unknown") == 1
     assert "MFU" not in next(line for line in lines if line.startswith("  speed"))
+
+
+@pytest.mark.parametrize(
+    "command", ["train", "estimate", "plan", "compare", "inspect-state", "optimizers", None]
+)
+def test_help_at_80_columns_shows_every_option_whole(command):
+    """rich cut option names to fit 80 columns: ``--gradient-checkpoint…``."""
+    import typer
+
+    from effitrain.cli import app
+
+    args = [command] if command else []
+    result = _narrow(*args, "--help", columns=80)
+    assert result.exit_code == 0, result.output
+    assert "…" not in result.stdout
+    assert max(len(line) for line in result.stdout.splitlines()) <= 80
+    click_command = typer.main.get_command(app)
+    if command:
+        click_command = click_command.commands[command]
+    words = set(result.stdout.replace(",", " ").split())
+    for param in click_command.params:
+        if getattr(param, "hidden", False):
+            continue  # taken, not listed
+        for name in (*param.opts, *param.secondary_opts):
+            if name.startswith("-"):
+                assert name in words, name
