@@ -464,7 +464,6 @@ def _hyperparameters(group: dict[str, Any]) -> str:
 def print_state_report(report: StateReport, top: int, console: Console | None = None) -> None:
     """``effitrain inspect-state``: summary, per-key table, largest states, AdamW comparison."""
     from rich.console import Console
-    from rich.table import Table
 
     console = console or Console(highlight=False)
 
@@ -490,15 +489,7 @@ def print_state_report(report: StateReport, top: int, console: Console | None = 
         line(f"  group {index}    {group.get('params', '?')} params · {_hyperparameters(group)}")
     console.print(ledger_table(report.ledger, "Optimizer state by key"))
 
-    table = Table(title=f"Largest per-parameter states (top {top})", title_justify="left")
-    for column in ("parameter", "shape", "state keys", "bytes", "second moment"):
-        table.add_column(column, justify="right" if column == "bytes" else "left")
-    for row in report.params[:top]:
-        shape = "×".join(str(d) for d in row.shape) if row.shape is not None else "?"
-        table.add_row(
-            row.parameter, shape, ", ".join(row.keys), format_bytes(row.bytes), row.second_moment
-        )
-    console.print(table)
+    console.print(largest_states_table(report.params[:top], top, console.width))
 
     adamw = report.adamw_equivalent_bytes
     state = report.ledger.bytes
@@ -513,6 +504,74 @@ def print_state_report(report: StateReport, top: int, console: Console | None = 
             f"[yellow]note:[/] {report.params_without_shape} parameter(s) with state of unknown "
             "shape are left out of the AdamW figure"
         )
+
+
+def largest_states_table(params: list[Any], top: int, width: int) -> Any:
+    """The largest per-parameter states, their names told apart within ``width`` columns: the
+    dotted prefix they all share is said once in the title, a column whose value is the same on
+    every row is said once in the caption, and a name still too long keeps its end."""
+    from rich.table import Table
+
+    columns = {
+        "parameter": [row.parameter for row in params],
+        "shape": [
+            "×".join(map(str, row.shape)) if row.shape is not None else "?" for row in params
+        ],
+        "state keys": [", ".join(row.keys) for row in params],
+        "bytes": [format_bytes(row.bytes) for row in params],
+        "second moment": [row.second_moment for row in params],
+    }
+    same = [
+        name
+        for name in ("state keys", "second moment")
+        if len(params) > 1 and len(set(columns[name])) == 1
+    ]
+    prefix = _common_prefix(columns["parameter"]) if len(params) > 1 else ""
+    names = [name.removeprefix(prefix) for name in columns["parameter"]]
+    shown = [name for name in columns if name not in same]
+    # Each column's padding and border take 3 columns, the table's left edge 1.
+    room = (
+        width
+        - 1
+        - sum(3 + max(len(name), *map(len, columns[name])) for name in shown if name != "parameter")
+    )
+    room = max(room - 3, len("parameter"))
+    table = Table(
+        title=f"Largest per-parameter states (top {top})"
+        + (f", names under {prefix}" if prefix else ""),
+        title_justify="left",
+        caption=("every row: " + "; ".join(f"{name} {columns[name][0]}" for name in same))
+        if same
+        else None,
+        caption_justify="left",
+    )
+    for name in shown:
+        table.add_column(name, justify="right" if name == "bytes" else "left")
+    for index, name in enumerate(names):
+        cells = {"parameter": _tail(name, room)}
+        table.add_row(*(cells.get(column) or columns[column][index] for column in shown))
+    return table
+
+
+def _common_prefix(names: list[str]) -> str:
+    """The dotted prefix every name shares (``distilbert.``), leaving each its last part."""
+    common = []
+    for parts in zip(*(name.split(".")[:-1] for name in names), strict=False):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return "".join(f"{part}." for part in common)
+
+
+def _tail(name: str, width: int) -> str:
+    """``…layer.1.attention.q_lin.weight``: the longest end of ``name`` after a dot that fits
+    ``width`` with its ``…`` (the end tells the rows apart), else its last characters."""
+    if len(name) <= width:
+        return name
+    for index, char in enumerate(name):
+        if char == "." and len(name) - index <= width:
+            return "…" + name[index + 1 :]
+    return "…" + name[-(width - 1) :]
 
 
 # --------------------------------------------------------------------------------------------

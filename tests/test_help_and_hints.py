@@ -113,3 +113,32 @@ def test_help_at_80_columns_shows_every_option_whole(command):
         for name in (*param.opts, *param.secondary_opts):
             if name.startswith("-"):
                 assert name in words, name
+
+
+def test_inspect_states_names_are_told_apart_at_80_columns():
+    """Every row read ``distilbert.trans…`` at 80 columns."""
+    from effitrain.report import largest_states_table
+    from effitrain.results import ParamState
+
+    names = [
+        f"distilbert.transformer.layer.{layer}.attention.{part}_lin.weight"
+        for layer in range(2)
+        for part in ("q", "k", "v", "out")
+    ]
+    names.append("distilbert.embeddings.word_embeddings.weight")
+    keys = ["step", "exp_avg_sq_row", "exp_avg_sq_col"]
+    rows = [
+        ParamState(name, [128, 128], 128 * 128, 1024, keys, f"factored ({i} + 128 values)")
+        for i, name in enumerate(names)
+    ]
+    console = _console(80)
+    console.print(largest_states_table(rows, 10, console.width))
+    text = console.file.getvalue()
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert lines[0].strip() == "Largest per-parameter states (top 10), names under distilbert."
+    assert "every row: state keys step, exp_avg_sq_row, exp_avg_sq_col" in text
+    cells = [line.split("│")[1].strip() for line in lines if line.startswith("│")]
+    assert len(set(cells)) == len(names)  # each row's name its own
+    assert "…1.attention.out_lin.weight" in cells  # its end: what tells it apart
+    assert "…word_embeddings.weight" in cells
