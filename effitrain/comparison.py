@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -384,6 +385,15 @@ def plot(data: dict[str, Any], path: Path) -> dict[str, Any]:
     return drawn
 
 
+def _coincide(a: tuple[list[int], list[float]], b: tuple[list[int], list[float]]) -> bool:
+    """Whether two loss curves would hide each other: the same steps, losses within 0.1%."""
+    return (
+        bool(a[0])
+        and a[0] == b[0]
+        and all(math.isclose(x, y, rel_tol=1e-3) for x, y in zip(a[1], b[1], strict=True))
+    )
+
+
 FEW_POINTS = 10
 """Up to this many logged losses, each point is marked large and the loss axis starts at 0, so
 one noisy log window does not read as divergence."""
@@ -404,8 +414,11 @@ def _draw_curves(
     for index, row in enumerate(rows):
         history = row.get("loss_history") or []
         points = ([p["step"] for p in history], [p["loss"] for p in history])
-        same = next((label for label, seen in drawn.items() if seen == points and history), None)
-        label = row["label"] + (f" (same losses as {same})" if same else "")
+        same = next((label for label, seen in drawn.items() if _coincide(seen, points)), None)
+        label = row["label"]
+        if same:
+            exact = drawn[same] == points
+            label += f" (same losses as {same})" if exact else f" (losses within 0.1% of {same})"
         curves.plot(
             *points,
             linestyle=styles[index % len(styles)],

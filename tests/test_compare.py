@@ -255,11 +255,18 @@ def test_a_preference_runs_reward_accuracy_is_a_row():
 def test_plot_says_what_bars_and_line_are_and_which_curves_coincide(tmp_path):
     """Two equal loss curves hid each other, one legend entry showing nothing; nothing said why
     bars stand above the peak line."""
-    same = _row("adamw-8bit", 2**29, 5)
-    data = {"rows": [_row("adamw", 2**30, 5), same, _row("sgd", 2**29, 4)]}
-    data["rows"][2]["loss_history"][1]["loss"] = 3.0  # a jump in 4 points
+    close = _row("lion", 2**29, 5)
+    close["loss_history"][2]["loss"] *= 1.0005
+    data = {"rows": [_row("adamw", 2**30, 5), _row("adamw-8bit", 2**29, 5), close]}
+    data["rows"].append(_row("sgd", 2**29, 4))
+    data["rows"][3]["loss_history"][1]["loss"] = 3.0  # a jump in 4 points
     drawn = plot(data, tmp_path / "c.png")
-    assert drawn["curve_labels"] == ["adamw", "adamw-8bit (same losses as adamw)", "sgd"]
+    assert drawn["curve_labels"] == [
+        "adamw",
+        "adamw-8bit (same losses as adamw)",
+        "lion (losses within 0.1% of adamw)",
+        "sgd",
+    ]
     assert drawn["legend"][0] == "line: the step's peak (all at once)"
     assert (
         drawn["bars_title"]
