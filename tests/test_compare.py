@@ -275,3 +275,16 @@ def test_plot_says_what_bars_and_line_are_and_which_curves_coincide(tmp_path):
     assert drawn["loss_axis"] == pytest.approx(
         (0.0, 3.3)
     )  # few points: from 0, so a jump is seen at its size
+
+
+def test_a_failed_runs_install_hint_keeps_its_extra(train_cli, monkeypatch, tmp_path):
+    """The progress line read ``pip install 'effitrain'``: rich took ``[mini]`` for markup."""
+    import effitrain.comparison as comparison
+
+    hint = "optimizer 'adam-mini' needs the 'adam_mini' package: pip install 'effitrain[mini]'"
+    monkeypatch.setattr(comparison, "run_one", lambda *args: (None, hint))
+    proc = train_cli(
+        "compare", "--optim", "adamw", "--model", "tiny", "--output-dir", str(tmp_path)
+    )
+    assert proc.returncode != 0
+    assert f"[1/1] adamw: failed ({hint})" in proc.stderr
