@@ -25,8 +25,7 @@ def _names(param: Any, ctx: Any) -> Any:
     if param.required:
         text.append("* ", style=rich_utils.STYLE_REQUIRED_SHORT)
     if getattr(param, "param_type_name", "") == "argument":
-        # typer's own name for it (older typers: the metavar)
-        shown = getattr(param, "display_name_raw", None) or param.make_metavar(ctx)
+        shown = getattr(param, "display_name_raw", None) or param.name.upper()  # older typers
         text.append(shown, style=rich_utils.STYLE_OPTION)
     else:
         text.append(", ".join(param.opts), style=rich_utils.STYLE_OPTION)
@@ -85,9 +84,14 @@ def options_panel(
 
 @contextmanager
 def whole_names() -> Iterator[None]:
-    """typer's help, its options panels drawn by :func:`options_panel`."""
+    """typer's help, its options panels drawn by :func:`options_panel` (typer's own where its
+    private helpers are not there)."""
     from typer import rich_utils
 
+    helpers = ("_get_parameter_help", "_print_options_panel")
+    if not all(hasattr(rich_utils, name) for name in helpers):  # a typer it was not written for
+        yield
+        return
     original = rich_utils._print_options_panel
     rich_utils._print_options_panel = options_panel
     try:
