@@ -21,8 +21,9 @@ def test_optimizers_install_hint_keeps_its_extra(train_cli, monkeypatch):
     hide_package(monkeypatch, "adam_mini")
     table = train_cli("optimizers")
     assert table.returncode == 0, table.stderr
-    assert "not installed: pip install 'effitrain[8bit]'  (bitsandbytes)" in table.stdout
-    assert "not installed: pip install 'effitrain[mini]'  (adam-mini)" in table.stdout
+    lines = table.stdout.splitlines()
+    assert "  not installed: pip install 'effitrain[8bit]'  (bitsandbytes)" in lines
+    assert "  not installed: pip install 'effitrain[mini]'  (adam-mini)" in lines
     assert "pip install 'effitrain'" not in table.stdout
 
 

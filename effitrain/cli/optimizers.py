@@ -73,9 +73,10 @@ def optimizers(
     line("(a hub id or a folder) and for training a built-in preset from scratch.")
     for row in rows:
         tune, scratch = row["defaults"][FINE_TUNE], row["defaults"][SCRATCH]
-        available = "" if row["available"] else f"  [red]not installed[/]: {escape(row['install'])}"
         line("")
-        line(f"[bold cyan]{row['name']}[/]  {row['class']}{available}")
+        line(f"[bold cyan]{row['name']}[/]  {row['class']}")
+        if not row["available"]:  # a line of its own: the command stays whole at 80 columns
+            line(f"  [red]not installed[/]: {escape(row['install'])}")
         line(f"  {escape(row['description'])}")
         lora = [("LoRA        ", row["defaults"]["LoRA"])] if "LoRA" in row["defaults"] else []
         for label, defaults in (("fine-tuning ", tune), ("from scratch", scratch), *lora):
