@@ -20,6 +20,7 @@ import effitrain.levers as levers
 import effitrain.optim as optim
 import effitrain.tasks as tasks
 from effitrain.config import TrainConfig
+from effitrain.cost import device_name, peak_flops
 from effitrain.distributed import WEIGHTS_RECEIVED, Launch, configure_deepspeed, cpu_for_launch
 from effitrain.errors import EffitrainError
 from effitrain.memory import ledger
@@ -366,6 +367,7 @@ def describe(run: Run) -> RunInfo:
     hyperparameters = run.hyperparameters
     unwrapped = accelerator.unwrap_model(run.model)
     inner = getattr(run.optimizer, "optimizer", run.optimizer)
+    device = device_name(accelerator.device)
     return RunInfo(
         task=run.task.name,
         speed_unit=run.task.speed_unit,
@@ -394,4 +396,5 @@ def describe(run: Run) -> RunInfo:
         mixed_precision=accelerator.mixed_precision,
         levers=[*levers.banner_lines(config, unwrapped), *run.loss.describe()],
         optimizer_split=getattr(inner, "split_description", ""),
+        peak_unknown="" if peak_flops(device) else device,
     )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -352,7 +353,7 @@ def plot(data: dict[str, Any], path: Path) -> dict[str, Any]:
     peaks = [row["peak_tensor_bytes"] / scale for row in rows]
     bars.hlines(
         peaks, [x - 0.38 for x in positions], [x + 0.38 for x in positions], colors="black",
-        linewidths=2, label="peak tensors (all at once)",
+        linewidths=2, label="line: the step's peak (all at once)",
     )  # fmt: skip
     drawn["peak_tensors"] = peaks
     from effitrain.memory.ledger import format_bytes
@@ -364,32 +365,78 @@ def plot(data: dict[str, Any], path: Path) -> dict[str, Any]:
         )  # fmt: skip
     bars.set_xticks(list(positions), [label.replace(" +", "\n+") for label in labels], fontsize=9)
     bars.set_ylabel(f"memory in one optimizer step ({unit})")
-    bars.set_title("Tensor memory: each part at its own peak, and the peak")
+    bars.set_title("Tensor memory in one optimizer step")
     top = max([*bottom, *peaks])
     bars.set_ylim(0, top * 1.4 if top > 0 else 1)
-    bars.legend(loc="upper right", fontsize=9)
-    styles = ("-", "--", ":", "-.")  # curves that coincide (adamw, adamw-8bit) stay visible
-    for index, row in enumerate(rows):
-        history = row.get("loss_history") or []
-        steps = [point["step"] for point in history]
-        losses = [point["loss"] for point in history]
-        curves.plot(
-            steps,
-            losses,
-            linestyle=styles[index % len(styles)],
-            marker="o",
-            markersize=3,
-            label=row["label"],
-        )
-        drawn["curves"][row["label"]] = (steps, losses)
-    from matplotlib.ticker import MaxNLocator
-
-    curves.xaxis.set_major_locator(MaxNLocator(integer=True))
-    curves.set_xlabel("optimizer step")
-    curves.set_ylabel("training loss (mean since the previous log line)")
-    curves.set_title("Training loss")
-    curves.grid(alpha=0.3)
-    curves.legend(fontsize=9)
+    # The parts peak at different moments of the step: stacked, they can pass the peak.
+    bars.legend(
+        loc="upper right",
+        fontsize=9,
+        title="bars: each part at its own peak, stacked\n(so they can pass the line)",
+        title_fontsize=8,
+    )
+    legend = bars.get_legend()
+    drawn["legend"] = [text.get_text() for text in legend.get_texts()]
+    drawn["bars_title"] = legend.get_title().get_text()
+    drawn["curves"], drawn["curve_labels"] = _draw_curves(curves, rows)
+    drawn["loss_axis"] = curves.get_ylim()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return drawn
+
+
+def _coincide(a: tuple[list[int], list[float]], b: tuple[list[int], list[float]]) -> bool:
+    """Whether two loss curves would hide each other: the same steps, losses within 0.1%."""
+    return (
+        bool(a[0])
+        and a[0] == b[0]
+        and all(math.isclose(x, y, rel_tol=1e-3) for x, y in zip(a[1], b[1], strict=True))
+    )
+
+
+FEW_POINTS = 10
+"""Up to this many logged losses, each point is marked large and the loss axis starts at 0, so
+one noisy log window does not read as divergence."""
+
+
+def _draw_curves(
+    curves: Any, rows: list[dict[str, Any]]
+) -> tuple[dict[str, tuple[list[int], list[float]]], list[str]]:
+    """The loss curves, each with its own line style and marker; a curve equal to an earlier
+    one says so in the legend (it is drawn on top of it). Returns the curves and the labels."""
+    from matplotlib.ticker import MaxNLocator
+
+    styles = ("-", "--", ":", "-.")
+    markers = ("o", "s", "^", "D", "v", "P")
+    drawn: dict[str, tuple[list[int], list[float]]] = {}
+    labels = []
+    most = max((len(row.get("loss_history") or []) for row in rows), default=0)
+    for index, row in enumerate(rows):
+        history = row.get("loss_history") or []
+        points = ([p["step"] for p in history], [p["loss"] for p in history])
+        same = next((label for label, seen in drawn.items() if _coincide(seen, points)), None)
+        label = row["label"]
+        if same:
+            exact = drawn[same] == points
+            label += f" (same losses as {same})" if exact else f" (losses within 0.1% of {same})"
+        curves.plot(
+            *points,
+            linestyle=styles[index % len(styles)],
+            marker=markers[index % len(markers)],
+            markersize=7 if most <= FEW_POINTS else 3,
+            fillstyle="none" if same else "full",  # the earlier curve shows through
+            label=label,
+        )
+        drawn[row["label"]] = points
+        labels.append(label)
+    curves.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if most <= FEW_POINTS:
+        highest = max((max(losses, default=0.0) for _, losses in drawn.values()), default=0.0)
+        curves.set_ylim(0, highest * 1.1 if highest > 0 else 1)
+    curves.set_xlabel("optimizer step")
+    curves.set_ylabel("training loss (mean since the previous log line)")
+    few = f" ({most} logged points)" if most <= FEW_POINTS else ""
+    curves.set_title(f"Training loss{few}")
+    curves.grid(alpha=0.3)
+    curves.legend(fontsize=9)
+    return drawn, labels

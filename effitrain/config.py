@@ -701,6 +701,30 @@ def _coerce(key: str, value: Any, annotation: Any, source: str) -> Any:
     raise AssertionError(f"unhandled config type {annotation!r} for {key}")  # a bug, not user input
 
 
+ELSEWHERE_NAMES = {
+    "learning_rate": "lr",
+    "num_train_epochs": "epochs",
+    "per_device_train_batch_size": "batch_size",
+    "per_device_eval_batch_size": "eval_batch_size",
+    "gradient_accumulation_steps": "grad_accum",
+    "lr_scheduler_type": "scheduler",
+    "max_seq_length": "max_length",
+    "model_name_or_path": "model",
+    "optimizer": "optim",
+    "lora_r": "lora_rank",
+}
+"""Keys of transformers' TrainingArguments and TRL's configs, with their effitrain names."""
+
+
+def _close_key(key: str, names: list[str]) -> str | None:
+    """The option an unknown key most likely meant (a typo of one, or another tool's name)."""
+    import difflib
+
+    candidates = {**ELSEWHERE_NAMES, **{name: name for name in names}}
+    found = difflib.get_close_matches(key, list(candidates), n=1)
+    return candidates[found[0]] if found else None
+
+
 def merge(base: dict[str, Any], overrides: dict[str, Any], source: str) -> dict[str, Any]:
     """Return ``base`` updated with ``overrides`` after checking each key and type."""
     types_by_name = _field_types()
@@ -708,9 +732,13 @@ def merge(base: dict[str, Any], overrides: dict[str, Any], source: str) -> dict[
     for raw_key, value in overrides.items():
         key = str(raw_key).replace("-", "_")
         if key not in types_by_name:
-            raise EffitrainError(
-                f"{source}: unknown key '{raw_key}'; valid keys: {', '.join(types_by_name)}"
+            guess = _close_key(key, list(types_by_name))
+            hint = (
+                f"did you mean '{guess}'?"
+                if guess
+                else "the keys are the options of effitrain train --help (batch_size: 16)"
             )
+            raise EffitrainError(f"unknown key '{raw_key}' in {source}; {hint}")
         merged[key] = _coerce(key, value, types_by_name[key], source)
     return merged
 

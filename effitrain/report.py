@@ -65,6 +65,9 @@ class Reporter:
         self._task: Any = None
         self._speed_unit = "samples"
         """What throughput counts: the task's (set by run_started)."""
+        self._epochs = 1
+        """How many epochs the run has (set by run_started): a log line names the epoch only
+        when there are several."""
 
     def _line(self, text: str) -> None:
         # soft_wrap: never insert hard line breaks (log files and narrow terminals stay greppable).
@@ -77,10 +80,14 @@ class Reporter:
     def note(self, message: str) -> None:
         """A warning or hint the user should see even with --quiet."""
         if self.enabled:
-            self._line(f"[yellow]note:[/] {message}")
+            from rich.markup import escape
+
+            # escaped: a hint such as pip install 'effitrain[lora]' is text, not markup
+            self._line(f"[yellow]note:[/] {escape(message)}")
 
     def run_started(self, info: RunInfo) -> None:
         self._speed_unit = info.speed_unit
+        self._epochs = info.epochs
         if not self._chatty:
             return
         trainable = info.trainable_parameters
@@ -106,9 +113,11 @@ class Reporter:
             f"{info.steps_per_epoch} steps), {info.warmup_steps} warmup then {info.scheduler}"
             f"{schedule_note}, global batch {info.global_batch_size}"
         )
+        # Said here, once: the closing lines then leave the MFU out.
+        peak = f"; no MFU: the peak FLOP/s of {info.peak_unknown} is unknown"
         self._line(
             f"  device    {info.device} × {info.num_processes} process(es), "
-            f"mixed precision {info.mixed_precision}"
+            f"mixed precision {info.mixed_precision}{peak if info.peak_unknown else ''}"
         )
         for lever in info.levers:
             self._line(f"  lever     {lever}")
@@ -154,8 +163,12 @@ class Reporter:
         if self._progress is not None:
             self._progress.update(self._task, completed=log.step, stats=stats)
         else:
+            # Within 100 characters for most runs, so a terminal does not wrap it: the epoch
+            # only where there are several, "tok/s" (the closing lines spell it out)
+            epoch = f" · epoch {log.epoch}" if self._epochs > 1 else ""
+            stats = stats.replace(" tokens/s", " tok/s")
             self._line(
-                f"step {log.step}/{log.total_steps} · epoch {log.epoch} · {stats} · "
+                f"step {log.step}/{log.total_steps}{epoch} · {stats} · "
                 f"eta {_duration(log.eta_seconds)}"
             )
 
@@ -183,9 +196,11 @@ class Reporter:
         ev = result.eval
         speed = _speed(result, result.speed_unit)
         self._line(
-            f"[bold green]done[/] · {result.global_steps} steps in {result.train_seconds:.1f} s "
-            f"({result.seconds_per_step * 1000:.1f} ms/step, {speed}{_work_text(result)}) · "
+            f"[bold green]done[/] · {result.global_steps} steps in {result.train_seconds:.1f} s · "
             f"train loss {result.train_loss:.4f} · eval {_eval_text(ev)}"
+        )
+        self._line(
+            f"  speed     {result.seconds_per_step * 1000:.1f} ms/step · {speed}{_work_text(result)}"
         )
         c.print(optimizer_state_table(result))
         c.print(memory_table(result.memory, result.optimizer, result))
@@ -463,7 +478,6 @@ def _hyperparameters(group: dict[str, Any]) -> str:
 def print_state_report(report: StateReport, top: int, console: Console | None = None) -> None:
     """``effitrain inspect-state``: summary, per-key table, largest states, AdamW comparison."""
     from rich.console import Console
-    from rich.table import Table
 
     console = console or Console(highlight=False)
 
@@ -489,15 +503,7 @@ def print_state_report(report: StateReport, top: int, console: Console | None = 
         line(f"  group {index}    {group.get('params', '?')} params · {_hyperparameters(group)}")
     console.print(ledger_table(report.ledger, "Optimizer state by key"))
 
-    table = Table(title=f"Largest per-parameter states (top {top})", title_justify="left")
-    for column in ("parameter", "shape", "state keys", "bytes", "second moment"):
-        table.add_column(column, justify="right" if column == "bytes" else "left")
-    for row in report.params[:top]:
-        shape = "×".join(str(d) for d in row.shape) if row.shape is not None else "?"
-        table.add_row(
-            row.parameter, shape, ", ".join(row.keys), format_bytes(row.bytes), row.second_moment
-        )
-    console.print(table)
+    console.print(largest_states_table(report.params[:top], top, console.width))
 
     adamw = report.adamw_equivalent_bytes
     state = report.ledger.bytes
@@ -512,6 +518,74 @@ def print_state_report(report: StateReport, top: int, console: Console | None = 
             f"[yellow]note:[/] {report.params_without_shape} parameter(s) with state of unknown "
             "shape are left out of the AdamW figure"
         )
+
+
+def largest_states_table(params: list[Any], top: int, width: int) -> Any:
+    """The largest per-parameter states, their names told apart within ``width`` columns: the
+    dotted prefix they all share is said once in the title, a column whose value is the same on
+    every row is said once in the caption, and a name still too long keeps its end."""
+    from rich.table import Table
+
+    columns = {
+        "parameter": [row.parameter for row in params],
+        "shape": [
+            "×".join(map(str, row.shape)) if row.shape is not None else "?" for row in params
+        ],
+        "state keys": [", ".join(row.keys) for row in params],
+        "bytes": [format_bytes(row.bytes) for row in params],
+        "second moment": [row.second_moment for row in params],
+    }
+    same = [
+        name
+        for name in ("state keys", "second moment")
+        if len(params) > 1 and len(set(columns[name])) == 1
+    ]
+    prefix = _common_prefix(columns["parameter"]) if len(params) > 1 else ""
+    names = [name.removeprefix(prefix) for name in columns["parameter"]]
+    shown = [name for name in columns if name not in same]
+    # Each column's padding and border take 3 columns, the table's left edge 1.
+    room = (
+        width
+        - 1
+        - sum(3 + max(len(name), *map(len, columns[name])) for name in shown if name != "parameter")
+    )
+    room = max(room - 3, len("parameter"))
+    table = Table(
+        title=f"Largest per-parameter states (top {top})"
+        + (f", names under {prefix}" if prefix else ""),
+        title_justify="left",
+        caption=("every row: " + "; ".join(f"{name} {columns[name][0]}" for name in same))
+        if same
+        else None,
+        caption_justify="left",
+    )
+    for name in shown:
+        table.add_column(name, justify="right" if name == "bytes" else "left")
+    for index, name in enumerate(names):
+        cells = {"parameter": _tail(name, room)}
+        table.add_row(*(cells.get(column) or columns[column][index] for column in shown))
+    return table
+
+
+def _common_prefix(names: list[str]) -> str:
+    """The dotted prefix every name shares (``distilbert.``), leaving each its last part."""
+    common = []
+    for parts in zip(*(name.split(".")[:-1] for name in names), strict=False):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return "".join(f"{part}." for part in common)
+
+
+def _tail(name: str, width: int) -> str:
+    """``…layer.1.attention.q_lin.weight``: the longest end of ``name`` after a dot that fits
+    ``width`` with its ``…`` (the end tells the rows apart), else its last characters."""
+    if len(name) <= width:
+        return name
+    for index, char in enumerate(name):
+        if char == "." and len(name) - index <= width:
+            return "…" + name[index + 1 :]
+    return "…" + name[-(width - 1) :]
 
 
 # --------------------------------------------------------------------------------------------
@@ -578,7 +652,7 @@ def print_estimates(
     notes = [*dict.fromkeys(n for r in results for n in r.notes)]
     notes += (against or {}).get("mismatches", []) + (skipped or [])
     for note in notes:
-        console.print(f"note: {note}")
+        console.print(f"note: {note}", markup=False)
 
 
 def _estimate_title(first: Estimate) -> str:
@@ -759,7 +833,10 @@ def print_comparison(
     console.print(comparison_table(rows))
     console.print("Wrote " + ", ".join(str(path) for path in written.values()), soft_wrap=True)
     if "png" not in written:
-        console.print("note: no compare.png: install matplotlib (pip install 'effitrain[plot]')")
+        console.print(
+            "note: no compare.png: install matplotlib (pip install 'effitrain[plot]')",
+            markup=False,
+        )
     for label, error in failed.items():
         console.print(f"[red]failed[/]: {escape(label)}: {escape(error)}", soft_wrap=True)
 
@@ -820,19 +897,16 @@ def format_flops(flops: float) -> str:
 
 
 def _work_text(result: TrainResult) -> str:
-    """The step's FLOPs, what the device achieved and, where its peak is known, the MFU."""
+    """The step's FLOPs, what the device achieved and, where its peak is known, the MFU (the
+    banner says once where it is not)."""
     if result.flops_per_step is None:
-        return ", FLOPs not counted"  # torchao's compiled step: docs/cost.md
+        return " · FLOPs not counted"  # torchao's compiled step: docs/cost.md
     if result.achieved_tflops is None:
         return ""
-    mfu = (
-        f"MFU {result.mfu:.1%}"
-        if result.mfu is not None
-        else f"MFU: peak of {result.device_name or result.device} unknown"
-    )
+    mfu = f" · MFU {result.mfu:.1%}" if result.mfu is not None else ""
     return (
-        f", {format_flops(result.flops_per_step)}/step, "
-        f"{format_flops(result.achieved_tflops * 1e12)}/s per device, {mfu}"
+        f" · {format_flops(result.flops_per_step)}/step · "
+        f"{format_flops(result.achieved_tflops * 1e12)}/s per device{mfu}"
     )
 
 

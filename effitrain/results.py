@@ -57,6 +57,8 @@ class RunInfo:
     optimizer_split: str = ""
     """How the optimizer splits the parameters (Muon, GaLore, APOLLO: hidden matrices vs the
     rest, ``effitrain.optim.split``); empty for one update rule everywhere."""
+    peak_unknown: str = ""
+    """The device's name where its peak FLOP/s is not known (no MFU is reported); else empty."""
 
 
 @dataclass

@@ -250,3 +250,41 @@ def test_a_preference_runs_reward_accuracy_is_a_row():
     console.print(comparison_table([row]))
     text = console.export_text()  # it empties the record
     assert "eval reward acc" in text and "0.875" in text
+
+
+def test_plot_says_what_bars_and_line_are_and_which_curves_coincide(tmp_path):
+    """Two equal loss curves hid each other, one legend entry showing nothing; nothing said why
+    bars stand above the peak line."""
+    close = _row("lion", 2**29, 5)
+    close["loss_history"][2]["loss"] *= 1.0005
+    data = {"rows": [_row("adamw", 2**30, 5), _row("adamw-8bit", 2**29, 5), close]}
+    data["rows"].append(_row("sgd", 2**29, 4))
+    data["rows"][3]["loss_history"][1]["loss"] = 3.0  # a jump in 4 points
+    drawn = plot(data, tmp_path / "c.png")
+    assert drawn["curve_labels"] == [
+        "adamw",
+        "adamw-8bit (same losses as adamw)",
+        "lion (losses within 0.1% of adamw)",
+        "sgd",
+    ]
+    assert drawn["legend"][0] == "line: the step's peak (all at once)"
+    assert (
+        drawn["bars_title"]
+        == "bars: each part at its own peak, stacked\n(so they can pass the line)"
+    )
+    assert drawn["loss_axis"] == pytest.approx(
+        (0.0, 3.3)
+    )  # few points: from 0, so a jump is seen at its size
+
+
+def test_a_failed_runs_install_hint_keeps_its_extra(train_cli, monkeypatch, tmp_path):
+    """The progress line read ``pip install 'effitrain'``: rich took ``[mini]`` for markup."""
+    import effitrain.comparison as comparison
+
+    hint = "optimizer 'adam-mini' needs the 'adam_mini' package: pip install 'effitrain[mini]'"
+    monkeypatch.setattr(comparison, "run_one", lambda *args: (None, hint))
+    proc = train_cli(
+        "compare", "--optim", "adamw", "--model", "tiny", "--output-dir", str(tmp_path)
+    )
+    assert proc.returncode != 0
+    assert f"[1/1] adamw: failed ({hint})" in proc.stderr

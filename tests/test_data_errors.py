@@ -9,6 +9,7 @@ import pytest
 
 from effitrain.errors import EffitrainError
 from effitrain.tasks.sources import load_local_file, load_splits
+from tests.conftest import assert_clean_error
 
 ROWS = [json.dumps({"text": f"sentence number {i}", "label": i % 2}) for i in range(12)]
 
@@ -194,3 +195,77 @@ def test_explicit_nulls_are_not_differing_keys(tmp_path):
     rows[2]["text"] = None
     path = _jsonl(tmp_path / "nulls.jsonl", rows)
     assert load_local_file(path, "train")["text"][2] is None
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "line", "column"),
+    [
+        ("latin.jsonl", '{"text": "ok"}\n{"text": "caf\xe9"}\n'.encode("latin-1"), 2, 14),
+        ("latin.csv", "text,label\nhello,1\ncaf\xe9,0\n".encode("latin-1"), 3, 4),
+    ],
+)
+def test_non_utf8_names_the_file_line_and_column(tmp_path, capfd, name, data, line, column):
+    """pyarrow read a Latin-1 jsonl, and tokenizing failed later with a bare UnicodeDecodeError."""
+    path = tmp_path / name
+    path.write_bytes(data)
+    message = _error(capfd, lambda: load_local_file(str(path), "train"))
+    assert message == (
+        f"cannot read '{path}': line {line}, column {column}: byte 0xe9 is not UTF-8; "
+        "save the file as UTF-8"
+    )
+
+
+def test_non_utf8_is_found_across_read_chunks(tmp_path):
+    from effitrain.tasks.sources import _not_utf8
+
+    path = tmp_path / "a.txt"
+    # 'é' is two bytes: with 3-byte chunks some are split between reads and stay valid.
+    path.write_bytes("éé\nxé é\n".encode() + b"ab\xff\n")
+    assert _not_utf8(path, chunk_bytes=3) == (
+        "line 3, column 3: byte 0xff is not UTF-8; save the file as UTF-8"
+    )
+    path.write_bytes("éé\nxé é\n".encode())
+    assert _not_utf8(path, chunk_bytes=3) is None
+
+
+def test_a_raw_nul_byte_is_shown_escaped(tmp_path, capfd):
+    """Python's message stopped at 'Invalid control character at' (and a raw NUL cut lines)."""
+    path = tmp_path / "nul.jsonl"
+    path.write_bytes(b'{"text": "a", "label": 0}\n{"text": "b\x00c", "label": 1}\n')
+    message = _error(capfd, lambda: load_local_file(str(path), "train"))
+    assert message == (
+        f"cannot read '{path}' as json: line 2, column 12: raw control character '\\x00' "
+        "inside a string; JSON needs it escaped (\\u0000)"
+    )
+    assert "\x00" not in message
+
+
+@pytest.mark.parametrize(
+    ("row", "hint"),
+    [
+        (
+            {"prompt": "a", "completion": "b"},
+            "prompt+completion is causal-LM data: train on it with --task causal-lm",
+        ),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "--task causal-lm"),
+        (
+            {"prompt": "a", "chosen": "b", "rejected": "c"},
+            "These are preference pairs: train on them with --task preference",
+        ),
+    ],
+)
+def test_another_tasks_data_names_its_task(train_cli, tmp_path, row, hint):
+    """Without --task, the classifier preset asked for --text-columns, which cannot help."""
+    path = _jsonl(tmp_path / "data.jsonl", [row] * 4)
+    error = assert_clean_error(train_cli("train", "--train-file", path), hint)
+    assert "--text-columns" not in error
+
+
+def test_non_utf8_jsonl_is_refused_before_training(train_cli, tmp_path):
+    path = tmp_path / "latin.jsonl"
+    path.write_bytes(
+        '{"text": "ok", "label": 0}\n{"text": "caf\xe9", "label": 1}\n'.encode("latin-1")
+    )
+    assert_clean_error(
+        train_cli("train", "--train-file", str(path)), f"'{path}': line 2, column 14: byte 0xe9"
+    )

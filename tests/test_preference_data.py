@@ -319,6 +319,8 @@ def test_preference_options_are_refused_under_other_tasks(train_cli):
         ),
         (("--label-smoothing", "0.5"), ("--label-smoothing must be from 0 to below 0.5",)),
         (("--beta", "0"), ("--beta must be greater than 0",)),
+        # was a non-finite loss at step 1 blamed on the learning rate
+        (("--beta", "1e308"), ("--beta must be greater than 0 and at most 1000 (got 1e+308)",)),
     ],
 )
 def test_option_refusals(train_cli, options, fragments):

@@ -34,7 +34,7 @@ MEMORY = {
     "memory/activation_bytes": lambda m: m["activation_bytes"],
     "memory/peak_tensor_bytes": lambda m: m["peak_tensor_bytes"],
 }
-LOG_LINE = re.compile(r"^step (\d+)/\d+ · epoch \d+ · loss ([\d.]+) · lr ([\d.e+-]+)", re.M)
+LOG_LINE = re.compile(r"^step (\d+)/\d+(?: · epoch \d+)? · loss ([\d.]+) · lr ([\d.e+-]+)", re.M)
 
 
 def args(data, *extra: str) -> list[str]:

@@ -17,6 +17,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from effitrain.cli import compare, estimate, inspect_state, optimizers, plan, train
 from effitrain.cli.error_handling import usage_errors
+from effitrain.cli.help_layout import whole_names
 
 
 class _Plain:
@@ -36,6 +37,10 @@ class _Plain:
     def make_context(self, *args: Any, **kwargs: Any) -> Any:
         with usage_errors():
             return super().make_context(*args, **kwargs)  # type: ignore[misc]
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        with whole_names():  # option names never cut, at any width
+            super().format_help(ctx, formatter)  # type: ignore[misc]
 
 
 def _no_type(ctx: Any) -> None:

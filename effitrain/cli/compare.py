@@ -166,7 +166,8 @@ def _run(
     console = Console(highlight=False, stderr=True)
 
     def progress(line: str) -> None:
-        console.print(line, soft_wrap=True)  # whole lines, greppable in logs
+        # whole lines, greppable in logs; text, not markup (an error may name "effitrain[mini]")
+        console.print(line, soft_wrap=True, markup=False)
 
     progress(
         f"Comparing {len(rows)} configurations on {model}, {repeats} run(s) each, one fresh "

@@ -62,6 +62,7 @@ def optimizers(
         typer.echo(json.dumps(rows, indent=2))
         return
     from rich.console import Console
+    from rich.markup import escape
 
     console = Console(highlight=False)
 
@@ -72,20 +73,21 @@ def optimizers(
     line("(a hub id or a folder) and for training a built-in preset from scratch.")
     for row in rows:
         tune, scratch = row["defaults"][FINE_TUNE], row["defaults"][SCRATCH]
-        available = "" if row["available"] else f"  [red]not installed[/]: {row['install']}"
         line("")
-        line(f"[bold cyan]{row['name']}[/]  {row['class']}{available}")
-        line(f"  {row['description']}")
+        line(f"[bold cyan]{row['name']}[/]  {row['class']}")
+        if not row["available"]:  # a line of its own: the command stays whole at 80 columns
+            line(f"  [red]not installed[/]: {escape(row['install'])}")
+        line(f"  {escape(row['description'])}")
         lora = [("LoRA        ", row["defaults"]["LoRA"])] if "LoRA" in row["defaults"] else []
         for label, defaults in (("fine-tuning ", tune), ("from scratch", scratch), *lora):
             line(
                 f"  {label}  lr {short_number(defaults['lr'])}, "
                 f"{defaults['warmup_ratio']:.0%} warmup, then {defaults['scheduler']}"
             )
-        line(f"  state: {row['state']}")
-        line(f"  bytes/param: {row['bytes_per_param']}")
+        line(f"  state: {escape(row['state'])}")
+        line(f"  bytes/param: {escape(row['bytes_per_param'])}")
         if row["caveat"]:
-            line(f"  [yellow]note:[/] {row['caveat']}")
+            line(f"  [yellow]note:[/] {escape(row['caveat'])}")
     measured = measured_state_bytes()["settings"]
     line("")
     line("bytes/param: optimizer-state bytes per trained parameter, measured on the")

@@ -77,8 +77,25 @@ def _pick_text_columns(columns: list[str], config: TrainConfig) -> tuple[str, ..
             return candidate
     raise EffitrainError(
         f"no usable text column; columns found: {', '.join(columns)}. "
-        "Name them with --text-columns COL or --text-columns COL1,COL2"
+        + (
+            _other_task_hint(columns)
+            or "Name them with --text-columns COL or --text-columns COL1,COL2"
+        )
     )
+
+
+def _other_task_hint(columns: list[str]) -> str | None:
+    """Where the columns are another task's data (a chat, prompt/completion, preference pairs),
+    the ``--task`` that reads them; None otherwise."""
+    from effitrain.tasks.lm_data import FORMAT_COLUMNS
+    from effitrain.tasks.preference_data import ANSWERS
+
+    if all(c in columns for c in ANSWERS):
+        return "These are preference pairs: train on them with --task preference"
+    for name, needed in FORMAT_COLUMNS:
+        if name != "text" and all(c in columns for c in needed):
+            return f"{'+'.join(needed)} is causal-LM data: train on it with --task causal-lm"
+    return None
 
 
 def _pick_label_column(columns: list[str], config: TrainConfig) -> str:

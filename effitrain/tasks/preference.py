@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 REFUSED_OPTIONS = CAUSAL_LM_OPTIONS
 """Causal-LM options that preference pairs do not take: they are never packed, the loss is on
 the answers by construction, and evaluation reports rewards, not a sample."""
+MAX_BETA = 1000.0
+"""The largest ``--beta``: far above any published setting (DPO 0.01-0.5, SimPO 2-10)."""
 
 
 class PreferenceTask(DecoderTask):
@@ -58,8 +60,13 @@ class PreferenceTask(DecoderTask):
             raise EffitrainError(
                 f"--label-smoothing must be from 0 to below 0.5 (got {config.label_smoothing})"
             )
-        if config.beta is not None and not config.beta > 0:
-            raise EffitrainError(f"--beta must be greater than 0 (got {config.beta})")
+        if config.beta is not None and not 0 < config.beta <= MAX_BETA:
+            # past this the loss is a step function of the log-probs, and overflows float32
+            # long before 1e308: refused here rather than as a non-finite loss blamed on --lr
+            raise EffitrainError(
+                f"--beta must be greater than 0 and at most {MAX_BETA:g} (got {config.beta:g}); "
+                "the defaults are 0.1 (dpo, orpo) and 2 (simpo)"
+            )
 
     def load_data(self, config: TrainConfig) -> PreferenceData:
         return load_preference_data(config)

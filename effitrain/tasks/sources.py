@@ -6,6 +6,7 @@ formats and checks); :func:`loaders` makes the two dataloaders the same way for 
 
 from __future__ import annotations
 
+import codecs
 import itertools
 import json
 import logging
@@ -62,6 +63,10 @@ def load_local_file(
         )
     if file.stat().st_size == 0:
         raise EffitrainError(f"dataset file '{path}' is empty")
+    if builder != "parquet":
+        not_utf8 = _not_utf8(file)
+        if not_utf8:
+            raise EffitrainError(f"cannot read '{path}': {not_utf8}")
     try:
         with _datasets_logs_off():
             loaded = datasets.load_dataset(
@@ -95,6 +100,34 @@ def _datasets_logs_off() -> Iterator[None]:
         yield
     finally:
         logger.setLevel(level)
+
+
+def _not_utf8(file: Path, chunk_bytes: int = 1 << 24) -> str | None:
+    """Where a text data file is not UTF-8 (``line 6, column 19: byte 0xe9 is not UTF-8``), or
+    None. pyarrow's JSON reader keeps such bytes and a later step fails on them without a
+    place, so the file is checked first (in chunks, at the decoder's speed)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    with file.open("rb") as handle:
+        offset = 0
+        while True:
+            chunk = handle.read(chunk_bytes)
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as exc:
+                # exc.start counts from what the decoder held back, at most 3 bytes earlier
+                held = len(exc.object) - len(chunk)
+                bad = offset - held + exc.start
+                handle.seek(0)
+                head = handle.read(bad)
+                line = head.count(b"\n") + 1
+                column = bad - (head.rfind(b"\n") + 1) + 1
+                return (
+                    f"line {line}, column {column}: byte 0x{exc.object[exc.start]:02x} is not "
+                    "UTF-8; save the file as UTF-8"
+                )
+            if not chunk:
+                return None
+            offset += len(chunk)
 
 
 def _root_message(exc: BaseException) -> str:
@@ -227,7 +260,15 @@ def _parses(line: str) -> bool:
 def _where(exc: ValueError, line: int | None = None) -> str:
     """``line 7, column 22: Expecting ',' delimiter``."""
     if isinstance(exc, json.JSONDecodeError):
-        return f"line {line or exc.lineno}, column {exc.colno}: {exc.msg}"
+        where = f"line {line or exc.lineno}, column {exc.colno}"
+        if exc.msg.startswith("Invalid control character"):
+            # Python's message ends at the character; a raw NUL would also cut the terminal's line
+            character = exc.doc[exc.pos] if exc.pos < len(exc.doc) else ""
+            return (
+                f"{where}: raw control character {character!r} inside a string; JSON needs it "
+                f"escaped (\\u{ord(character or chr(0)):04x})"
+            )
+        return f"{where}: {exc.msg}"
     return f"line {line}: {first_line(exc)}" if line else first_line(exc)
 
 
@@ -254,6 +295,13 @@ def load_folder(
         return ({"train": loaded} if isinstance(loaded, datasets.Dataset) else dict(loaded)), []
     data_files, notes = _folder_data_files(path, name, formats)
     suffix = next(Path(f).suffix.lower() for files in data_files.values() for f in files)
+    if formats[suffix] != "parquet":
+        for file in sorted({Path(f) for files in data_files.values() for f in files}):
+            not_utf8 = _not_utf8(file)
+            if not_utf8:
+                raise EffitrainError(
+                    f"cannot read dataset folder '{name}': {file.relative_to(path)}: {not_utf8}"
+                )
     try:
         with _datasets_logs_off():
             loaded = datasets.load_dataset(
