@@ -881,8 +881,7 @@ def print_plan(result: PlanResult, console: Console | None = None) -> None:
         console.print(f"     {escape(candidate.command)}", soft_wrap=True)
     if result.not_verified:
         console.print(
-            "Not verified (the screens say these fit; no full estimate checked them, so they "
-            "are not answers: check one with effitrain estimate first):"
+            "Screened to fit but not verified (not answers; check with effitrain estimate):"
         )
     for candidate in result.not_verified:
         peak = format_bytes(candidate.peak_tensor_bytes)

@@ -4,6 +4,7 @@ what it prints, and that what it prints fits when run."""
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 
@@ -190,8 +191,8 @@ def test_no_such_model_folder(train_cli):
 
 
 def test_a_classifier_plan_names_no_causal_lm_lever(train_cli):
-    proc = train_cli("plan", "--model", "tiny", "--max-length", "32", *ONE, "--memory", "1GiB",
-                     "--json")  # fmt: skip
+    proc = train_cli("plan", "--model", "tiny", "--max-length", "32", "--batch-size", "1", *ONE,
+                     "--memory", "1GiB", "--json")  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     candidates = json.loads(proc.stdout)["candidates"]
     assert candidates
@@ -306,8 +307,6 @@ def test_qwen_on_the_base_install_finds_what_fits(tmp_path):
 def _trains_under(train_cli, command: str, memory: str) -> None:
     """``command`` (as the plan printed it) trains two steps under ``--max-memory memory``:
     not refused by the estimate before it, nor stopped by the measured step."""
-    import shlex
-
     args = shlex.split(command)
     assert args[:2] == ["effitrain", "train"], command
     proc = train_cli("train", *args[2:], "--max-memory", memory, "--max-steps", "2", "--quiet")
@@ -317,20 +316,29 @@ def _trains_under(train_cli, command: str, memory: str) -> None:
 def test_only_verified_candidates_are_answers(train_cli, monkeypatch):
     """With one verification allowed, the rest the screens pass are listed apart, not as
     answers; each answer trains under --max-memory at the plan's budget."""
+    from rich.console import Console
+
     import effitrain.planning
+    from effitrain.cli.compare import train_config
+    from effitrain.distributed import Launch
+    from effitrain.report import print_plan
 
     monkeypatch.setattr(effitrain.planning, "VERIFIED", 1)
     monkeypatch.setattr(effitrain.planning, "MAX_VERIFICATIONS", 1)
-    options = [*LM, "--batch-size", "2", *ONE[:-4], "--optim", "adamw,adafactor", *ONE[-2:]]
-    proc = train_cli("plan", *options, "--memory", "1GiB", "--json")
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout)
-    assert result["candidates"] and all(c["verified"] for c in result["candidates"])
-    assert result["not_verified"] and not any(c["verified"] for c in result["not_verified"])
-    for candidate in result["candidates"]:
-        _trains_under(train_cli, candidate["command"], "1GiB")
-    text = train_cli("plan", *options, "--memory", "1GiB").stdout
-    assert "Not verified" in text and "screened peak" in text
+    options = [*LM, "--batch-size", "2"]
+    result = effitrain.planning.plan(
+        train_config(options), Launch.described(1, "ddp", "cpu"), 2**30, workers=0,
+        full_parameter=True, optimizers=["adamw", "adafactor"], without=NO_LEVERS.split(","),
+    )  # fmt: skip
+    assert result.candidates and all(c.verified for c in result.candidates)
+    assert result.not_verified and not any(c.verified for c in result.not_verified)
+    for candidate in result.candidates:
+        _trains_under(train_cli, shlex.join(["effitrain", "train", *options, *candidate.args]),
+                      "1GiB")  # fmt: skip
+    console = Console(record=True, width=200)
+    print_plan(result, console)
+    text = console.export_text()
+    assert "Screened to fit but not verified" in text and "screened peak" in text
 
 
 @pytest.mark.slow
