@@ -463,7 +463,7 @@ def test_a_signal_ends_the_plan_and_its_workers(signum):
     if signum == 15:
         assert proc.returncode == 143
         assert stderr.strip().splitlines() == [
-            "plan stopped by SIGTERM before it finished; its workers ended"
+            "plan stopped by SIGTERM before it finished; no worker process is left"
         ]
 
 

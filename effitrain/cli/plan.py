@@ -114,7 +114,9 @@ def plan(
                 )
         except _Stopped as stop:
             name = signal.Signals(stop.signum).name
-            typer.echo(f"plan stopped by {name} before it finished; its workers ended", err=True)
+            typer.echo(
+                f"plan stopped by {name} before it finished; no worker process is left", err=True
+            )
             raise typer.Exit(128 + stop.signum) from None
         if as_json:
             import json
