@@ -886,7 +886,8 @@ def check_budget(config: TrainConfig, launch: Launch, budget: int) -> int:
     """
     text = config.max_memory or _gib(budget).replace(" ", "")
     config = dataclasses.replace(config, max_memory=None)  # the steps, as a plain run takes them
-    result = estimate(config, launch)
+    with _as_one_process():
+        result = estimate(config, launch)
     peak = _device_peak(result)
     margin = margin_bytes(budget, launch.device_type)
     if peak + margin <= budget:
@@ -901,6 +902,25 @@ def check_budget(config: TrainConfig, launch: Launch, budget: int) -> int:
         else:
             advice = f"this fits (peak {_gib(best.peak_tensor_bytes)}): {shlex.join(best.args)}"
     raise EffitrainError(f"--max-memory {text}: the estimated peak per device is {over}; {advice}")
+
+
+LAUNCH_VARIABLES = (
+    *("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    *("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"),
+)
+"""What ``accelerate launch`` tells its processes that Accelerate reads when it starts."""
+
+
+@contextmanager
+def _as_one_process() -> Iterator[None]:
+    """Inside a launched process, the estimate as ``effitrain estimate`` makes it: in one
+    process, for the launch it is given (with the launch's variables, the estimate's own
+    Accelerator would join the launch's process group, with fake tensors)."""
+    saved = {name: os.environ.pop(name) for name in LAUNCH_VARIABLES if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 def launch_from_environment() -> Launch:
