@@ -504,3 +504,34 @@ def test_a_two_process_command_trains_under_its_budget(train_cli):
         env={**os.environ, **OFFLINE, **variables, "PYTHONPATH": path},
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_the_fsdp2_command_shards_the_run(train_cli):
+    """The printed FSDP2 command, its accelerate flags as printed, on two CPU processes
+    (tests/fsdp2_cpu_launch.py in place of ``-m effitrain``: FSDP on gloo): the run is FSDP2's
+    full shard (the command without them trained unsharded)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.conftest import OFFLINE
+
+    proc = train_cli("plan", *LM, "--batch-size", "2", *ONE, "--memory", "2GiB", "--json",
+                     "--num-processes", "2", "--sharding", "fsdp", "--device", "cuda")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    words = shlex.split(json.loads(proc.stdout)["candidates"][0]["command"])
+    module = words.index("-m")
+    assert words[module + 1 : module + 3] == ["effitrain", "train"]
+    root = Path(__file__).parents[1]
+    harness = str(root / "tests" / "fsdp2_cpu_launch.py")
+    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    run = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", *words[2:module], harness,
+         *words[module + 2 :], "--max-memory", "2GiB", "--max-steps", "2"],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, **OFFLINE, "COLUMNS": "200", "PYTHONPATH": path},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "FSDP2 full shard over 2 processes" in run.stdout
