@@ -611,7 +611,10 @@ def parse_size(text: str, flag: str) -> int:
             f"{flag} '{text}': not a size; write a positive number and a unit, e.g. 24GiB or "
             "24GB (units: B, KB, MB, GB, TB = powers of 1000; KiB, MiB, GiB, TiB = of 1024)"
         )
-    return int(float(match.group(1)) * SIZE_UNITS[unit])
+    size = int(float(match.group(1)) * SIZE_UNITS[unit])
+    if size < 1:  # 0.0000001KiB would be a budget of 0 B
+        raise EffitrainError(f"{flag} '{text}': less than one byte; write at least 1B")
+    return size
 
 
 OPTIONS: dict[str, Option] = {

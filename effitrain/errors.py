@@ -10,6 +10,11 @@ class EffitrainError(Exception):
     """
 
 
+class MissingPackage(EffitrainError):
+    """An optional package the options need is not installed; the message says what to install
+    (``effitrain plan`` leaves out what needs it, instead of refusing the options)."""
+
+
 def first_line(exc: BaseException, default: str | None = None) -> str:
     """The first non-empty line of an exception's message (library messages run long).
 

@@ -11,11 +11,13 @@ decides which configurations to estimate, and how to estimate many of them quick
   state, activations, the peak, the FLOPs) grows by the same amount per layer: each screened
   configuration is estimated with the model cut to one and to two layers (about a second each,
   at any width) and extended to the model's depth along that line.
-- **Levers, one at a time.** From the user's configuration, levers are added in the order of
-  their time cost (:data:`LADDER`: the cheapest first), each kept only where it lowers the peak;
-  every configuration on the way is a candidate, in full fine-tuning and with LoRA adapters.
-- **Optimizers.** One is estimated per lever set (the one with the most state); the others'
-  state is its measured state scaled by their measured bytes per parameter
+- **Levers, one at a time, per optimizer.** From the user's configuration, levers are added in
+  the order of their time cost (:data:`LADDER`: the cheapest first), each kept only where it
+  lowers that optimizer's peak; every configuration on the way is a candidate, in full
+  fine-tuning and with LoRA adapters. What needs a package that is not installed is left out
+  for the optimizers it needs it for, and named.
+- **Optimizers.** One is estimated per lever set (of those that run it, the one with the most
+  state); the others' state is its measured state scaled by their measured bytes per parameter
   (``effitrain/optim/state_bytes.json``).
 - **Micro-batches.** Estimated at micro-batch 1; a micro-batch of m holds the parameters,
   gradients and state once and m times the rest of the peak (an upper bound: the rest is
@@ -23,7 +25,8 @@ decides which configurations to estimate, and how to estimate many of them quick
 
 Those are screens, not results: the candidates that rank first are **verified** by a full
 estimate of the exact configuration, and the ranking uses the verified figures (a candidate
-that does not fit once verified is dropped) until the first :data:`VERIFIED` all are.
+that does not fit once verified is dropped) until the first :data:`VERIFIED` all are. Only
+verified candidates are answers.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from effitrain.build import check_config, check_launch
 from effitrain.config import TrainConfig, option, to_arguments
 from effitrain.cost import StepCost, modeled_step_seconds
 from effitrain.distributed import Launch
-from effitrain.errors import EffitrainError
+from effitrain.errors import EffitrainError, MissingPackage
 from effitrain.estimation import SHARDED, estimate
 from effitrain.results import Estimate, PlanCandidate, PlanResult
 
@@ -78,6 +81,8 @@ PARALLEL_FROM_SECONDS = 3.0
 than this (the two-layer screen's time times half the depth): a worker's imports and first
 estimate take about as long, paid while the plan screens."""
 SHOWN = 10
+ONE_BY_ONE = {"batch_size": 1, "grad_accum": 1}
+"""The split every screen is estimated at."""
 """Candidates kept in the result, best first."""
 LAYER_FIELDS = ("num_hidden_layers", "n_layers", "n_layer", "num_layers")
 """Where a transformers config keeps its number of layers."""
@@ -153,26 +158,36 @@ def plan(
 
     for name in names:
         get_spec(name)
-    search = _Search(config, launch, budget, names, without, given or {}, workers, worker_setup)
+    task = _task(config, launch)
+    search = _Search(
+        config, launch, budget, names, without, given or {}, workers, worker_setup, task
+    )
     margin = search.margin
     with search:
         options = search.options(full_parameter)
+        left_out = search.missing_note()
         if not options:
             raise EffitrainError(
-                "no configuration of these options can be estimated; see `effitrain estimate`"
+                "; ".join(
+                    ["no configuration of these options can be estimated", *search.notes[:1]]
+                    + ([left_out] if left_out else [])
+                )
             )
         fitting = [o for o in options if o.peak + margin <= budget]
         verified: dict[int, Estimate | None] = {}
         ranked = _verify(search, fitting, verified, budget, margin)
-    if not ranked:
+    answers = [row for row in ranked if row[3] is not None]
+    if not answers:
         smallest = min([search.smallest, *search.verified_peaks])
         raise EffitrainError(
             f"nothing fits {_gib(budget)} per device: the smallest peak found is {_gib(smallest)}"
             f" + {_gib(margin)} margin, {_gib(smallest + margin - budget)} over"
+            + (f"; {left_out}" if left_out else "")
         )
-    best = _seconds(ranked[0][1], launch) or 0.0
+    best = _seconds(answers[0][1], launch) or 0.0
     command = functools.partial(_command, launch, config_file, given or {})
-    candidates = [_candidate(row, launch, best, command) for row in ranked[:SHOWN]]
+    candidates = [_candidate(row, launch, best, command) for row in answers[:SHOWN]]
+    unverified = [row for row in ranked if row[3] is None][: SHOWN - len(candidates)]
     return PlanResult(
         budget_bytes=budget,
         margin_bytes=margin,
@@ -181,8 +196,30 @@ def plan(
         screened=len(options),
         estimates=search.runs,
         seconds=round(time.monotonic() - start, 1),
-        notes=search.notes,
+        notes=search.notes + ([left_out] if left_out else []),
+        not_verified=[_candidate(row, launch, best, command) for row in unverified],
     )
+
+
+def _task(config: TrainConfig, launch: Launch) -> str:
+    """The run's task, with the model's config read first (its one line where it cannot be:
+    "no such folder", as ``effitrain estimate`` says), and the launch one a run can have.
+
+    Raises:
+        EffitrainError: the model or the task cannot be resolved, or the launch is one that
+            ``effitrain train`` refuses on this device.
+    """
+    from effitrain.build import resolve_task
+    from effitrain.models import is_preset, load_model_config
+
+    if not is_preset(config.model):
+        load_model_config(config.model)
+    if launch.num_processes > 1 and launch.device_type == "cpu" and launch.strategy != "ddp":
+        raise EffitrainError(
+            f"--sharding {launch.strategy} runs on GPUs only (effitrain train refuses it on CPU "
+            "processes): plan for GPUs with --device cuda, or use --sharding ddp"
+        )
+    return resolve_task(config).name
 
 
 def _candidate(
@@ -227,8 +264,9 @@ def _verify(
 ) -> list[tuple[Option, StepCost | None, int, Estimate | None]]:
     """The fitting options ranked by modeled time, the first :data:`VERIFIED` by a full
     estimate each (those that do not fit once verified are dropped), re-ranked until the first
-    :data:`VERIFIED` are all verified or :data:`MAX_VERIFICATIONS` estimates were made (each row:
-    the option, its cost, its peak, and the estimate that verified it, if one did)."""
+    :data:`VERIFIED` are all verified or :data:`MAX_VERIFICATIONS` estimates were made, and
+    past that until one verified fits or none is left (each row: the option, its cost, its
+    peak, and the estimate that verified it, if one did: only those are answers)."""
     while True:
         ranked = []
         for index, screened in enumerate(fitting):
@@ -244,13 +282,14 @@ def _verify(
                 ranked.append((screened, screened.cost, screened.peak, None))
         ranked.sort(key=lambda row: (_seconds(row[1], search.launch) or 0.0, row[2]))
         todo = [fitting.index(row[0]) for row in ranked[:VERIFIED] if row[3] is None]
-        if not todo or len(verified) >= MAX_VERIFICATIONS:
+        answered = any(row[3] is not None for row in ranked)
+        if not todo or (answered and len(verified) >= MAX_VERIFICATIONS):
             return ranked
         # Workers side by side verify the next ones too where they would idle otherwise: a
         # candidate that drops out then costs no second round.
         spare = [fitting.index(row[0]) for row in ranked[VERIFIED:] if row[3] is None]
         todo += spare[: -len(todo) % search.parallel]
-        todo = todo[: MAX_VERIFICATIONS - len(verified)]
+        todo = todo[: max(MAX_VERIFICATIONS - len(verified), search.parallel)]
         for index, result in zip(todo, search.verify([fitting[i] for i in todo]), strict=True):
             verified[index] = result
 
@@ -268,6 +307,7 @@ class _Search:
         given: dict[str, Any],
         workers: int | None = None,
         worker_setup: Callable[[], None] | None = None,
+        task: str = "",
     ) -> None:
         self.config = config
         self.given = given
@@ -280,7 +320,10 @@ class _Search:
         self.smallest = 2**63
         self.verified_peaks: list[int] = []
         self.notes: list[str] = []
-        self._screens: dict[tuple[tuple[str, Any], ...], Screen | None] = {}
+        self._screens: dict[tuple[tuple[tuple[str, Any], ...], str], Screen | None] = {}
+        self.left_out: dict[str, dict[str, list[str]]] = {}
+        """Install line -> the options it would add -> the optimizers they were left out for."""
+        self.task = task
         self.global_batch = config.batch_size * config.grad_accum
         self.workers = workers
         self.worker_setup = worker_setup
@@ -290,10 +333,17 @@ class _Search:
     def __enter__(self) -> _Search:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        if self._pool is None:
+            return
+        # Stopped (a signal, an error): end the workers now, not after their estimates.
+        workers = list(self._pool._processes.values()) if kind is not None else []
+        for process in workers:
+            process.terminate()
+        self._pool.shutdown(wait=not workers, cancel_futures=True)
+        for process in workers:
+            process.join()
+        self._pool = None
 
     # -- the candidates ------------------------------------------------------------------------
 
@@ -314,12 +364,19 @@ class _Search:
             )
         out: list[Option] = []
         for base, full in modes:
-            out += self._walk(base, full)
+            for name in self.optimizers:
+                out += self._walk(base, full, name)
         return out
 
-    def _walk(self, base: dict[str, Any], full: bool) -> list[Option]:
-        """Levers added one at a time along :data:`LADDER` (a lever kept where it lowers the
-        peak), until enough options fit (:meth:`_enough`)."""
+    def _walk(self, base: dict[str, Any], full: bool, name: str) -> list[Option]:
+        """``name``'s options: levers added one at a time along :data:`LADDER` (a lever kept
+        where it lowers ``name``'s peak), until enough of them fit (:meth:`_enough`). What a
+        missing package rules out is left out, and noted (:meth:`_left_out`)."""
+        install = self._missing({**base, "optim": name})
+        if install:
+            if self._valid({**base, "optim": name, **ONE_BY_ONE}, missing_ok=True):
+                self._left_out(install, base, name)
+            return []
         changes = dict(base)
         reasons = {}
         if base:
@@ -328,29 +385,73 @@ class _Search:
                 f"trains rank-{base[lever.fields[0]]} adapters: removes {lever.removes}"
             )
         for lever in lever_registry.active(self.config):
+            if not self._takes(lever):
+                continue
             how = "given" if any(f in self.given for f in lever.fields) else "on by default"
             reasons.setdefault(lever.name, f"{how}: removes {lever.removes}")
         out: list[Option] = []
         latest: list[Option] = []
-        screen = self._screen(changes)
+        screen = self._screen(changes, name)
         if screen is not None:
-            latest = self._candidates(changes, reasons, full, screen)
+            latest = self._candidates(changes, reasons, full, screen, name)
             out += latest
-        for step in self._steps():
-            if step[0].name not in FASTER and self._enough(out, latest):
+        for lever, step in self._steps():
+            if lever.name not in FASTER and self._enough(out, latest):
                 break
-            lever, trial = step[0], {**changes, **step[1]}
+            trial = {**changes, **step}
             if not self._worth_trying(lever, changes, screen):
                 continue
-            new = self._screen(trial)
+            install = self._missing({**trial, "optim": name})
+            if install:
+                if self._valid({**trial, "optim": name, **ONE_BY_ONE}, missing_ok=True):
+                    self._left_out(install, step, name)
+                continue
+            new = self._screen(trial, name)
             if new is None or (screen is not None and new.peak >= screen.peak):
                 continue
             saved = f"{_gib(screen.peak - new.peak)} less at the peak" if screen else "fits"
             reasons = {**reasons, lever.name: f"{saved}: removes {lever.removes}"}
             changes, screen = trial, new
-            latest = self._candidates(changes, reasons, full, screen)
+            latest = self._candidates(changes, reasons, full, screen, name)
             out += latest
         return out
+
+    def _left_out(self, install: str, changes: dict[str, Any], name: str) -> None:
+        """Note that ``changes`` with optimizer ``name`` were not tried: ``install`` is missing."""
+        what = shlex.join(to_arguments(changes))
+        self.left_out.setdefault(install, {}).setdefault(what, []).append(name)
+
+    def missing_note(self) -> str:
+        """What installing each missing package would add to the search ("" where none is)."""
+        parts = []
+        for install, sets in self.left_out.items():
+            added = [
+                f"{what} with {', '.join(names)}" if what else f"--optim {', '.join(names)}"
+                for what, names in sets.items()
+            ]
+            parts.append(f"{install} would add {'; '.join(added)}")
+        return "not tried for want of a package: " + "; ".join(parts) if parts else ""
+
+    def _missing(self, values: dict[str, Any]) -> str | None:
+        """What to install for ``values`` to run (a lever's package, the optimizer's or its
+        bf16 variant's), else None."""
+        from effitrain.build import resolve_optimizer_spec
+
+        config = dataclasses.replace(self.config, **values)
+        for lever in lever_registry.active(config):
+            install = lever.missing_install()
+            if install:
+                return " ".join(install.split())
+        try:
+            spec = resolve_optimizer_spec(config, self.launch)
+        except EffitrainError:  # refused: the checks say so
+            return None
+        return None if spec.is_available() else " ".join(spec.install.split())
+
+    def _takes(self, lever: Any) -> bool:
+        """Whether the plan's task takes ``lever`` (the chunked loss: a causal LM's)."""
+        takes = (lever.task,) if isinstance(lever.task, str) else lever.task
+        return takes is None or self.task in takes
 
     def _worth_trying(self, lever: Any, changes: dict[str, Any], screen: Screen | None) -> bool:
         """Not a lever that is on already (the offload's next value excepted), nor one that
@@ -375,7 +476,7 @@ class _Search:
     def _steps(self) -> Iterator[tuple[Any, dict[str, Any]]]:
         for name in LADDER:
             lever = lever_registry.LEVERS[name]
-            if name in self.without or not lever.search:
+            if name in self.without or not lever.search or not self._takes(lever):
                 continue
             if lever.devices and self.launch.device_type not in lever.devices:
                 continue
@@ -383,33 +484,26 @@ class _Search:
                 yield lever, {lever.fields[0]: value}
 
     def _candidates(
-        self, changes: dict[str, Any], reasons: dict[str, str], full: bool, screen: Screen
+        self,
+        changes: dict[str, Any],
+        reasons: dict[str, str],
+        full: bool,
+        screen: Screen,
+        name: str,
     ) -> list[Option]:
-        """One option per optimizer that takes these levers and split of the batch."""
+        """One option per split of the batch that optimizer ``name`` takes with these levers
+        (``screen``: ``name``'s)."""
         out = []
-        reference = self._reference(changes)
-        for name in self.optimizers:
-            state = self._state(screen, reference, name)
-            if state is None:
+        dynamic = max(screen.peak - screen.static, 0)
+        for micro in _divisors(self.global_batch):
+            split = {"batch_size": micro, "grad_accum": self.global_batch // micro}
+            values = {**changes, "optim": name, **split}
+            if not self._valid(values):
                 continue
-            static = screen.static - screen.state + state
-            dynamic = max(screen.peak - screen.static, 0)
-            for micro in _divisors(self.global_batch):
-                split = {"batch_size": micro, "grad_accum": self.global_batch // micro}
-                values = {**changes, "optim": name, **split}
-                if not self._valid(values):
-                    continue
-                peak = static + micro * dynamic
-                self.smallest = min(self.smallest, peak)
-                out.append(
-                    Option(
-                        values,
-                        dict(reasons),
-                        full,
-                        peak,
-                        _scaled(screen.cost, micro, self.global_batch, values, self.config),
-                    )
-                )
+            peak = screen.static + micro * dynamic
+            self.smallest = min(self.smallest, peak)
+            cost = _scaled(screen.cost, micro, self.global_batch, values, self.config)
+            out.append(Option(values, dict(reasons), full, peak, cost))
         return out
 
     def _state(self, screen: Screen, reference: str, name: str) -> int | None:
@@ -432,21 +526,32 @@ class _Search:
         sharded = "optimizer_state" in SHARDED.get(self.launch.strategy, ())
         return self.launch.num_processes if sharded else 1
 
-    def _reference(self, changes: dict[str, Any]) -> str:
-        """The optimizer a lever set is estimated with: of those that take it, the one with the
-        most state (the others' is scaled from it)."""
+    def _reference(self, changes: dict[str, Any], name: str) -> str:
+        """The optimizer ``name``'s screen of a lever set is estimated with: of those that
+        run it (installed, taken by the checks) and have measured bytes per parameter, the one
+        with the most state (the others' is scaled from it: one estimate serves them all);
+        ``name`` itself where its bytes were not measured."""
         from effitrain.optim import state_bytes_per_param
 
+        if state_bytes_per_param(name) is None:
+            return name
         usable = [
             n
             for n in self.optimizers
-            if self._valid({**changes, "optim": n, "batch_size": 1, "grad_accum": 1})
+            if state_bytes_per_param(n) is not None and self._runs({**changes, "optim": n})
         ]
-        return max(usable, key=lambda n: state_bytes_per_param(n) or 0.0) if usable else ""
+        return max(usable, key=lambda n: state_bytes_per_param(n) or 0.0, default=name)
 
-    def _valid(self, values: dict[str, Any]) -> bool:
+    def _runs(self, values: dict[str, Any]) -> bool:
+        """Whether ``values`` (at micro-batch 1) are installed and taken by the checks."""
+        return self._missing(values) is None and self._valid({**values, **ONE_BY_ONE})
+
+    def _valid(self, values: dict[str, Any], missing_ok: bool = False) -> bool:
+        """Whether the checks take ``values`` (``missing_ok``: all but a missing package)."""
         try:
             self._config(values)
+        except MissingPackage:
+            return missing_ok
         except EffitrainError:
             return False
         return True
@@ -459,20 +564,38 @@ class _Search:
 
     # -- estimates -----------------------------------------------------------------------------
 
-    def _screen(self, changes: dict[str, Any]) -> Screen | None:
-        """A lever set's estimate at micro-batch 1, the model cut to one and two layers and
-        extended to its depth (None: no optimizer takes it, or it cannot be estimated)."""
-        key = tuple(sorted(changes.items()))
+    def _screen(self, changes: dict[str, Any], name: str) -> Screen | None:
+        """Optimizer ``name``'s figures for a lever set at micro-batch 1: the estimate of its
+        reference optimizer (:meth:`_reference`, else ``name``'s own), its state scaled to
+        ``name``'s (None: ``name`` does not run it, or it cannot be estimated)."""
+        if not self._runs({**changes, "optim": name}):
+            return None
+        for reference in dict.fromkeys([self._reference(changes, name), name]):
+            screen = self._measured(changes, reference)
+            if screen is not None:
+                state = self._state(screen, reference, name)
+                if state is None:
+                    return None
+                return dataclasses.replace(
+                    screen,
+                    peak=screen.peak - screen.state + state,
+                    static=screen.static - screen.state + state,
+                    state=state,
+                )
+        return None
+
+    def _measured(self, changes: dict[str, Any], reference: str) -> Screen | None:
+        """A lever set's estimate with ``reference`` at micro-batch 1, the model cut to one
+        and two layers and extended to its depth (None: it cannot be estimated)."""
+        key = (tuple(sorted(changes.items())), reference)
         if key in self._screens:
             return self._screens[key]
-        reference = self._reference(changes)
         screen = None
-        if reference:
-            config = self._config({**changes, "optim": reference, "batch_size": 1, "grad_accum": 1})
-            try:
-                screen = self._extended(config)
-            except EffitrainError as exc:
-                self.notes.append(f"skipped {shlex.join(to_arguments(changes))}: {exc}")
+        values = {**changes, "optim": reference, **ONE_BY_ONE}
+        try:
+            screen = self._extended(self._config(values))
+        except EffitrainError as exc:
+            self.notes.append(f"skipped {shlex.join(to_arguments(values))}: {exc}")
         self._screens[key] = screen
         return screen
 
@@ -565,12 +688,35 @@ def _cores() -> int:
 
 
 def _warm(config: TrainConfig, launch: Launch, setup: Callable[[], None] | None) -> None:
-    """A verifying worker's start: ``setup``, its imports and a one-layer estimate (fake
-    tensors keep a cache of shapes per process)."""
+    """A verifying worker's start: ending with the plan's process (:func:`_end_with_parent`),
+    ``setup``, its imports and a one-layer estimate (fake tensors keep a cache of shapes per
+    process)."""
+    _end_with_parent()
     if setup is not None:
         setup()
     with suppress(Exception), _cut_to(1):
         estimate(config, launch)
+
+
+def _end_with_parent() -> None:
+    """End this worker when the plan's process ends, however it ends: a worker waits for work
+    on a queue that its parent's death does not close. Ctrl-C is the parent's to handle (it
+    ends its workers); the terminal sends it to the workers too."""
+    import signal
+    import threading
+    from multiprocessing import parent_process
+    from multiprocessing.connection import wait
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        wait([parent.sentinel])  # ready once the parent is gone
+        os._exit(1)
+
+    threading.Thread(target=watch, name="end-with-parent", daemon=True).start()
 
 
 def _device_peak(result: Estimate) -> int:
@@ -683,20 +829,39 @@ def _command(
     launch: Launch, config_file: str | None, given: dict[str, Any], changes: dict[str, Any]
 ) -> str:
     """``effitrain train`` with the user's options and the plan's (under ``accelerate launch``
-    for several processes), spelled by the option table."""
+    for several processes, :func:`launch_arguments`), spelled by the option table."""
     base = ["--config", str(config_file)] if config_file else []
     base += to_arguments({k: v for k, v in given.items() if k not in changes})
     prefix = ["effitrain", "train"]
     if launch.num_processes > 1:
-        prefix = [
-            "accelerate",
-            "launch",
-            "--num_processes",
-            str(launch.num_processes),
-            "-m",
-            *prefix,
-        ]
+        prefix = [*launch_arguments(launch, changes["grad_accum"]), "-m", *prefix]
     return shlex.join([*prefix, *base, *to_arguments(changes)])
+
+
+def launch_arguments(launch: Launch, grad_accum: int) -> list[str]:
+    """``accelerate launch`` with the flags that make ``launch`` (no config file: an installed
+    effitrain has no configs/ folder): DDP (CPU processes over gloo with ACCELERATE_USE_CPU=1),
+    FSDP2 full shard wrapped per transformer block, as configs/accelerate/fsdp2-full-shard.yaml,
+    or DeepSpeed's ZeRO stage with the run's accumulation."""
+    processes = ["--num_processes", str(launch.num_processes)]
+    if launch.strategy == "fsdp":
+        return ["accelerate", "launch", *processes, *FSDP2_FLAGS]
+    if launch.strategy.startswith("zero"):
+        stage = launch.strategy.removeprefix("zero")
+        deepspeed = ["--use_deepspeed", "--zero_stage", stage]
+        return ["accelerate", "launch", *processes, *deepspeed,
+                "--gradient_accumulation_steps", str(grad_accum)]  # fmt: skip
+    ddp = ["accelerate", "launch", "--multi_gpu", *processes]
+    return ["ACCELERATE_USE_CPU=1", *ddp] if launch.device_type == "cpu" else ddp
+
+
+FSDP2_FLAGS = (
+    *("--use_fsdp", "--fsdp_version", "2", "--fsdp_reshard_after_forward", "true"),
+    *("--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP"),
+    *("--fsdp_state_dict_type", "SHARDED_STATE_DICT"),
+)
+"""``accelerate launch``'s flags for what ``effitrain estimate --sharding fsdp`` models: FSDP2,
+parameters resharded after forward, one unit per block (the model's ``_no_split_modules``)."""
 
 
 def _gib(nbytes: int) -> str:
@@ -721,7 +886,8 @@ def check_budget(config: TrainConfig, launch: Launch, budget: int) -> int:
     """
     text = config.max_memory or _gib(budget).replace(" ", "")
     config = dataclasses.replace(config, max_memory=None)  # the steps, as a plain run takes them
-    result = estimate(config, launch)
+    with _as_one_process():
+        result = estimate(config, launch)
     peak = _device_peak(result)
     margin = margin_bytes(budget, launch.device_type)
     if peak + margin <= budget:
@@ -736,6 +902,25 @@ def check_budget(config: TrainConfig, launch: Launch, budget: int) -> int:
         else:
             advice = f"this fits (peak {_gib(best.peak_tensor_bytes)}): {shlex.join(best.args)}"
     raise EffitrainError(f"--max-memory {text}: the estimated peak per device is {over}; {advice}")
+
+
+LAUNCH_VARIABLES = (
+    *("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    *("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"),
+)
+"""What ``accelerate launch`` tells its processes that Accelerate reads when it starts."""
+
+
+@contextmanager
+def _as_one_process() -> Iterator[None]:
+    """Inside a launched process, the estimate as ``effitrain estimate`` makes it: in one
+    process, for the launch it is given (with the launch's variables, the estimate's own
+    Accelerator would join the launch's process group, with fake tensors)."""
+    saved = {name: os.environ.pop(name) for name in LAUNCH_VARIABLES if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 def launch_from_environment() -> Launch:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -966,5 +967,12 @@ def print_plan(result: PlanResult, console: Console | None = None) -> None:
         for lever, why in candidate.levers.items():
             console.print(f"     {lever}: {escape(why)}")
         console.print(f"     {escape(candidate.command)}", soft_wrap=True)
+    if result.not_verified:
+        console.print(
+            "Screened to fit but not verified (not answers; check with effitrain estimate):"
+        )
+    for candidate in result.not_verified:
+        peak = format_bytes(candidate.peak_tensor_bytes)
+        console.print(f"  - screened peak {peak}: {escape(shlex.join(candidate.args))}")
     for note in result.notes:
         console.print(f"Note: {escape(note)}")

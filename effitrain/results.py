@@ -436,8 +436,11 @@ class PlanResult:
     """Fake-tensor estimates made (screens on cut models, and full verifications)."""
     seconds: float
     notes: list[str] = field(default_factory=list)
+    not_verified: list[PlanCandidate] = field(default_factory=list)
+    """Configurations the screens say fit that no full estimate checked: not answers."""
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["candidates"] = [c.to_dict() for c in self.candidates]
+        data["not_verified"] = [c.to_dict() for c in self.not_verified]
         return data

@@ -4,6 +4,7 @@ what it prints, and that what it prints fits when run."""
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 
@@ -91,11 +92,13 @@ def test_what_the_plan_prints_fits_when_run(train_cli, tmp_path):
     budget = 6 * 2**20
     proc = train_cli("plan", *base, "--memory", "6MiB", "--json")
     assert proc.returncode == 0, proc.stderr
-    candidates = json.loads(proc.stdout)["candidates"]
+    result = json.loads(proc.stdout)
+    candidates = result["candidates"]
     verified = [c for c in candidates if c["verified"]]
-    assert len(verified) >= 3 and candidates[:3] == verified[:3]
-    assert {c["full_parameter"] for c in candidates} == {True, False}
-    assert all(c["levers"] for c in candidates)
+    assert len(verified) >= 3 and candidates == verified
+    searched = candidates + result["not_verified"]
+    assert {c["full_parameter"] for c in searched} == {True, False}
+    assert all(c["levers"] for c in searched)
     for number, candidate in enumerate(verified):
         args = [*base, *candidate["args"]]
         assert (
@@ -216,3 +219,374 @@ def test_verified_in_worker_processes_as_in_this_one():
     for candidate in verified:
         here = estimate(train_config([*base, *candidate.args]), launch)
         assert here.memory.peak_tensor_bytes == candidate.peak_tensor_bytes, candidate.args
+
+
+# -- sizes, the model, the task ----------------------------------------------------------------
+
+
+def test_a_size_below_one_byte_is_refused(train_cli):
+    """0.0000001KiB is not a budget of 0 B: one line, for --memory and --max-memory alike."""
+    from effitrain.cli.compare import train_config
+    from effitrain.config import parse_size
+    from effitrain.errors import EffitrainError
+
+    assert parse_size("1B", "--memory") == 1
+    with pytest.raises(EffitrainError, match="--max-memory '0.5B': less than one byte"):
+        train_config(["--max-memory", "0.5B"])
+    proc = train_cli("plan", *LM, "--memory", "0.0000001KiB")
+    assert_clean_error(proc, "--memory '0.0000001KiB': less than one byte")
+
+
+def test_no_such_model_folder(train_cli):
+    """As estimate says it, not "no configuration can be estimated"."""
+    assert_clean_error(
+        train_cli("plan", "--model", "./nope", "--memory", "1GiB"),
+        "cannot load model './nope': no such folder",
+    )
+
+
+def test_a_classifier_plan_names_no_causal_lm_lever(train_cli):
+    proc = train_cli("plan", "--model", "tiny", "--max-length", "32", "--batch-size", "1", *ONE,
+                     "--memory", "1GiB", "--json")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    candidates = json.loads(proc.stdout)["candidates"]
+    assert candidates
+    for candidate in candidates:
+        assert "chunked-loss" not in candidate["levers"], candidate["levers"]
+        assert "--chunked-loss" not in candidate["command"]
+
+
+def test_fsdp2_yaml_says_what_the_checks_do():
+    """configs/accelerate/fsdp2-full-shard.yaml's optimizer note: each optimizer it says runs
+    is taken under FSDP2 by train's checks, each it says is refused is refused."""
+    import re
+    from pathlib import Path
+
+    from effitrain.build import check_launch
+    from effitrain.config import TrainConfig
+    from effitrain.distributed import Launch
+    from effitrain.errors import EffitrainError
+    from effitrain.optim import OPTIMIZERS
+
+    text = (Path(__file__).parents[1] / "configs/accelerate/fsdp2-full-shard.yaml").read_text()
+    note = " ".join(line.lstrip("# ") for line in text.splitlines() if line.startswith("#"))
+    runs = re.search(r"Optimizers that run: (.*?)Refused before training:", note).group(1)
+    refused = re.search(r"Refused before training: (.*?)Use ", note).group(1)
+
+    def named(words: str) -> set[str]:
+        return {w for w in re.findall(r"[\w-]+", words) if w in OPTIMIZERS}
+
+    assert "adafactor" in named(runs) and "adamw-8bit" in named(refused)
+    launch = Launch.described(2, "fsdp", "cuda")
+    for name in named(runs):
+        check_launch(TrainConfig(optim=name), launch)
+    for name in named(refused):
+        with pytest.raises(EffitrainError, match="cannot run under FSDP2"):
+            check_launch(TrainConfig(optim=name), launch)
+
+
+# -- a missing package costs only what needs it ------------------------------------------------
+
+SMALL = ["--task", "causal-lm", "--model", "tiny-llama", "--batch-size", "1", "--max-length", "256"]
+BF16_OR_NOTHING = ["--full-parameter", "--without",
+                   "optimizer-in-backward,gradient-checkpointing,load-in-4bit"]  # fmt: skip
+"""A search of the bf16 weights alone: at 7 MiB only adafactor's bf16 weights fit (adamw's
+need torch-optimi)."""
+
+
+def test_a_missing_package_costs_only_what_needs_it(train_cli, monkeypatch):
+    """Without torch-optimi, adamw's bf16 weights are left out and said so; adafactor's (torch's
+    own stochastic rounding) are screened on their own and fit (the reference optimizer's
+    missing package dropped the lever set for every optimizer: "nothing fits")."""
+    from tests.conftest import hide_package
+
+    hide_package(monkeypatch, "optimi")
+    proc = train_cli("plan", *SMALL, *BF16_OR_NOTHING, "--memory", "7MiB", "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert [c["optimizer"] for c in result["candidates"]] == ["adafactor"]
+    assert "--weights-dtype bf16" in result["candidates"][0]["command"]
+    assert (
+        "not tried for want of a package: pip install 'effitrain[bf16]' (torch-optimi) would "
+        "add --weights-dtype bf16 with adamw" in result["notes"]
+    )
+
+
+def test_nothing_fits_names_what_installing_would_add(train_cli, monkeypatch):
+    from tests.conftest import hide_package
+
+    hide_package(monkeypatch, "optimi")
+    hide_package(monkeypatch, "peft")
+    proc = train_cli(
+        "plan", *SMALL, "--without", "optimizer-in-backward,gradient-checkpointing,load-in-4bit",
+        "--optim", "adamw", "--memory", "1KiB",
+    )  # fmt: skip
+    assert_clean_error(
+        proc,
+        "nothing fits 1.0 KiB per device",
+        "pip install 'effitrain[bf16]' (torch-optimi) would add --weights-dtype bf16 with adamw",
+        "pip install 'effitrain[lora]' would add --lora-rank 16 with adamw",
+    )
+
+
+@pytest.mark.slow
+def test_qwen_on_the_base_install_finds_what_fits(tmp_path):
+    """The README's base install (+ the 8bit extra): no peft, torch-optimi, trl, torchao or the
+    other optimizers' packages. Qwen2.5-0.5B at 3 GiB x 1024 tokens: adafactor fits."""
+    import os
+    from pathlib import Path
+
+    from tests.conftest import run_cli
+
+    hidden = ("peft", "optimi", "trl", "torchao", "lion_pytorch", "pytorch_optimizer",
+              "apollo_torch", "adam_mini", "schedulefree", "liger_kernel", "cut_cross_entropy")  # fmt: skip
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n" + "".join(f"sys.modules[{name!r}] = None\n" for name in hidden)
+    )
+    path = [str(tmp_path), str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]
+    proc = run_cli(
+        "plan", "--task", "causal-lm", "--model", "qwen2.5-0.5b", "--memory", "3GiB",
+        "--batch-size", "1", "--max-length", "1024", "--json",
+        env={"PYTHONPATH": os.pathsep.join(path)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["candidates"][0]["optimizer"] == "adafactor"
+    assert result["candidates"][0]["peak_tensor_bytes"] <= 3 * 2**30
+    assert any("effitrain[lora]" in note for note in result["notes"])
+
+
+# -- every printed candidate runs under its budget -----------------------------------------------
+
+
+def _trains_under(train_cli, command: str, memory: str) -> None:
+    """``command`` (as the plan printed it) trains two steps under ``--max-memory memory``:
+    not refused by the estimate before it, nor stopped by the measured step."""
+    args = shlex.split(command)
+    assert args[:2] == ["effitrain", "train"], command
+    proc = train_cli("train", *args[2:], "--max-memory", memory, "--max-steps", "2", "--quiet")
+    assert proc.returncode == 0, (command, proc.stderr)
+
+
+def test_only_verified_candidates_are_answers(train_cli, monkeypatch):
+    """With one verification allowed, the rest the screens pass are listed apart, not as
+    answers; each answer trains under --max-memory at the plan's budget."""
+    from rich.console import Console
+
+    import effitrain.planning
+    from effitrain.cli.compare import train_config
+    from effitrain.distributed import Launch
+    from effitrain.report import print_plan
+
+    monkeypatch.setattr(effitrain.planning, "VERIFIED", 1)
+    monkeypatch.setattr(effitrain.planning, "MAX_VERIFICATIONS", 1)
+    options = [*LM, "--batch-size", "2"]
+    result = effitrain.planning.plan(
+        train_config(options), Launch.described(1, "ddp", "cpu"), 2**30, workers=0,
+        full_parameter=True, optimizers=["adamw", "adafactor"], without=NO_LEVERS.split(","),
+    )  # fmt: skip
+    assert result.candidates and all(c.verified for c in result.candidates)
+    assert result.not_verified and not any(c.verified for c in result.not_verified)
+    for candidate in result.candidates:
+        _trains_under(train_cli, shlex.join(["effitrain", "train", *options, *candidate.args]),
+                      "1GiB")  # fmt: skip
+    console = Console(record=True, width=200)
+    print_plan(result, console)
+    text = console.export_text()
+    assert "Screened to fit but not verified" in text and "screened peak" in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("shape", "memory"),
+    [(["--batch-size", "8", "--max-length", "256"], "20MiB"),
+     (["--batch-size", "2", "--max-length", "64"], "6MiB"),
+     (["--batch-size", "4", "--max-length", "128"], "9MiB")],
+)  # fmt: skip
+def test_every_printed_candidate_trains_under_its_budget(train_cli, shape, memory):
+    """tiny-llama at 8 x 256 and 20 MiB printed adamw 2 x 4 at a screened 18.7 MiB; its own
+    command with --max-memory 20MiB was refused (21.8 MB)."""
+    proc = train_cli("plan", "--task", "causal-lm", "--model", "tiny-llama", *shape,
+                     "--memory", memory, "--json")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    candidates = json.loads(proc.stdout)["candidates"]
+    assert len(candidates) >= 3
+    for candidate in candidates:
+        _trains_under(train_cli, candidate["command"], memory)
+
+
+# -- several processes: the command carries its launch --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("strategy", "device"), [("fsdp", "cuda"), ("ddp", "cpu"), ("ddp", "cuda"), ("zero2", "cuda")]
+)
+def test_a_multi_process_command_carries_its_launch(monkeypatch, strategy, device):
+    """The printed ``accelerate launch`` flags, parsed by accelerate itself, set up the launch
+    the plan estimated (as each process reads it: planning.launch_from_environment)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    from effitrain.distributed import Launch
+    from effitrain.planning import launch_arguments, launch_from_environment
+
+    launch = Launch.described(2, strategy, device)
+    words = launch_arguments(launch, grad_accum=4)
+    variables = dict(w.split("=", 1) for w in words if "=" in w)
+    words = [w for w in words if "=" not in w]
+    assert words[:2] == ["accelerate", "launch"]
+    args = launch_command_parser().parse_args([*words[2:], "-m", "effitrain", "train"])
+    args, _, _ = _validate_launch_command(args)
+    if args.use_deepspeed:
+        args.deepspeed_fields_from_accelerate_config = ""
+        environment = prepare_deepspeed_cmd_env(args)[1]
+        assert environment["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] == "4"
+    else:
+        environment = prepare_multi_gpu_env(args)
+    for name, value in {**environment, **variables, "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    seen = launch_from_environment()
+    assert (seen.strategy, seen.num_processes) == (strategy, 2)
+    if device == "cpu":
+        assert variables == {"ACCELERATE_USE_CPU": "1"}
+
+
+def test_the_plan_prints_fsdp2_launch_flags(train_cli):
+    proc = train_cli("plan", *LM, "--batch-size", "1", *ONE, "--memory", "2GiB", "--json",
+                     "--num-processes", "2", "--sharding", "fsdp", "--device", "cuda")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    command = json.loads(proc.stdout)["candidates"][0]["command"]
+    assert command.startswith(
+        "accelerate launch --num_processes 2 --use_fsdp --fsdp_version 2 "
+        "--fsdp_reshard_after_forward true --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP "
+        "--fsdp_state_dict_type SHARDED_STATE_DICT -m effitrain train "
+    ), command
+
+
+def test_sharding_on_cpu_processes_is_refused(train_cli):
+    """train refuses FSDP on CPU processes: the plan does not print commands that cannot run."""
+    proc = train_cli("plan", *LM, "--memory", "1GiB", "--num-processes", "2",
+                     "--sharding", "fsdp", "--device", "cpu")  # fmt: skip
+    assert_clean_error(proc, "--sharding fsdp runs on GPUs only", "--device cuda")
+
+
+# -- a signal ends the plan and its workers ----------------------------------------------------
+
+WORKERS_SCRIPT = """
+import sys
+import effitrain.planning as planning
+planning.PARALLEL_FROM_SECONDS = 0.0  # verifications in worker processes, at any size
+planning._cores = lambda: 2
+from effitrain.cli import main
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [15, 9])
+def test_a_signal_ends_the_plan_and_its_workers(signum):
+    """SIGTERM: exit 143, one line, no worker left (they were left blocked forever). SIGKILL,
+    which the plan cannot handle: its workers end by themselves."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from tests.conftest import OFFLINE
+
+    env = {**os.environ, **OFFLINE, "COLUMNS": "200"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WORKERS_SCRIPT, "plan", *LM, "--batch-size", "2", *ONE,
+         "--memory", "1GiB"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    parent = psutil.Process(proc.pid)
+    workers: list[psutil.Process] = []
+    deadline = time.monotonic() + 120
+    while not workers and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+        children = parent.children(recursive=True)
+        workers = [c for c in children if "spawn_main" in " ".join(_cmdline(c))]
+    assert workers, "no worker process started"
+    everything = parent.children(recursive=True)
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=120)
+    gone, alive = psutil.wait_procs(everything, timeout=60)
+    assert not alive, [_cmdline(p) for p in alive]
+    if signum == 15:
+        assert proc.returncode == 143
+        assert stderr.strip().splitlines() == [
+            "plan stopped by SIGTERM before it finished; no worker process is left"
+        ]
+
+
+def _cmdline(process) -> list[str]:
+    import psutil
+
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
+
+
+@pytest.mark.slow
+def test_a_two_process_command_trains_under_its_budget(train_cli):
+    """The printed DDP command on CPU processes, run as printed (its ACCELERATE_USE_CPU=1 and
+    accelerate launch flags) with --max-memory at the plan's budget: its estimate before the
+    first step is made for the launch, in one process (it joined the launch's process group
+    with fake tensors: "cannot estimate --optim adamw on fake tensors")."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.conftest import OFFLINE
+
+    proc = train_cli("plan", *LM, "--batch-size", "2", *ONE, "--memory", "1GiB", "--json",
+                     "--num-processes", "2")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    words = shlex.split(json.loads(proc.stdout)["candidates"][0]["command"])
+    variables = dict(w.split("=", 1) for w in words if "=" in w)
+    words = [w for w in words if "=" not in w]
+    assert variables == {"ACCELERATE_USE_CPU": "1"} and words[:2] == ["accelerate", "launch"]
+    path = os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])
+    run = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", *words[2:],
+         "--max-memory", "1GiB", "--max-steps", "2", "--quiet"],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, **OFFLINE, **variables, "PYTHONPATH": path},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_the_fsdp2_command_shards_the_run(train_cli):
+    """The printed FSDP2 command, its accelerate flags as printed, on two CPU processes
+    (tests/fsdp2_cpu_launch.py in place of ``-m effitrain``: FSDP on gloo): the run is FSDP2's
+    full shard (the command without them trained unsharded)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.conftest import OFFLINE
+
+    proc = train_cli("plan", *LM, "--batch-size", "2", *ONE, "--memory", "2GiB", "--json",
+                     "--num-processes", "2", "--sharding", "fsdp", "--device", "cuda")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    words = shlex.split(json.loads(proc.stdout)["candidates"][0]["command"])
+    module = words.index("-m")
+    assert words[module + 1 : module + 3] == ["effitrain", "train"]
+    root = Path(__file__).parents[1]
+    harness = str(root / "tests" / "fsdp2_cpu_launch.py")
+    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    run = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", *words[2:module], harness,
+         *words[module + 2 :], "--max-memory", "2GiB", "--max-steps", "2"],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, **OFFLINE, "COLUMNS": "200", "PYTHONPATH": path},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "FSDP2 full shard over 2 processes" in run.stdout

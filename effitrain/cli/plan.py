@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import Annotated, Any
 
 import typer
@@ -82,8 +86,9 @@ def plan(
     Tries optimizers, memory levers and splits of the batch (micro-batch x --grad-accum, the
     global batch kept) with `effitrain estimate`'s fake-tensor step, and prints those that fit
     --memory per device, fastest first by modeled time per step: peak memory, FLOPs per step,
-    why each lever is in, and the `effitrain train` command. The first three are verified by a
-    full estimate. No weights are loaded.
+    why each lever is in, and the `effitrain train` command (under `accelerate launch` with its
+    flags for several processes). Each printed answer is verified by a full estimate of its
+    command; what only the screens passed is listed apart. No weights are loaded.
     """
     with user_errors():
         quiet_libraries()
@@ -94,17 +99,25 @@ def plan(
 
         budget = parse_size(memory, "--memory")
         config = checked_config(config_file, overrides)
-        result = run_plan(
-            config,
-            described_launch(config, num_processes, sharding, device),
-            budget,
-            given=overrides,
-            config_file=str(config_file) if config_file else None,
-            full_parameter=full_parameter,
-            optimizers=_names(optim),
-            without=_names(without) or [],
-            worker_setup=quiet_libraries,
-        )
+        try:
+            with _stopped_by_signals():
+                result = run_plan(
+                    config,
+                    described_launch(config, num_processes, sharding, device),
+                    budget,
+                    given=overrides,
+                    config_file=str(config_file) if config_file else None,
+                    full_parameter=full_parameter,
+                    optimizers=_names(optim),
+                    without=_names(without) or [],
+                    worker_setup=quiet_libraries,
+                )
+        except _Stopped as stop:
+            name = signal.Signals(stop.signum).name
+            typer.echo(
+                f"plan stopped by {name} before it finished; no worker process is left", err=True
+            )
+            raise typer.Exit(128 + stop.signum) from None
         if as_json:
             import json
 
@@ -113,6 +126,31 @@ def plan(
         from effitrain.report import print_plan
 
         print_plan(result)
+
+
+class _Stopped(BaseException):
+    """SIGINT or SIGTERM during the search (a BaseException: no ``except Exception`` on the
+    way takes it for an estimate's failure)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextmanager
+def _stopped_by_signals() -> Iterator[None]:
+    """Raise :class:`_Stopped` at SIGINT or SIGTERM: the search holds nothing worth keeping,
+    and leaving its block ends its worker processes."""
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        raise _Stopped(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _names(value: str | None) -> list[str] | None:

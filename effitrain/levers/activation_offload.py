@@ -177,6 +177,8 @@ class ActivationOffload(Lever):
     name = "activation-offload"
     fields = ("activation_offload",)
     removes = "the tensors saved for backward, from the GPU (to pinned host memory)"
+    packages = ("trl",)
+    install = "pip install 'effitrain[offload]'"
     devices = ("cuda",)
     search = (False, True)
     time_cost = "host copies on a side stream, overlapped with compute; bound by host bandwidth"

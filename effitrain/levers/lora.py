@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from effitrain.config import option
-from effitrain.errors import EffitrainError
+from effitrain.errors import EffitrainError, MissingPackage
 from effitrain.levers.spec import BuiltRun, Lever
 
 if TYPE_CHECKING:
@@ -65,6 +65,8 @@ class LoRA(Lever):
     fields = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_merge")
     save_only = ("lora_merge",)
     removes = "the gradients and optimizer state of the frozen base model"
+    packages = ("peft",)
+    install = INSTALL
     trains_adapters = True
     search = (None, 16)
     time_cost = "less than full fine-tuning: no weight gradients for the frozen base"
@@ -142,7 +144,7 @@ class LoRA(Lever):
 def require_peft() -> None:
     """Raises: EffitrainError with the install line when peft is missing."""
     if importlib.util.find_spec("peft") is None:
-        raise EffitrainError(f"--lora-rank needs peft, which is not installed: {INSTALL}")
+        raise MissingPackage(f"--lora-rank needs peft, which is not installed: {INSTALL}")
 
 
 def head_modules(model: torch.nn.Module) -> list[str]:

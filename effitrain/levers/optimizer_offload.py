@@ -23,6 +23,8 @@ class OptimizerOffload(Lever):
     name = "optimizer-offload"
     fields = ("optimizer_offload",)
     removes = "the optimizer state from the GPU (state+grads: the gradients too)"
+    packages = ("torchao",)
+    install = "pip install 'effitrain[offload]'"
     unclippable = True
     devices = ("cuda",)
     search = ("off", "state", "state+grads")

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from effitrain.errors import EffitrainError
+from effitrain.errors import EffitrainError, MissingPackage
 from effitrain.levers.spec import BuiltRun, Lever
 from effitrain.results import MemoryRow
 
@@ -69,6 +69,8 @@ class QLoRA(Lever):
     name = "load-in-4bit"
     fields = ("load_in_4bit",)
     removes = "7/8 of the frozen base's Linear weights (4-bit NF4 codes and their scales)"
+    packages = ("bitsandbytes", "peft")
+    install = INSTALL
     strict_load = False  # Accelerate cannot load bitsandbytes' quant-state keys: checked here
     search = (False, True)
     time_cost = "each weight is dequantized for its matmul, forward and backward"
@@ -169,7 +171,7 @@ class QLoRA(Lever):
 def require_bitsandbytes() -> None:
     """Raises: EffitrainError with the install line when bitsandbytes is missing."""
     if importlib.util.find_spec("bitsandbytes") is None:
-        raise EffitrainError(
+        raise MissingPackage(
             f"--load-in-4bit needs bitsandbytes, which is not installed: {INSTALL}"
         )
 

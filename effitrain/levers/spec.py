@@ -88,6 +88,10 @@ class Lever:
     planner leaves the option as the user gave it)."""
     time_cost: str = ""
     """What it costs in time per step, in words, until a planner measures it."""
+    packages: tuple[str, ...] = ()
+    """The modules it imports that effitrain's own dependencies do not bring (peft)."""
+    install: str = ""
+    """What installs :attr:`packages`."""
 
     # -- on or off -------------------------------------------------------------------------
 
@@ -98,6 +102,13 @@ class Lever:
     def in_use(self, run: BuiltRun) -> bool:
         """Whether it is on in the built run (a lever chosen at build time may turn out off)."""
         return self.is_on(run.config)
+
+    def missing_install(self) -> str | None:
+        """What to install where one of :attr:`packages` is missing, else None."""
+        import importlib.util
+
+        missing = any(importlib.util.find_spec(name) is None for name in self.packages)
+        return self.install if missing else None
 
     # -- before anything is built ------------------------------------------------------------
 
