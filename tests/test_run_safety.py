@@ -202,6 +202,8 @@ def test_sigterm_during_the_reference_pass_stops_in_one_line(
         ("config", [], "an object"),
         ("window", 3, "a list"),
         ("optimizer.name", 3, "a string"),
+        ("window", ["a", 0.0, 0.0, 0.0], "a list of numbers"),
+        ("schedule.warmup_steps", "x", "an integer"),
     ],
 )
 def test_metadata_of_the_wrong_type_is_one_line_naming_file_and_key(

@@ -171,6 +171,10 @@ METADATA_TYPES: dict[str, tuple[type, ...]] = {
     "mixed_precision": (str,),
     "counters": (dict,),
     "schedule": (dict,),
+    "schedule.lr": _NUMBER,
+    "schedule.scheduler": (str,),
+    "schedule.warmup_steps": _COUNT,
+    "schedule.total_steps": _COUNT,
     "config": (dict,),
     "files": (dict,),
     "optimizer.name": (str,),
@@ -180,6 +184,8 @@ METADATA_TYPES: dict[str, tuple[type, ...]] = {
 }
 """The JSON type of each key that a resume reads (a key left out is checked where it is read;
 ``a.b``: key ``b`` of the object at ``a``)."""
+METADATA_ITEM_TYPES: dict[str, tuple[type, ...]] = {"window": _NUMBER}
+"""The JSON type of every item of these lists (the running sums a resume adds to)."""
 _JSON_NAMES = {int: "an integer", float: "a number", list: "a list", dict: "an object"}
 
 
@@ -195,6 +201,10 @@ def _type_problem(meta: dict[str, Any]) -> str | None:
         if name in holder and (isinstance(value, bool) or not isinstance(value, types)):
             wanted = _JSON_NAMES.get(types[-1], "a string")
             return f"{key} is {json.dumps(value)[:40]}, not {wanted}"
+    for key, types in METADATA_ITEM_TYPES.items():
+        items = meta.get(key) or []
+        if any(isinstance(item, bool) or not isinstance(item, types) for item in items):
+            return f"{key} is {json.dumps(items)[:40]}, not a list of numbers"
     return None
 
 
