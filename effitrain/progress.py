@@ -166,9 +166,11 @@ class TrainingProgress:
         state["window"] = self._reduce(self._window.clone()).tolist()
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], batch_weight: float = 1.0) -> None:
         """Continue from :meth:`state_dict` output (``effitrain.json`` of a checkpoint); the
-        :data:`MEASURED` fields stay unmeasured.
+        :data:`MEASURED` fields stay unmeasured. ``batch_weight``: this run's micro-batches per
+        optimizer step over the checkpoint's; the saved loss sums and micro-batch counts are
+        scaled by it, so that the train loss weighs every step alike across the resume.
 
         Raises:
             EffitrainError: a field is missing (a checkpoint of another effitrain version).
@@ -185,8 +187,12 @@ class TrainingProgress:
         for f in restored:
             # int(), float(), list() and dict() of the saved JSON values.
             setattr(self, f.name, type(_default(f))(state[f.name]))
+        self.total_loss *= batch_weight
+        self.total_batches *= batch_weight
         # The window was summed over processes when saved: only the main process takes it back.
         window = [float(x) for x in state["window"]] if self._is_main_process else [0.0] * _WINDOW
+        window[0] *= batch_weight
+        window[1] *= batch_weight
         self._window = torch.tensor(window, device=self._window.device, dtype=torch.float64)
 
 

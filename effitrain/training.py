@@ -232,7 +232,11 @@ def resume(
             f"{'; '.join(unrestored)}: the random state is not restored, so this resume is not "
             "an exact continuation (dropout and data order may differ from the original run)"
         )
-    progress.load_state_dict(meta)
+    saved_accum = (meta.get("config") or {}).get("grad_accum") or 1
+    saved_micro_batches = (meta.get("world_size") or 1) * saved_accum
+    progress.load_state_dict(
+        meta, batch_weight=accelerator.num_processes * config.grad_accum / saved_micro_batches
+    )
     checkpointer.last_saved_step = progress.global_step
     reporter.resumed(str(path), progress.global_step, progress.epoch, progress.step_in_epoch)
     if progress.global_step >= run.plan.total_steps:

@@ -161,3 +161,31 @@ def test_final_is_not_replaced_by_an_earlier_model_when_its_stamp_is_gone(
     )
     assert_clean_error(proc, "final", "step 4", "earlier model")
     assert (out / "final" / "model.safetensors").read_bytes() == before
+
+
+def test_the_train_loss_weighs_every_step_alike_when_a_resume_splits_the_batch(
+    train_cli, data, tmp_path
+):
+    """The checkpoint's loss sums count micro-batches: resumed as 2 x half-batches per step (the
+    same global batch), its steps would weigh half as much as the new ones (0.7037 -> 0.7076 on
+    the demo). Without dropout the resumed run's train loss is the uninterrupted one's."""
+    from tests.checkpoint_helpers import BATCH, save_tiny_model
+
+    inputs = (data[0], data[1], save_tiny_model(tmp_path / "model", dropout=0.0))
+    losses = []
+    for name, extra in (
+        ("whole", ()),
+        ("split", ("--batch-size", str(BATCH // 2), "--grad-accum", "2", "--resume")),
+    ):
+        resume = (str(tmp_path / "whole" / "checkpoint-2"),) if extra else ()
+        metrics = tmp_path / f"{name}.json"
+        proc = train_cli(
+            *train_args(inputs, tmp_path / name, "--max-steps", "4", "--save-every", "2"),
+            *extra,
+            *resume,
+            "--metrics-json",
+            str(metrics),
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        losses.append(json.loads(metrics.read_text())["train_loss"])
+    assert losses[1] == pytest.approx(losses[0], abs=1e-6)
