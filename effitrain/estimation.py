@@ -45,6 +45,7 @@ from effitrain.progress import TrainingProgress
 from effitrain.results import Estimate, EstimateSettings, HostMemory, MemoryRecord, PerDevice
 from effitrain.run import Plan
 from effitrain.signals import StopRequest
+from effitrain.tasks.lm_data import packs
 from effitrain.tracking import Trackers
 
 if TYPE_CHECKING:
@@ -204,7 +205,10 @@ def estimate(config: TrainConfig, launch: Launch | None = None) -> Estimate:
             scope.enter_context(_without_compiled_update())
         _materialize(model, device, config)
         landed = host.landed_weights(model)
-        batch = task.fake_batch(tokenizer, config.batch_size, length)
+        model_type = getattr(getattr(model, "config", None), "model_type", "")
+        batch = task.fake_batch(
+            tokenizer, config.batch_size, length, packed=packs(config, model_type)
+        )
         run = _fake_run(config, launch, task, data, tokenizer, model, loss, batch)
         progress = _run_steps(run, device)
         levers.finish_steps(run)

@@ -145,10 +145,13 @@ class Task:
         """The banner's words for what the data became (columns, labels, packing …)."""
         raise NotImplementedError
 
-    def fake_batch(self, tokenizer: Any, batch_size: int, length: int) -> dict[str, Any]:
+    def fake_batch(
+        self, tokenizer: Any, batch_size: int, length: int, packed: bool = False
+    ) -> dict[str, Any]:
         """A full batch as the collator makes it, every example ``length`` tokens long
-        (``effitrain estimate``). With no tokenizer (a model known by its config alone), token
-        ids and an attention mask of that shape: what a causal LM's tokenizer gives."""
+        (``effitrain estimate``; ``packed``: the run packs its examples, for a task that
+        does). With no tokenizer (a model known by its config alone), token ids and an
+        attention mask of that shape: what a causal LM's tokenizer gives."""
         import torch
 
         if tokenizer is None:

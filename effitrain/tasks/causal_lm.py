@@ -20,6 +20,7 @@ from effitrain.tasks.lm_data import (
     LMData,
     build_lm_dataloaders,
     check_packing,
+    fake_lm_batch,
     load_lm_data,
 )
 
@@ -177,7 +178,7 @@ class CausalLMTask(DecoderTask):
             + (", loss on completions only" if data.completion_only else "")
         )
 
-    def fake_batch(self, tokenizer: Any, batch_size: int, length: int) -> dict[str, Any]:
-        batch = super().fake_batch(tokenizer, batch_size, length)
-        batch["labels"] = batch["input_ids"].clone()  # every token labelled, as a packed block
-        return batch
+    def fake_batch(
+        self, tokenizer: Any, batch_size: int, length: int, packed: bool = False
+    ) -> dict[str, Any]:
+        return fake_lm_batch(tokenizer, batch_size, length, packed)

@@ -317,7 +317,9 @@ class ClassificationTask(Task):
         columns = " + ".join(data.text_columns)
         return f"text {columns}, label {data.label_column} ({data.num_labels} classes)"
 
-    def fake_batch(self, tokenizer: Any, batch_size: int, length: int) -> dict[str, Any]:
+    def fake_batch(
+        self, tokenizer: Any, batch_size: int, length: int, packed: bool = False
+    ) -> dict[str, Any]:
         import torch
 
         batch = super().fake_batch(tokenizer, batch_size, length)

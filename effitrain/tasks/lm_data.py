@@ -83,6 +83,51 @@ PACKING_MIXES_DOCUMENTS = frozenset({"opt", "bloom", "mpt", "xglm", "biogpt"})
 """Architectures that let packed documents attend to each other (benchmarks/causal_lm/)."""
 
 
+def packs(config: TrainConfig, model_type: str, documents: bool = True) -> bool:
+    """Whether a run packs its examples (as :func:`check_packing` leaves ``data.packing``):
+    ``--packing``/``--no-packing``, else documents (``documents``: plain text) are packed, except
+    on an architecture not known to keep packed documents apart."""
+    packing = config.packing if config.packing is not None else documents
+    return packing and (config.packing is not None or model_type in PACKING_KEEPS_DOCUMENTS_APART)
+
+
+def fake_lm_batch(
+    tokenizer: PreTrainedTokenizerBase | None, batch_size: int, length: int, packed: bool
+) -> dict[str, Any]:
+    """A training batch of ``batch_size`` examples of ``length`` tokens made by the run's own
+    collators (``effitrain estimate``), shaped as real data reaches the model: a packed block
+    holds two documents (so the model builds its per-document mask, as for real blocks), and a
+    padded batch has one padding token (real ones have some: the model builds its padding mask).
+    Without a tokenizer (a model known by its config alone) padding is done as the collator
+    does it."""
+    import torch
+
+    pad = tokenizer.pad_token_id if tokenizer is not None else None
+    pad = pad if pad is not None else 0
+    ids = [pad] * length
+    if packed:
+        half = length // 2
+        positions = [*range(half), *range(length - half)]
+        features = [{"input_ids": ids, "labels": ids, "position_ids": positions}] * batch_size
+        return PackedCollator(pad)(features)
+    lengths = [length] * (batch_size - 1) + [max(1, length - 1)]
+    if tokenizer is not None and tokenizer.pad_token_id is not None:
+        from transformers import DataCollatorForSeq2Seq
+
+        collate = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX)
+        rows = [
+            {"input_ids": ids[:n], "attention_mask": [1] * n, "labels": ids[:n]} for n in lengths
+        ]
+        return dict(collate(rows))
+    mask = torch.tensor([[1] * n + [0] * (length - n) for n in lengths])
+    input_ids = torch.full((batch_size, length), pad, dtype=torch.long)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": mask,
+        "labels": input_ids.masked_fill(mask == 0, IGNORE_INDEX),
+    }
+
+
 def check_packing(data: LMData, model_type: str, config: TrainConfig) -> None:
     """Packing only where the model keeps packed documents apart: refuse ``--packing`` where
     it is known not to, and pad by default where it is not known to.

@@ -105,7 +105,9 @@ class PreferenceTask(DecoderTask):
             "loss on the answers"
         )
 
-    def fake_batch(self, tokenizer: Any, batch_size: int, length: int) -> dict[str, Any]:
+    def fake_batch(
+        self, tokenizer: Any, batch_size: int, length: int, packed: bool = False
+    ) -> dict[str, Any]:
         """A preference batch of ``batch_size`` pairs: 2 x batch_size rows of ``length`` tokens
         (chosen rows, then rejected), example ids 0..batch_size-1."""
         import torch
