@@ -246,6 +246,7 @@ def _candidate(
         relative_step_time=round(seconds / best, 3) if seconds and best else 1.0,
         full_parameter=screened.full_parameter,
         verified=verification is not None,
+        optimizer_class=verification.optimizer_class if verification is not None else None,
     )
 
 
@@ -895,12 +896,24 @@ def check_budget(config: TrainConfig, launch: Launch, budget: int) -> int:
     over = f"{_gib(peak)} + {_gib(margin)} margin, {_gib(peak + margin - budget)} over"
     advice = f"find one that fits: effitrain plan --memory {text} (same options)"
     if result.memory.parameter_bytes <= QUICK_PLAN_BYTES:
+        # A resume keeps the checkpoint's optimizer and parameters: only what keeps them.
+        adapters = lever_registry.get_lever(ADAPTER_LEVER).is_on(config)
+        keep = (
+            {"optimizers": [config.optim], "full_parameter": not adapters} if config.resume else {}
+        )
         try:
-            best = plan(config, launch, budget, workers=0).candidates[0]
+            found = plan(config, launch, budget, workers=0, **keep).candidates
         except EffitrainError:
-            advice = "nothing the plan tries fits it either"
-        else:
+            found = []
+        if config.resume:  # nor another optimizer class (bf16 weights change it)
+            found = [c for c in found if c.optimizer_class == result.optimizer_class]
+        if found:
+            best = found[0]
             advice = f"this fits (peak {_gib(best.peak_tensor_bytes)}): {shlex.join(best.args)}"
+        else:
+            advice = "nothing the plan tries fits it either" + (
+                " with the checkpoint's optimizer" if config.resume else ""
+            )
     raise EffitrainError(f"--max-memory {text}: the estimated peak per device is {over}; {advice}")
 
 

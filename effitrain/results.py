@@ -417,6 +417,8 @@ class PlanCandidate:
     """``step_seconds`` over the best candidate's."""
     full_parameter: bool
     verified: bool
+    optimizer_class: str | None = None
+    """The class the run builds (a lever can change it: bf16 weights), where verified."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

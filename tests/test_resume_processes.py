@@ -189,3 +189,24 @@ def test_the_train_loss_weighs_every_step_alike_when_a_resume_splits_the_batch(
         assert proc.returncode == 0, proc.stdout + proc.stderr
         losses.append(json.loads(metrics.read_text())["train_loss"])
     assert losses[1] == pytest.approx(losses[0], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_a_resume_over_its_budget_is_offered_what_it_can_resume_with(
+    train_cli, saved_run, tmp_path
+):
+    """``--max-memory`` refused a resume with the plan's best configuration, another optimizer,
+    which the resume then refused; the advice keeps the checkpoint's optimizer, and taking it
+    resumes."""
+    import shlex
+
+    out = copy_run(saved_run, tmp_path / "out")
+    args = train_args(saved_run.data, out, *saved_run.options, "--resume", "latest")
+    estimated = train_cli("estimate", *args[1:], "--json")
+    assert estimated.returncode == 0, estimated.stderr
+    budget = f"{json.loads(estimated.stdout)['peak_tensor_bytes'] - 1}B"
+    line = assert_clean_error(train_cli(*args, "--max-memory", budget), "this fits")
+    advice = shlex.split(line.split("): ", 1)[1])
+    assert advice[advice.index("--optim") + 1] == "adamw", line
+    proc = train_cli(*args, *advice, "--max-memory", budget)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
