@@ -222,7 +222,17 @@ def resume(
             "the resumed run is not an exact continuation"
         )
     levers.check_checkpoint(run, path)
-    unrestored = _random_state_problems(accelerator, path)
+    saved_world = meta.get("world_size") or 1
+    unrestored = _random_state_problems(accelerator, path, saved_world)
+    if accelerator.num_processes > saved_world:
+        last = accelerator.num_processes - 1
+        who = (
+            f"process {last} has" if last == saved_world else f"processes {saved_world}-{last} have"
+        )
+        reporter.note(
+            f"{who} no random state in a checkpoint of {saved_world} process(es) and starts from "
+            "the seed (dropout masks differ from those of the run had it gone on as it was)"
+        )
     checkpoint.load_checkpoint(accelerator, path, strict=levers.strict_load(config))
     checkpoint.check_counters(meta, path, run.optimizer, run.lr_scheduler)
     checkpoint.continue_schedule(run.lr_scheduler, meta, accelerator.num_processes)
@@ -245,10 +255,13 @@ def resume(
         )
 
 
-def _random_state_problems(accelerator: Any, path: Path) -> list[str]:
+def _random_state_problems(accelerator: Any, path: Path, saved_world: int) -> list[str]:
     """Every process's reason its RNG state in ``path`` cannot be restored (Accelerate would go
-    on without it, saying nothing), gathered so that the main process can say it."""
-    problem = checkpoint.random_state_problem(path, accelerator.process_index)
+    on without it, saying nothing), gathered so that the main process can say it; a process
+    the checkpoint's run did not have is said apart."""
+    problem = None
+    if accelerator.process_index < saved_world:
+        problem = checkpoint.random_state_problem(path, accelerator.process_index)
     if accelerator.num_processes == 1:
         return [problem] if problem else []
     from accelerate.utils import gather_object
