@@ -222,107 +222,113 @@ def test_only_fsdp2_placements_are_accepted():
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def fsdp2_runs(tmp_path_factory, no_dropout_model_dir):
+    """Every ``effitrain train`` run under Accelerate's FSDP2 (the shipped config, through
+    ``tests/launch_runs.py``) in as few launches as their order allows:
+
+    - a run without FSDP, in this process (``plain``: its checkpoint an FSDP launch refuses);
+    - one process: ``one`` (adamw, 8 x 2 accumulated, saving at step 2);
+    - two processes: ``straight`` (adafactor, saving at step 2) and ``resumed`` (a copy of its
+      checkpoint), ``two`` (adamw, 8 per process), ``one-to-two`` (``one``'s checkpoint, with
+      ``one``'s command) and ``plain-under-fsdp``;
+    - one process: ``two-to-one`` (``two``'s checkpoint, with ``two``'s command).
+    """
+    from types import SimpleNamespace
+
+    from tests.conftest import train_in_process
+    from tests.launch_runs import launch_runs
+    from tests.test_distributed import REPO
+
+    out = tmp_path_factory.mktemp("fsdp2-runs")
+    config = REPO / "configs" / "accelerate" / "fsdp2-full-shard.yaml"
+    adafactor = ["--optim", "adafactor", "--max-steps", "4", "--save-every", "2"]
+    adamw = ["--model", str(no_dropout_model_dir), "--optim", "adamw", "--max-steps", "4",
+             "--save-every", "2", "--batch-size", "8", "--log-every", "1", "--warmup-steps", "1"]  # fmt: skip
+
+    def train(name: str, options: list[str], *extra: str) -> dict:
+        run = ["train", *options, "--output-dir", str(out / name), "--metrics-json",
+               str(out / f"{name}.json"), *extra]  # fmt: skip
+        return {"name": name, "args": run}
+
+    def resume(name: str, source: str, options: list[str], *extra: str) -> dict:
+        copy = [str(out / folder / "checkpoint-2") for folder in (source, name)]
+        return {**train(name, options, *extra, "--resume", "latest"), "copy": copy}
+
+    plain = train_in_process(
+        *train("plain", adamw, "--grad-accum", "2", "--max-steps", "2")["args"]
+    )
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    one = launch_runs(out, [train("one", adamw, "--grad-accum", "2")], config=config, processes=1)
+    one.assert_ran("one", codes=(0, None))
+    runs = [
+        train("straight", adafactor),
+        resume("resumed", "straight", adafactor),
+        train("two", adamw),
+        resume("one-to-two", "one", adamw, "--grad-accum", "2"),
+        resume("plain-under-fsdp", "plain", adamw, "--grad-accum", "2"),
+    ]
+    two = launch_runs(out, runs, config=config)
+    back = launch_runs(out, [resume("two-to-one", "two", adamw)], config=config, processes=1)
+    return SimpleNamespace(out=out, adafactor=adafactor, two=two, back=back)
+
+
 @pytest.mark.slow
-def test_effitrain_trains_adafactor_under_fsdp2_and_resumes_bit_for_bit(tmp_path):
-    """Both runs in one launch of the shipped config (``tests/launch_runs.py``): the straight
-    one saving at step 2, then a copy of that checkpoint resumed."""
+def test_effitrain_trains_adafactor_under_fsdp2_and_resumes_bit_for_bit(fsdp2_runs):
+    """The straight run saving at step 2, then a copy of that checkpoint resumed, in one
+    launch."""
     from effitrain.cli.compare import train_config
     from effitrain.distributed import Launch
     from effitrain.estimation import estimate
-    from tests.launch_runs import launch_runs
-    from tests.test_distributed import REPO, load_parameters
+    from tests.test_distributed import load_parameters
 
-    config = REPO / "configs" / "accelerate" / "fsdp2-full-shard.yaml"
-    args = ["--optim", "adafactor", "--max-steps", "4", "--save-every", "2"]
-
-    def train(name: str, *extra: str) -> list[str]:
-        out = tmp_path / name
-        return ["train", *args, "--output-dir", str(out), "--metrics-json",
-                str(out.with_suffix(".json")), *extra]  # fmt: skip
-
-    checkpoint = [str(tmp_path / name / "checkpoint-2") for name in ("straight", "resumed")]
-    runs = [
-        {"name": "straight", "args": train("straight")},
-        {"name": "resumed", "args": train("resumed", "--resume", "latest"), "copy": checkpoint},
-    ]
-    launched = launch_runs(tmp_path, runs, config=config)
+    out, launched, args = fsdp2_runs.out, fsdp2_runs.two, fsdp2_runs.adafactor
     launched.assert_ran("straight")
-    straight = json.loads((tmp_path / "straight.json").read_text())
+    straight = json.loads((out / "straight.json").read_text())
     assert "Per rank: FSDP2 full shard over 2 processes (gloo)" in launched.stdout("straight")
     assert straight["sharding"]["kind"] == "fsdp2"
     assert "effitrain.optim.fsdp2" in straight["optimizer_class"]
     assert set(straight["optimizer_state"]["by_key"]) == {"step", "row_var", "col_var", "variance"}
     # Rank 0 holds what `effitrain estimate --num-processes 2 --sharding fsdp` says, to the byte.
     launch_described = Launch.described(2, "fsdp", "cpu")
-    predicted = estimate(train_config([*args, "--output-dir", str(tmp_path)]), launch_described)
+    predicted = estimate(train_config([*args, "--output-dir", str(out)]), launch_described)
     predicted = predicted.per_device
     rank0 = straight["ranks"][0]
     assert rank0["optimizer_state_bytes"] == predicted.optimizer_state_bytes
     assert rank0["parameter_bytes"] == predicted.parameter_bytes
 
     launched.assert_ran("resumed")
-    after = json.loads((tmp_path / "resumed.json").read_text())
+    after = json.loads((out / "resumed.json").read_text())
     assert [r["parameter_checksum"] for r in after["ranks"]] == [
         r["parameter_checksum"] for r in straight["ranks"]
     ]
-    a = load_parameters(tmp_path / "straight" / "final")
-    b = load_parameters(tmp_path / "resumed" / "final")
+    a = load_parameters(out / "straight" / "final")
+    b = load_parameters(out / "resumed" / "final")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.slow
-def test_fsdp2_resumes_on_another_process_count(no_dropout_model_dir, tmp_path):
+def test_fsdp2_resumes_on_another_process_count(fsdp2_runs):
     """FSDP2's sharded checkpoint (torch.distributed.checkpoint) resharded on load, 1 -> 2 and
     2 -> 1 processes, each resume run with the command of the run it continues: the global
     batch kept by the accumulation, the lr schedule continued, and the weights of the
     uninterrupted two-process run within 1e-5 (dropout off: one process draws the two
-    processes' micro-batches' dropout masks from one random stream)."""
-    from tests.conftest import train_in_process
-    from tests.launch_runs import launch_runs
-    from tests.test_distributed import (
-        REPO,
-        load_parameters,
-        logged_lr,
-        max_abs_difference,
-    )
+    processes' micro-batches' dropout masks from one random stream). A checkpoint saved
+    without FSDP is refused by an FSDP launch in one line."""
+    from tests.test_distributed import load_parameters, logged_lr, max_abs_difference
 
-    config = REPO / "configs" / "accelerate" / "fsdp2-full-shard.yaml"
-    args = ["--model", str(no_dropout_model_dir), "--optim", "adamw", "--max-steps", "4", "--save-every", "2",
-            "--batch-size", "8", "--log-every", "1", "--warmup-steps", "1"]  # fmt: skip
-
-    def train(name: str, *extra: str) -> dict:
-        run = ["train", *args, "--output-dir", str(tmp_path / name), *extra]
-        return {"name": name, "args": run}
-
-    def resume(name: str, source: str, *extra: str) -> dict:
-        copy = [str(tmp_path / folder / "checkpoint-2") for folder in (source, name)]
-        return {**train(name, *extra, "--resume", "latest"), "copy": copy}
-
-    # A checkpoint of a run without FSDP (one process), which an FSDP launch cannot load.
-    plain = train_in_process(*train(
-        "plain", "--grad-accum", "2", "--max-steps", "2")["args"])  # fmt: skip
-    assert plain.returncode == 0, plain.stdout + plain.stderr
-    one = launch_runs(tmp_path, [train("one", "--grad-accum", "2")], config=config, processes=1)
-    one.assert_ran("one", codes=(0, None))
-    runs = [
-        train("two"),
-        resume("one-to-two", "one", "--grad-accum", "2"),
-        resume("plain-under-fsdp", "plain", "--grad-accum", "2"),
-    ]
-    two = launch_runs(tmp_path, runs, config=config)
+    out, two, back = fsdp2_runs.out, fsdp2_runs.two, fsdp2_runs.back
     two.assert_ran("two")
     two.assert_ran("one-to-two")
+    back.assert_ran("two-to-one", codes=(0, None))
+    assert "has 2: --grad-accum 1 keeps its global batch of 16" in two.stdout("one-to-two")
+    assert "has 1: --grad-accum 2 keeps its global batch of 16" in back.stdout("two-to-one")
+    straight = load_parameters(out / "two" / "final")
+    expected_lr = logged_lr(two.stdout("two"))
+    for name, launched in (("one-to-two", two), ("two-to-one", back)):
+        assert max_abs_difference(straight, load_parameters(out / name / "final")) < 1e-5
+        assert logged_lr(launched.stdout(name)) == {k: expected_lr[k] for k in (3, 4)}
     two.assert_ran("plain-under-fsdp", codes=(1, 1))
     refused = two.stderr("plain-under-fsdp")
     assert "Traceback" not in refused
     assert refused.count("was saved without FSDP") == 1, refused  # printed once, by rank 0
-    back = launch_runs(tmp_path, [resume("two-to-one", "two")], config=config, processes=1)
-    back.assert_ran("two-to-one", codes=(0, None))
-
-    assert "has 2: --grad-accum 1 keeps its global batch of 16" in two.stdout("one-to-two")
-    assert "has 1: --grad-accum 2 keeps its global batch of 16" in back.stdout("two-to-one")
-    straight = load_parameters(tmp_path / "two" / "final")
-    expected_lr = logged_lr(two.stdout("two"))
-    for name, launched in (("one-to-two", two), ("two-to-one", back)):
-        assert max_abs_difference(straight, load_parameters(tmp_path / name / "final")) < 1e-5
-        assert logged_lr(launched.stdout(name)) == {k: expected_lr[k] for k in (3, 4)}
