@@ -239,6 +239,8 @@ def ddp_runs(tmp_path_factory, no_dropout_model_dir, lm_model_dir):
                 str(out / "causal-lm.json"),
                 "--output-dir",
                 str(out / "causal-lm"),
+                "--max-memory",
+                "1GiB",
                 *SHORT,
             ],  # fmt: skip
         },
@@ -484,7 +486,10 @@ def test_lora_with_two_ddp_processes_matches_one_process(ddp_runs, train_cli, tm
 
 @pytest.mark.slow
 def test_causal_lm_under_two_processes(ddp_runs):
-    """``--task causal-lm`` with a sample prompt: both ranks train, the main one prints."""
+    """``--task causal-lm`` with a sample prompt: both ranks train, the main one prints. Under
+    ``--max-memory``: the estimate before the first step is made in one process for the launch
+    (it joined the launch's process group with fake tensors: "cannot estimate --optim adamw on
+    fake tensors")."""
     ddp_runs.launched.assert_ran("causal-lm")
     metrics = json.loads((ddp_runs.out / "causal-lm.json").read_text())
     assert metrics["num_processes"] == 2 and metrics["task"] == "causal-lm"
