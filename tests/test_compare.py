@@ -252,6 +252,7 @@ def test_a_preference_runs_reward_accuracy_is_a_row():
     assert "eval reward acc" in text and "0.875" in text
 
 
+@pytest.mark.slow
 def test_plot_says_what_bars_and_line_are_and_which_curves_coincide(tmp_path):
     """Two equal loss curves hid each other, one legend entry showing nothing; nothing said why
     bars stand above the peak line."""

@@ -111,7 +111,13 @@ def test_estimate_equals_a_run(train_cli, tmp_path, long_data):
     compare(train_cli, tmp_path, [*long_data, "--batch-size", "8", "--max-length", "64"])
 
 
-@pytest.mark.parametrize("options", [[], ["--gradient-checkpointing", "--optim", "adamw-8bit"]])
+@pytest.mark.parametrize(
+    "options",
+    [
+        [],
+        pytest.param(["--gradient-checkpointing", "--optim", "adamw-8bit"], marks=pytest.mark.slow),
+    ],
+)
 def test_estimate_equals_a_packed_causal_lm_run(train_cli, tmp_path, options):
     """A packed block holds several documents, so the model builds a per-document mask from
     its position ids; the estimate's block, made by the run's own collator, holds two, and

@@ -565,6 +565,7 @@ def test_a_max_length_above_the_positions_is_noted_by_train(train_cli):
     assert trained.stdout.count(CUT) == 1
 
 
+@pytest.mark.slow
 def test_a_max_length_above_the_positions_is_noted_by_estimate_alike(train_cli):
     estimated = train_cli("estimate", "--max-length", "100", "--batch-size", "4")
     assert CUT in " ".join(estimated.stdout.split())  # rich wraps the note
