@@ -650,7 +650,8 @@ class _Search:
         if self._pool is not None and len(configs) > 1:
             from concurrent.futures.process import BrokenProcessPool
 
-            futures = [self._pool.submit(_verified, c, self.launch) for c in configs]
+            with signals_held():  # submit spawns the workers
+                futures = [self._pool.submit(_verified, c, self.launch) for c in configs]
             try:
                 outcomes = [f.result() for f in futures]
             except BrokenProcessPool:  # a worker died (memory?): verify here instead
@@ -697,6 +698,34 @@ def _warm(config: TrainConfig, launch: Launch, setup: Callable[[], None] | None)
         setup()
     with suppress(Exception), _cut_to(1):
         estimate(config, launch)
+
+
+_HELD: dict[str, Any] = {"depth": 0, "pending": None}
+
+
+@contextmanager
+def signals_held() -> Iterator[None]:
+    """A signal handler that calls :func:`held_signal` lets the block finish first, then takes
+    the signal: a signal inside ``ProcessPoolExecutor.submit``, which spawns the workers, would
+    leave a half-started worker (its start-up data unsent) to print a traceback."""
+    import signal
+
+    _HELD["depth"] += 1
+    try:
+        yield
+    finally:
+        _HELD["depth"] -= 1
+        pending, _HELD["pending"] = _HELD["pending"], None
+        if pending is not None and _HELD["depth"] == 0:
+            signal.raise_signal(pending)
+
+
+def held_signal(signum: int) -> bool:
+    """Whether ``signum`` waits for the end of a :func:`signals_held` block (kept until then)."""
+    if _HELD["depth"] == 0:
+        return False
+    _HELD["pending"] = signum
+    return True
 
 
 def _end_with_parent() -> None:

@@ -120,6 +120,29 @@ def test_a_signal_ends_the_plan_and_its_workers(signum):
         ]
 
 
+def test_a_signal_while_workers_spawn_waits_for_the_spawn():
+    """A signal inside ``submit`` (which spawns the workers) is taken when the block ends: a
+    worker whose start-up data was never sent printed a traceback after the plan's line."""
+    import signal
+
+    from effitrain.planning import held_signal, signals_held
+
+    taken = []
+
+    def handler(signum, frame):
+        if not held_signal(signum):
+            taken.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        with signals_held():
+            signal.raise_signal(signal.SIGTERM)
+            assert taken == []
+        assert taken == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _cmdline(process) -> list[str]:
     import psutil
 

@@ -141,9 +141,11 @@ class _Stopped(BaseException):
 def _stopped_by_signals() -> Iterator[None]:
     """Raise :class:`_Stopped` at SIGINT or SIGTERM: the search holds nothing worth keeping,
     and leaving its block ends its worker processes."""
+    from effitrain.planning import held_signal
 
     def stop(signum: int, frame: FrameType | None) -> None:
-        raise _Stopped(signum)
+        if not held_signal(signum):
+            raise _Stopped(signum)
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
