@@ -81,9 +81,9 @@ PARALLEL_FROM_SECONDS = 3.0
 than this (the two-layer screen's time times half the depth): a worker's imports and first
 estimate take about as long, paid while the plan screens."""
 SHOWN = 10
+"""Candidates kept in the result, best first."""
 ONE_BY_ONE = {"batch_size": 1, "grad_accum": 1}
 """The split every screen is estimated at."""
-"""Candidates kept in the result, best first."""
 LAYER_FIELDS = ("num_hidden_layers", "n_layers", "n_layer", "num_layers")
 """Where a transformers config keeps its number of layers."""
 CUDA_CONTEXT = 512 * 2**20
@@ -372,11 +372,8 @@ class _Search:
     def _walk(self, base: dict[str, Any], full: bool, name: str) -> list[Option]:
         """``name``'s options: levers added one at a time along :data:`LADDER` (a lever kept
         where it lowers ``name``'s peak), until enough of them fit (:meth:`_enough`). What a
-        missing package rules out is left out, and noted (:meth:`_left_out`)."""
-        install = self._missing({**base, "optim": name})
-        if install:
-            if self._valid({**base, "optim": name, **ONE_BY_ONE}, missing_ok=True):
-                self._left_out(install, base, name)
+        missing package rules out is left out, and noted (:meth:`_left_out_for_a_package`)."""
+        if self._left_out_for_a_package(base, base, name):
             return []
         changes = dict(base)
         reasons = {}
@@ -402,10 +399,7 @@ class _Search:
             trial = {**changes, **step}
             if not self._worth_trying(lever, changes, screen):
                 continue
-            install = self._missing({**trial, "optim": name})
-            if install:
-                if self._valid({**trial, "optim": name, **ONE_BY_ONE}, missing_ok=True):
-                    self._left_out(install, step, name)
+            if self._left_out_for_a_package(trial, step, name):
                 continue
             new = self._screen(trial, name)
             if new is None or (screen is not None and new.peak >= screen.peak):
@@ -417,10 +411,19 @@ class _Search:
             out += latest
         return out
 
-    def _left_out(self, install: str, changes: dict[str, Any], name: str) -> None:
-        """Note that ``changes`` with optimizer ``name`` were not tried: ``install`` is missing."""
-        what = shlex.join(to_arguments(changes))
-        self.left_out.setdefault(install, {}).setdefault(what, []).append(name)
+    def _left_out_for_a_package(
+        self, values: dict[str, Any], added: dict[str, Any], name: str
+    ) -> bool:
+        """Whether ``values`` with optimizer ``name`` need a package that is not installed; if
+        so, and the checks take them otherwise, ``added`` (what they add to the search) is noted
+        against its install line (:meth:`missing_note`)."""
+        install = self._missing({**values, "optim": name})
+        if not install:
+            return False
+        if self._valid({**values, "optim": name, **ONE_BY_ONE}, missing_ok=True):
+            what = shlex.join(to_arguments(added))
+            self.left_out.setdefault(install, {}).setdefault(what, []).append(name)
+        return True
 
     def missing_note(self) -> str:
         """What installing each missing package would add to the search ("" where none is)."""

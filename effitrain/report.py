@@ -159,15 +159,15 @@ class Reporter:
     def logged(self, log: StepLog) -> None:
         if not self._chatty:
             return
-        speed = _speed(log, self._speed_unit)
+        # A log line stays within 100 characters for most runs, so a terminal does not wrap
+        # it: "tok/s" (the closing lines spell it out), the epoch only where there are several.
+        tokens = "tokens/s" if self._progress is not None else "tok/s"
+        speed = _speed(log, self._speed_unit, tokens)
         stats = f"loss {log.loss:.4f}{_rewards_text(log.metrics)} · lr {log.lr:.2e} · {speed}"
         if self._progress is not None:
             self._progress.update(self._task, completed=log.step, stats=stats)
         else:
-            # Within 100 characters for most runs, so a terminal does not wrap it: the epoch
-            # only where there are several, "tok/s" (the closing lines spell it out)
             epoch = f" · epoch {log.epoch}" if self._epochs > 1 else ""
-            stats = stats.replace(" tokens/s", " tok/s")
             self._line(
                 f"step {log.step}/{log.total_steps}{epoch} · {stats} · "
                 f"eta {_duration(log.eta_seconds)}"
@@ -882,10 +882,10 @@ def _compared_cell(row: dict[str, Any], base: dict[str, Any], key: str) -> str:
     return shown
 
 
-def _speed(record: StepLog | TrainResult, unit: str) -> str:
-    """Throughput: tokens/s (causal-lm, padding left out) or samples/s."""
+def _speed(record: StepLog | TrainResult, unit: str, tokens: str = "tokens/s") -> str:
+    """Throughput: ``tokens`` (tokens/s, causal-lm, padding left out) or samples/s."""
     if unit == "tokens":
-        return f"{record.tokens_per_second:,.0f} tokens/s"
+        return f"{record.tokens_per_second:,.0f} {tokens}"
     return f"{record.samples_per_second:,.0f} samples/s"
 
 

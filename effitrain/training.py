@@ -201,7 +201,7 @@ def resume(
         reporter.note(f"{problem}: skipped; resuming from {path.name}")
     meta = checkpoint.read_metadata(path)
     checkpoint.check_step(meta, path)
-    checkpoint.check_layout(path, run.launch.sharding.kind)
+    checkpoint.check_layout(path, run.launch.strategy == "fsdp")
     checkpoint.check_resumable(
         meta,
         path,

@@ -386,12 +386,8 @@ def continued_config(
     changes: dict[str, Any] = {}
     notes = []
     saved_batch, saved_accum = saved_config.get("batch_size"), saved_config.get("grad_accum")
-    if (
-        saved_world != num_processes
-        and isinstance(saved_batch, int)
-        and isinstance(saved_accum, int)
-    ):
-        wanted = saved_batch * saved_world * saved_accum
+    wanted = _global_batch(saved_config, saved_world)
+    if saved_world != num_processes and wanted is not None:
         batch, accum = config.batch_size, config.grad_accum
         written = (
             f"the checkpoint was written by {saved_world} process(es), this run has {num_processes}"
@@ -459,17 +455,16 @@ def continue_schedule(lr_scheduler: Any, meta: dict[str, Any], num_processes: in
     scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
 
 
-def check_layout(checkpoint: Path, sharding_kind: str) -> None:
+def check_layout(checkpoint: Path, fsdp_now: bool) -> None:
     """The checkpoint's files are the kind this launch loads: Accelerate writes a run under FSDP
     as ``pytorch_model_fsdp_*`` (sharded: torch.distributed.checkpoint folders, one piece per
     process, resharded to any process count on load) and any other run as ``model.safetensors``;
-    neither loads the other's.
+    neither loads the other's. ``fsdp_now``: this launch is FSDP's (1 or 2).
 
     Raises:
         EffitrainError: the launch cannot load these files (one line: how to resume them).
     """
     saved_under_fsdp = any(checkpoint.glob("pytorch_model_fsdp_*"))
-    fsdp_now = sharding_kind in ("fsdp1", "fsdp2")
     if saved_under_fsdp and not fsdp_now:
         raise EffitrainError(
             f"{checkpoint} was saved under FSDP (its model and optimizer sharded by "

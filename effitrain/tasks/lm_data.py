@@ -137,23 +137,23 @@ def check_packing(data: LMData, model_type: str, config: TrainConfig) -> None:
     """
     if not data.packing or model_type in PACKING_KEEPS_DOCUMENTS_APART:
         return
-    if config.packing:
-        if model_type in PACKING_MIXES_DOCUMENTS:
-            raise EffitrainError(
-                f"--packing: {model_type} models ignore per-document position ids, so packed "
-                "documents would attend to each other; use --no-packing"
-            )
+    if config.packing and model_type in PACKING_MIXES_DOCUMENTS:
+        raise EffitrainError(
+            f"--packing: {model_type} models ignore per-document position ids, so packed "
+            "documents would attend to each other; use --no-packing"
+        )
+    data.packing = packs(config, model_type, documents=data.packing)  # the estimate's rule too
+    if data.packing:
         data.notes.append(
             f"--packing with {model_type}: not verified to keep packed documents apart "
             "(python -m benchmarks.causal_lm.run --what architectures checks it in a clone of "
             "effitrain)"
         )
-        return
-    data.packing = False
-    data.notes.append(
-        f"padding instead of packing: {model_type} is not known to keep packed documents "
-        "apart (force it with --packing)"
-    )
+    else:
+        data.notes.append(
+            f"padding instead of packing: {model_type} is not known to keep packed documents "
+            "apart (force it with --packing)"
+        )
 
 
 @dataclass
