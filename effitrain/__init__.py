@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import effitrain.levers  # noqa: F401  # registers the levers: their options are config fields
+
 __version__ = "0.1.0"
 
 __all__ = ["OptimizerMemory", "__version__", "optimizer_memory"]

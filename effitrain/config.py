@@ -32,11 +32,6 @@ SCHEDULERS = ("linear", "cosine", "constant")
 MIXED_PRECISION = ("no", "fp16", "bf16")
 DEFAULT_CAUSAL_MODEL = "tiny-llama"
 """The model of ``--task causal-lm`` when none is given (the causal-LM demo's preset)."""
-WEIGHTS_DTYPES = ("fp32", "bf16")
-CHUNKED_LOSS = ("auto", "torch", "liger", "cce", "off")
-"""``--chunked-loss`` (effitrain.tasks.lm_loss): auto picks a fused CUDA kernel, else torch."""
-OPTIMIZER_OFFLOAD = ("off", "state", "state+grads")
-"""``--optimizer-offload``: nothing, the optimizer state and step, or also the gradients."""
 SAVE_STRATEGIES = ("steps", "epoch", "no")
 PREFERENCE_LOSSES = ("dpo", "orpo", "simpo")
 """``--preference-loss`` (effitrain.tasks.preference_loss): DPO needs a reference model, ORPO
@@ -125,7 +120,7 @@ class Option:
                 )
 
 
-def _opt(
+def option_field(
     default: Any,
     help: str,
     *,
@@ -136,7 +131,8 @@ def _opt(
     default_text: str | None = None,
 ) -> Any:
     """A config field with its option: the keyword arguments of :class:`Option` but its name.
-    ``help`` is the field's one-line doc and the option's help text."""
+    ``help`` is the field's one-line doc and the option's help text. TrainConfig's own fields
+    and each lever's options (``Lever.options``, added by :func:`add_options`) are declared so."""
     option_fields = {
         "help": help,
         "panel": panel,
@@ -158,7 +154,7 @@ class TrainConfig:
     """Everything one ``effitrain train`` run needs. Field docs are shown by ``effitrain train --help``."""
 
     # --- model and data ---
-    task: str | None = _opt(
+    task: str | None = option_field(
         None,
         "sequence-classification, causal-lm or preference. Default: causal-lm for a causal-LM "
         "preset, or a *ForCausalLM model with no label column in the data; else "
@@ -166,52 +162,52 @@ class TrainConfig:
         panel=MODEL_AND_DATA,
         metavar="NAME",
     )
-    model: str = _opt(
+    model: str = option_field(
         "tiny",
         "Built-in preset name, a hub id, or a local folder saved with save_pretrained.",
         panel=MODEL_AND_DATA,
         metavar="NAME|DIR",
     )
-    dataset: str = _opt(
+    dataset: str = option_field(
         "demo",
         "'demo' (built-in, offline), a hub dataset id, or a local file/folder (csv, json, jsonl, parquet).",
         panel=MODEL_AND_DATA,
         metavar="NAME|PATH",
     )
-    dataset_config: str | None = _opt(
+    dataset_config: str | None = option_field(
         None,
         "Hub dataset configuration name, e.g. 'mrpc' for glue.",
         panel=MODEL_AND_DATA,
         metavar="NAME",
     )
-    train_file: str | None = _opt(
+    train_file: str | None = option_field(
         None,
         "Local training file (csv/json/jsonl/parquet); used instead of --dataset.",
         panel=MODEL_AND_DATA,
         metavar="FILE",
     )
-    validation_file: str | None = _opt(
+    validation_file: str | None = option_field(
         None,
         "Local validation file; without it the dataset's validation split (or 10% of train) is used.",
         panel=MODEL_AND_DATA,
         metavar="FILE",
     )
-    text_columns: list[str] | None = _opt(
+    text_columns: list[str] | None = option_field(
         None,
         "One or two text columns; auto-detected when not given. Comma-separated: "
         "sentence1,sentence2.",
         panel=MODEL_AND_DATA,
         metavar="COL[,COL]",
     )
-    label_column: str | None = _opt(
+    label_column: str | None = option_field(
         None, "Label column; auto-detected when not given.", panel=MODEL_AND_DATA, metavar="COL"
     )
-    max_length: int = _opt(
+    max_length: int = option_field(
         128,
         "Truncate inputs to this many tokens (causal-lm: the length of packed blocks).",
         panel=MODEL_AND_DATA,
     )
-    packing: bool | None = _opt(
+    packing: bool | None = option_field(
         None,
         "causal-lm: concatenate examples into --max-length blocks (attention kept inside each "
         "example) instead of padding each one. Default: on for plain text, off for "
@@ -220,7 +216,7 @@ class TrainConfig:
         off="--no-packing",
         default_text="per data format",
     )
-    completion_only_loss: bool | None = _opt(
+    completion_only_loss: bool | None = option_field(
         None,
         "causal-lm: compute the loss on completions (assistant turns) only, not on prompts. "
         "Default: on for prompt/completion, instruction and chat data.",
@@ -228,7 +224,7 @@ class TrainConfig:
         off="--full-loss",
         default_text="per data format",
     )
-    sample_prompt: str | None = _opt(
+    sample_prompt: str | None = option_field(
         None,
         "causal-lm: after each evaluation, print a short greedy continuation of this prompt.",
         panel=MODEL_AND_DATA,
@@ -236,7 +232,7 @@ class TrainConfig:
     )
 
     # --- preference tuning (--task preference) ---
-    preference_loss: str = _opt(
+    preference_loss: str = option_field(
         "dpo",
         "preference: dpo (against a reference model, see --reference), orpo or simpo (no "
         "reference).",
@@ -244,20 +240,20 @@ class TrainConfig:
         metavar="NAME",
         choices=PREFERENCE_LOSSES,
     )
-    beta: float | None = _opt(
+    beta: float | None = option_field(
         None,
         "preference: the loss's beta (dpo 0.1, orpo 0.1, simpo 2.0 as TRL's defaults).",
         panel=PREFERENCE,
         metavar="BETA",
         default_text="per loss",
     )
-    label_smoothing: float = _opt(
+    label_smoothing: float = option_field(
         0.0,
         "preference, dpo: the share of pairs assumed mislabeled (conservative DPO), from 0 to 0.5.",
         panel=PREFERENCE,
         metavar="EPS",
     )
-    simpo_gamma: float = _opt(
+    simpo_gamma: float = option_field(
         0.5,
         "preference, simpo: the target reward margin gamma (TRL's simpo_gamma; the log-prob "
         "margin is gamma / beta).",
@@ -266,10 +262,10 @@ class TrainConfig:
     )
 
     # --- optimizer and schedule ---
-    optim: str = _opt(
+    optim: str = option_field(
         "adamw", "Optimizer name from `effitrain optimizers`.", panel=OPTIMIZER, metavar="NAME"
     )
-    lr: float | None = _opt(
+    lr: float | None = option_field(
         None,
         "Learning rate. Default: the optimizer's, for fine-tuning (a hub id or folder) or for "
         "training a preset from scratch (see `effitrain optimizers`).",
@@ -277,13 +273,13 @@ class TrainConfig:
         metavar="LR",
         default_text=PER_OPTIMIZER,
     )
-    weight_decay: float = _opt(
+    weight_decay: float = option_field(
         0.01,
         "Decoupled weight decay for >=2-D weights (biases and norms get none).",
         panel=OPTIMIZER,
         metavar="RATE",
     )
-    scheduler: str | None = _opt(
+    scheduler: str | None = option_field(
         None,
         "Learning-rate schedule after warmup: linear, cosine or constant. Default: the "
         "optimizer's, like --lr.",
@@ -291,7 +287,7 @@ class TrainConfig:
         choices=SCHEDULERS,
         default_text=PER_OPTIMIZER,
     )
-    warmup_ratio: float | None = _opt(
+    warmup_ratio: float | None = option_field(
         None,
         "Fraction of optimizer steps spent warming up (ignored if warmup_steps is set). "
         "Default: the optimizer's, like --lr.",
@@ -299,17 +295,17 @@ class TrainConfig:
         metavar="FRACTION",
         default_text=PER_OPTIMIZER,
     )
-    warmup_steps: int | None = _opt(
+    warmup_steps: int | None = option_field(
         None, "Number of warmup steps (overrides warmup_ratio).", panel=OPTIMIZER
     )
-    max_grad_norm: float | None = _opt(
+    max_grad_norm: float | None = option_field(
         None,
         "Clip the global gradient norm to this value; 0 disables clipping.",
         panel=OPTIMIZER,
         metavar="NORM",
         default_text="1.0; 0 with --optimizer-in-backward or --optimizer-offload",
     )
-    fp32_embedding_state: bool = _opt(
+    fp32_embedding_state: bool = option_field(
         False,
         "adamw-8bit, lion-8bit: keep 32-bit optimizer state for embedding weights, as the "
         "Trainer does (4x their 8-bit state; bitsandbytes advises it for stability).",
@@ -317,23 +313,25 @@ class TrainConfig:
     )
 
     # --- loop ---
-    epochs: int = _opt(5, "Number of passes over the training set.", panel=LOOP)
-    max_steps: int | None = _opt(
+    epochs: int = option_field(5, "Number of passes over the training set.", panel=LOOP)
+    max_steps: int | None = option_field(
         None, "Stop after this many optimizer steps (overrides epochs).", panel=LOOP
     )
-    batch_size: int = _opt(16, "Training micro-batch size per process.", panel=LOOP)
-    eval_batch_size: int | None = _opt(
+    batch_size: int = option_field(16, "Training micro-batch size per process.", panel=LOOP)
+    eval_batch_size: int | None = option_field(
         None, "Evaluation batch size per process (default: 2 x batch size).", panel=LOOP
     )
-    grad_accum: int = _opt(
+    grad_accum: int = option_field(
         1, "Micro-batches per optimizer step (gradient accumulation).", panel=LOOP
     )
-    mixed_precision: str = _opt(
+    mixed_precision: str = option_field(
         "no", "Passed to Accelerator: no, fp16 or bf16.", panel=LOOP, choices=MIXED_PRECISION
     )
-    seed: int = _opt(42, "Seed for model init, data order and dropout.", panel=LOOP)
-    log_every: int = _opt(10, "Update the shown loss every this many optimizer steps.", panel=LOOP)
-    max_memory: str | None = _opt(
+    seed: int = option_field(42, "Seed for model init, data order and dropout.", panel=LOOP)
+    log_every: int = option_field(
+        10, "Update the shown loss every this many optimizer steps.", panel=LOOP
+    )
+    max_memory: str | None = option_field(
         None,
         "Memory budget per device (24GiB, 24GB = 24 x 10^9 bytes, 512MiB): the run is estimated "
         "first and refused if it cannot fit; after its first optimizer step, a measured peak "
@@ -343,49 +341,9 @@ class TrainConfig:
         metavar="SIZE",
     )
 
-    # --- memory levers (effitrain.levers) ---
-    gradient_checkpointing: bool = _opt(
-        False,
-        "Recompute activations in backward instead of keeping them (the model's own "
-        "activation checkpointing, non-reentrant).",
-        panel=MEMORY_LEVERS,
-    )
-    optimizer_in_backward: bool = _opt(
-        False,
-        "Update each parameter as soon as its gradient is ready and free that gradient, so the "
-        "full set of gradients never exists.",
-        panel=MEMORY_LEVERS,
-    )
-    weights_dtype: str = _opt(
-        "fp32",
-        "fp32 or bf16: keep the weights (and gradients, and the optimizer state where it can) "
-        "in this dtype. Not autocast: see --mixed-precision.",
-        panel=MEMORY_LEVERS,
-        choices=WEIGHTS_DTYPES,
-    )
-    chunked_loss: str | None = _opt(
-        None,
-        "causal-lm: compute the loss from the last hidden states chunk by chunk, never holding "
-        "the full logits: auto (default: liger-kernel or cut-cross-entropy on CUDA where "
-        "installed, else torch), torch, liger, cce, or off.",
-        panel=MEMORY_LEVERS,
-        choices=CHUNKED_LOSS,
-        default_text="auto",
-    )
-    activation_offload: bool = _opt(
-        False,
-        "CUDA: keep the tensors saved for backward in pinned host memory, copied back for "
-        "backward on a side stream (with --gradient-checkpointing: only the checkpoints).",
-        panel=MEMORY_LEVERS,
-    )
-    optimizer_offload: str = _opt(
-        "off",
-        "CUDA: off, state (the optimizer state and its step on the host, torchao's "
-        "CPUOffloadOptimizer) or state+grads (also each gradient, once backward made it).",
-        panel=MEMORY_LEVERS,
-        choices=OPTIMIZER_OFFLOAD,
-    )
-    reference: str | None = _opt(
+    # --- memory levers: the reference model of preference tuning (each lever's own options are
+    # declared in its module, effitrain.levers) ---
+    reference: str | None = option_field(
         None,
         "preference, dpo: the reference model's log-probs from the base with the adapters "
         "switched off (no second copy; with --lora-rank), precomputed in one pass before "
@@ -395,7 +353,7 @@ class TrainConfig:
         choices=REFERENCES,
         default_text="adapters with --lora-rank, else precompute",
     )
-    reference_dtype: str | None = _opt(
+    reference_dtype: str | None = option_field(
         None,
         "preference, --reference copy: the copy's weights: fp32, bf16 or 4bit (bitsandbytes NF4).",
         panel=MEMORY_LEVERS,
@@ -403,76 +361,44 @@ class TrainConfig:
         choices=REFERENCE_DTYPES,
         default_text="as the trained weights",
     )
-    lora_rank: int | None = _opt(
-        None,
-        "Train LoRA adapters of this rank (peft) instead of the whole model.",
-        panel=MEMORY_LEVERS,
-    )
-    lora_alpha: float | None = _opt(
-        None, "LoRA scaling alpha (default: 2 x rank).", panel=MEMORY_LEVERS, metavar="ALPHA"
-    )
-    lora_dropout: float | None = _opt(
-        None,
-        "Dropout on the LoRA adapters' inputs (default: 0.05).",
-        panel=MEMORY_LEVERS,
-        metavar="P",
-    )
-    lora_target_modules: list[str] | None = _opt(
-        None,
-        "Modules that get adapters, by name, or all-linear (the default: every Linear layer "
-        "outside the classification head). Comma-separated: query,value.",
-        panel=MEMORY_LEVERS,
-        metavar="NAME[,NAME]",
-    )
-    lora_merge: bool = _opt(
-        False,
-        "The final save also writes the base model with the adapters merged in.",
-        panel=MEMORY_LEVERS,
-    )
-    load_in_4bit: bool = _opt(
-        False,
-        "QLoRA: store the frozen base model's Linear weights in 4-bit NF4 (bitsandbytes) under "
-        "the LoRA adapters; needs --lora-rank.",
-        panel=MEMORY_LEVERS,
-    )
 
     # --- outputs ---
-    output_dir: str | None = _opt(
+    output_dir: str | None = option_field(
         None,
         "Folder for checkpoints (checkpoint-<step>/) and the final model (final/).",
         panel=OUTPUT,
         metavar="DIR",
     )
-    save_every: int | None = _opt(
+    save_every: int | None = option_field(
         None,
         "Save a checkpoint every this many optimizer steps (needs --output-dir).",
         panel=OUTPUT,
     )
-    save_strategy: str = _opt(
+    save_strategy: str = option_field(
         "steps",
         "'steps': checkpoints every --save-every steps; 'epoch': also after each epoch's "
         "evaluation; 'no': none (a stop by signal still saves one).",
         panel=OUTPUT,
         choices=SAVE_STRATEGIES,
     )
-    save_total_limit: int | None = _opt(
+    save_total_limit: int | None = option_field(
         None,
         "Keep at most this many checkpoints; the oldest are deleted after a save succeeds.",
         panel=OUTPUT,
     )
-    resume: str | None = _opt(
+    resume: str | None = option_field(
         None,
         "Continue from 'latest' (newest complete checkpoint in --output-dir) or a checkpoint folder.",
         panel=OUTPUT,
         metavar="latest|DIR",
     )
-    metrics_json: str | None = _opt(
+    metrics_json: str | None = option_field(
         None,
         "Write the run's metrics as one JSON object to this file.",
         panel=OUTPUT,
         metavar="FILE",
     )
-    report_to: list[str] | None = _opt(
+    report_to: list[str] | None = option_field(
         None,
         "Experiment trackers to log to, through Accelerate: none, all (every installed one), or "
         f"{', '.join(TRACKERS)}. TensorBoard writes to --output-dir/runs (else ./runs/<time>). "
@@ -481,7 +407,7 @@ class TrainConfig:
         metavar="NAME[,NAME]",
         choices=REPORT_TO,
     )
-    memory_breakdown: bool = _opt(
+    memory_breakdown: bool = option_field(
         True,
         "Measure one optimizer step's memory by kind (activations, gradients, state, peak "
         "tensors). That step (one of the last two) runs several times slower and is left out "
@@ -490,7 +416,7 @@ class TrainConfig:
         off="--no-memory-breakdown",
         default_text="on",
     )
-    quiet: bool = _opt(
+    quiet: bool = option_field(
         False, "Only print the final results (no progress, no per-epoch lines).", panel=OUTPUT
     )
 
@@ -620,7 +546,50 @@ def parse_size(text: str, flag: str) -> int:
 OPTIONS: dict[str, Option] = {
     f.name: Option(f.name, **f.metadata) for f in dataclasses.fields(TrainConfig)
 }
-"""Every field's option, by field name, in declaration order."""
+"""Every field's option, by field name: TrainConfig's own in declaration order, then each lever's
+(:func:`add_options`) in the order the levers were registered."""
+
+
+Group = typing.TypeVar("Group", bound="OptionGroup")
+
+
+@dataclass
+class OptionGroup:
+    """Options declared outside TrainConfig, as a dataclass of :func:`option_field` fields: a
+    lever's (``Lever.options``). :func:`add_options` makes them TrainConfig fields; :meth:`of`
+    reads them back, typed, from a config."""
+
+    @classmethod
+    def of(cls: type[Group], config: TrainConfig) -> Group:
+        """The group's values in ``config``."""
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
+
+
+def add_options(*groups: type[OptionGroup]) -> None:
+    """Make the fields of each dataclass in ``groups`` (declared with :func:`option_field`)
+    fields of TrainConfig and entries of :data:`OPTIONS`: a lever's options (``Lever.options``),
+    declared in its own module, become CLI options, YAML keys, config fields and resume
+    arguments like TrainConfig's own. TrainConfig is extended in place, so that every reference
+    to it sees them.
+
+    Raises:
+        ValueError: a field that TrainConfig already has (a programming error, not user input).
+    """
+    new = [f for group in groups for f in dataclasses.fields(group)]
+    names = [f.name for f in (*dataclasses.fields(TrainConfig), *new)]
+    if len(set(names)) < len(names):
+        taken = sorted({name for name in names if names.count(name) > 1})
+        raise ValueError(f"options declared twice: {', '.join(taken)}")
+    for group in groups:
+        hints = typing.get_type_hints(group)
+        for f in dataclasses.fields(group):
+            f.type = hints[f.name]
+    fields = [(f.name, f.type, f) for f in (*dataclasses.fields(TrainConfig), *new)]
+    extended = dataclasses.make_dataclass("TrainConfig", fields, namespace={})
+    for name in ("__init__", "__repr__", "__eq__", "__dataclass_fields__", "__match_args__"):
+        setattr(TrainConfig, name, getattr(extended, name))
+    TrainConfig.__annotations__.update({f.name: f.type for f in new})
+    OPTIONS.update({f.name: Option(f.name, **f.metadata) for f in new})
 
 
 def to_arguments(values: Mapping[str, Any]) -> list[str]:
@@ -792,12 +761,15 @@ def build_config(
 
 __all__ = [
     "OPTIONS",
+    "OptionGroup",
+    "add_options",
     "Option",
     "TrainConfig",
     "build_config",
     "load_yaml",
     "merge",
     "option",
+    "option_field",
     "parse_size",
     "to_arguments",
 ]

@@ -9,7 +9,7 @@ import typer
 
 from effitrain.cli.error_handling import user_errors
 from effitrain.cli.optimizers import short_number
-from effitrain.cli.options import PANELS, PRESET_NAMES, config_fields, config_options, given_values
+from effitrain.cli.options import PRESET_NAMES, config_fields, config_options, given_values, panels
 from effitrain.cli.quiet import quiet_libraries
 from effitrain.config import OUTPUT, to_arguments
 from effitrain.levers import LEVERS
@@ -29,7 +29,7 @@ train the random-init distilbert-base shape stably at these. Their defaults for
 training from scratch suit the small presets; at this size the first full step diverges."""
 
 NOT_SHARED = (
-    *("optim", "log_every", "sample_prompt", *PANELS[OUTPUT]),
+    *("optim", "log_every", "sample_prompt", *panels()[OUTPUT]),
     *(name for lever in LEVERS.values() for name in lever.save_only),
 )
 """Train options that compare sets itself (each run's optimizer, its metrics and loss log) or

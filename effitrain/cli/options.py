@@ -25,11 +25,14 @@ import typer
 from effitrain.config import HELP_PANELS, OPTIONS, TrainConfig
 from effitrain.models import CAUSAL_PRESETS, PRESETS
 
-PANELS: dict[str, tuple[str, ...]] = {
-    panel: tuple(name for name, spec in OPTIONS.items() if spec.panel == panel)
-    for panel in HELP_PANELS
-}
-"""TrainConfig's fields by the help panel each declares, in --help's order."""
+
+def panels() -> dict[str, tuple[str, ...]]:
+    """TrainConfig's fields by the help panel each declares, in the option table's order."""
+    return {
+        panel: tuple(name for name, spec in OPTIONS.items() if spec.panel == panel)
+        for panel in HELP_PANELS
+    }
+
 
 PRESET_NAMES = (
     " Presets: " + ", ".join([*PRESETS, *CAUSAL_PRESETS]) + " (see effitrain train --help)."
@@ -186,22 +189,26 @@ _RESERVED = ("ctx", "overrides")
 """Parameters of a decorated command that are not options."""
 
 
-def _panel_rank(param: inspect.Parameter) -> int:
-    """Where --help lists an option's panel: unpanelled options (with --help), the command's
-    own panels, then the config's panels in HELP_PANELS order."""
+def _panel_rank(param: inspect.Parameter) -> tuple[int, bool]:
+    """Where --help lists an option: unpanelled options (with --help), the command's own
+    panels, then the config's panels in HELP_PANELS order; in a panel, the levers' options
+    first, in the order the levers act (``effitrain.levers.LEVERS``)."""
+    from effitrain.levers import lever_of
+
     infos = typing.get_args(param.annotation)[1:]
     panel = getattr(infos[0], "rich_help_panel", None) if infos else None
     if panel is None:
-        return 0
-    return 2 + HELP_PANELS.index(panel) if panel in HELP_PANELS else 1
+        return 0, False
+    rank = 2 + HELP_PANELS.index(panel) if panel in HELP_PANELS else 1
+    return rank, lever_of(param.name) is None
 
 
 __all__ = [
     "CONFIG_FILE",
-    "PANELS",
     "config_fields",
     "config_options",
     "config_parameter",
     "given",
     "given_values",
+    "panels",
 ]

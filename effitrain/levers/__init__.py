@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from effitrain.config import default_for
+from effitrain.config import add_options, default_for
 from effitrain.errors import EffitrainError
 from effitrain.levers.activation_offload import ActivationOffload
 from effitrain.levers.bf16_weights import Bf16Weights
@@ -55,23 +55,40 @@ if TYPE_CHECKING:
     from effitrain.report import Reporter
     from effitrain.results import MemoryRow
 
-LEVERS: dict[str, Lever] = {
-    lever.name: lever
-    for lever in (
-        QLoRA(),
-        Bf16Weights(),
-        GradientCheckpointing(),
-        LoRA(),
-        ChunkedLoss(),
-        ActivationOffload(),
-        OptimizerInBackward(),
-        OptimizerOffload(),
-        Reference(),
-    )
-}
+LEVERS: dict[str, Lever] = {}
 """Every lever by its metrics name, in the order they act."""
 
-__all__ = ["LEVERS", "BuiltRun", "Lever", "get_lever"]
+
+def register(*levers: Lever) -> None:
+    """Add ``levers`` to :data:`LEVERS`, after those there (they act after them): their options
+    become config fields, CLI options and YAML keys (``effitrain.config.add_options``); the
+    registry's functions below, ``effitrain estimate`` and ``effitrain plan``'s search (what each
+    spec declares) take them from then on. Register before the CLI's commands are imported:
+    they read the option table once.
+
+    Raises:
+        ValueError: a name or an option that is registered already.
+    """
+    for lever in levers:
+        if lever.name in LEVERS:
+            raise ValueError(f"lever {lever.name!r} is registered already")
+    add_options(*(lever.options for lever in levers if hasattr(lever, "options")))
+    LEVERS.update({lever.name: lever for lever in levers})
+
+
+register(
+    QLoRA(),
+    Bf16Weights(),
+    GradientCheckpointing(),
+    LoRA(),
+    ChunkedLoss(),
+    ActivationOffload(),
+    OptimizerInBackward(),
+    OptimizerOffload(),
+    Reference(),
+)
+
+__all__ = ["LEVERS", "BuiltRun", "Lever", "get_lever", "register"]
 
 
 def get_lever(name: str) -> Lever:

@@ -23,8 +23,10 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from effitrain.config import MEMORY_LEVERS, OptionGroup, option_field
 from effitrain.errors import EffitrainError
 from effitrain.levers.spec import BuiltRun, Lever
 from effitrain.results import MemoryRow
@@ -173,9 +175,21 @@ class OffloadContext:
         return current.__exit__(*exc) if current is not None else None
 
 
+@dataclass
+class ActivationOffloadOptions(OptionGroup):
+    """``--activation-offload``."""
+
+    activation_offload: bool = option_field(
+        False,
+        "CUDA: keep the tensors saved for backward in pinned host memory, copied back for "
+        "backward on a side stream (with --gradient-checkpointing: only the checkpoints).",
+        panel=MEMORY_LEVERS,
+    )
+
+
 class ActivationOffload(Lever):
     name = "activation-offload"
-    fields = ("activation_offload",)
+    options = ActivationOffloadOptions
     removes = "the tensors saved for backward, from the GPU (to pinned host memory)"
     packages = ("trl",)
     install = "pip install 'effitrain[offload]'"

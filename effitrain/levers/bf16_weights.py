@@ -10,8 +10,10 @@ buffers, a model's ``_keep_in_fp32_modules``); for the rest it changes nothing."
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from effitrain.config import MEMORY_LEVERS, OptionGroup, option_field
 from effitrain.errors import EffitrainError
 from effitrain.levers.spec import Lever
 
@@ -24,9 +26,25 @@ if TYPE_CHECKING:
     from effitrain.optim import OptimizerSpec
 
 
+WEIGHTS_DTYPES = ("fp32", "bf16")
+
+
+@dataclass
+class Bf16WeightsOptions(OptionGroup):
+    """``--weights-dtype``."""
+
+    weights_dtype: str = option_field(
+        "fp32",
+        "fp32 or bf16: keep the weights (and gradients, and the optimizer state where it can) "
+        "in this dtype. Not autocast: see --mixed-precision.",
+        panel=MEMORY_LEVERS,
+        choices=WEIGHTS_DTYPES,
+    )
+
+
 class Bf16Weights(Lever):
     name = "bf16-weights"
-    fields = ("weights_dtype",)
+    options = Bf16WeightsOptions
     removes = "half of the parameters, the gradients and the state"
     search = ("fp32", "bf16")
     time_cost = "faster matmuls on GPUs with bf16 units; the update adds a rounding step"

@@ -4,17 +4,38 @@ keeps the full logits where it must). On by default for causal-LM training (``au
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from effitrain.config import MEMORY_LEVERS, OptionGroup, option_field
 from effitrain.levers.spec import BuiltRun, Lever
 
 if TYPE_CHECKING:
     from effitrain.config import TrainConfig
 
 
+CHUNKED_LOSS = ("auto", "torch", "liger", "cce", "off")
+"""``--chunked-loss`` (effitrain.tasks.lm_loss): auto picks a fused CUDA kernel, else torch."""
+
+
+@dataclass
+class ChunkedLossOptions(OptionGroup):
+    """``--chunked-loss``."""
+
+    chunked_loss: str | None = option_field(
+        None,
+        "causal-lm: compute the loss from the last hidden states chunk by chunk, never holding "
+        "the full logits: auto (default: liger-kernel or cut-cross-entropy on CUDA where "
+        "installed, else torch), torch, liger, cce, or off.",
+        panel=MEMORY_LEVERS,
+        choices=CHUNKED_LOSS,
+        default_text="auto",
+    )
+
+
 class ChunkedLoss(Lever):
     name = "chunked-loss"
-    fields = ("chunked_loss",)
+    options = ChunkedLossOptions
     removes = "the full logits and their gradient (tokens x vocabulary, fp32)"
     task = ("causal-lm", "preference")
     search = ("off", "auto")

@@ -3,8 +3,10 @@ keeping them, with the model's own (transformers') non-reentrant activation chec
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from effitrain.config import MEMORY_LEVERS, OptionGroup, option_field
 from effitrain.errors import EffitrainError
 from effitrain.levers.spec import Lever
 
@@ -14,9 +16,21 @@ if TYPE_CHECKING:
     from effitrain.config import TrainConfig
 
 
+@dataclass
+class GradientCheckpointingOptions(OptionGroup):
+    """``--gradient-checkpointing``."""
+
+    gradient_checkpointing: bool = option_field(
+        False,
+        "Recompute activations in backward instead of keeping them (the model's own "
+        "activation checkpointing, non-reentrant).",
+        panel=MEMORY_LEVERS,
+    )
+
+
 class GradientCheckpointing(Lever):
     name = "gradient-checkpointing"
-    fields = ("gradient_checkpointing",)
+    options = GradientCheckpointingOptions
     removes = "most activations (each layer's are recomputed in backward)"
     search = (False, True)
     time_cost = "one more forward of every layer per step (about a third more compute)"

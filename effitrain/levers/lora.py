@@ -24,10 +24,11 @@ peft is imported inside the functions: it is an optional extra (``effitrain[lora
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from effitrain.config import option
+from effitrain.config import MEMORY_LEVERS, OptionGroup, option, option_field
 from effitrain.errors import EffitrainError, MissingPackage
 from effitrain.levers.spec import BuiltRun, Lever
 
@@ -60,9 +61,41 @@ def dropout(config: TrainConfig) -> float:
     return config.lora_dropout if config.lora_dropout is not None else 0.05
 
 
+@dataclass
+class LoRAOptions(OptionGroup):
+    """``--lora-rank, --lora-alpha, --lora-dropout, --lora-target-modules, --lora-merge``."""
+
+    lora_rank: int | None = option_field(
+        None,
+        "Train LoRA adapters of this rank (peft) instead of the whole model.",
+        panel=MEMORY_LEVERS,
+    )
+    lora_alpha: float | None = option_field(
+        None, "LoRA scaling alpha (default: 2 x rank).", panel=MEMORY_LEVERS, metavar="ALPHA"
+    )
+    lora_dropout: float | None = option_field(
+        None,
+        "Dropout on the LoRA adapters' inputs (default: 0.05).",
+        panel=MEMORY_LEVERS,
+        metavar="P",
+    )
+    lora_target_modules: list[str] | None = option_field(
+        None,
+        "Modules that get adapters, by name, or all-linear (the default: every Linear layer "
+        "outside the classification head). Comma-separated: query,value.",
+        panel=MEMORY_LEVERS,
+        metavar="NAME[,NAME]",
+    )
+    lora_merge: bool = option_field(
+        False,
+        "The final save also writes the base model with the adapters merged in.",
+        panel=MEMORY_LEVERS,
+    )
+
+
 class LoRA(Lever):
     name = "lora"
-    fields = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_merge")
+    options = LoRAOptions
     save_only = ("lora_merge",)
     removes = "the gradients and optimizer state of the frozen base model"
     packages = ("peft",)

@@ -5,8 +5,10 @@ that gradient freed, so the full set of gradients never exists (torchtune's
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from effitrain.config import MEMORY_LEVERS, OptionGroup, option_field
 from effitrain.errors import EffitrainError
 from effitrain.levers.spec import BuiltRun, Lever, OptimizerBuilder
 
@@ -17,9 +19,21 @@ if TYPE_CHECKING:
     from effitrain.distributed import Launch
 
 
+@dataclass
+class OptimizerInBackwardOptions(OptionGroup):
+    """``--optimizer-in-backward``."""
+
+    optimizer_in_backward: bool = option_field(
+        False,
+        "Update each parameter as soon as its gradient is ready and free that gradient, so the "
+        "full set of gradients never exists.",
+        panel=MEMORY_LEVERS,
+    )
+
+
 class OptimizerInBackward(Lever):
     name = "optimizer-in-backward"
-    fields = ("optimizer_in_backward",)
+    options = OptimizerInBackwardOptions
     removes = "the full set of gradients (one parameter's at a time)"
     unclippable = True
     search = (False, True)

@@ -4,8 +4,10 @@ with ``state+grads`` each gradient is also freed on the GPU once copied. CUDA on
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from effitrain.config import MEMORY_LEVERS, OptionGroup, option_field
 from effitrain.errors import EffitrainError
 from effitrain.levers.optimizer_in_backward import refuse_unless_per_parameter
 from effitrain.levers.spec import BuiltRun, Lever, OptimizerBuilder
@@ -19,9 +21,26 @@ if TYPE_CHECKING:
     from effitrain.memory.step import StepMemory
 
 
+OPTIMIZER_OFFLOAD = ("off", "state", "state+grads")
+"""``--optimizer-offload``: nothing, the optimizer state and step, or also the gradients."""
+
+
+@dataclass
+class OptimizerOffloadOptions(OptionGroup):
+    """``--optimizer-offload``."""
+
+    optimizer_offload: str = option_field(
+        "off",
+        "CUDA: off, state (the optimizer state and its step on the host, torchao's "
+        "CPUOffloadOptimizer) or state+grads (also each gradient, once backward made it).",
+        panel=MEMORY_LEVERS,
+        choices=OPTIMIZER_OFFLOAD,
+    )
+
+
 class OptimizerOffload(Lever):
     name = "optimizer-offload"
-    fields = ("optimizer_offload",)
+    options = OptimizerOffloadOptions
     removes = "the optimizer state from the GPU (state+grads: the gradients too)"
     packages = ("torchao",)
     install = "pip install 'effitrain[offload]'"

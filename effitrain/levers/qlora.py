@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from effitrain.config import MEMORY_LEVERS, OptionGroup, option_field
 from effitrain.errors import EffitrainError, MissingPackage
 from effitrain.levers.spec import BuiltRun, Lever
 from effitrain.results import MemoryRow
@@ -65,9 +66,21 @@ NF4_CODE_VALUES = 16
 NESTED_CODE_VALUES = 256
 
 
+@dataclass
+class QLoRAOptions(OptionGroup):
+    """``--load-in-4bit``."""
+
+    load_in_4bit: bool = option_field(
+        False,
+        "QLoRA: store the frozen base model's Linear weights in 4-bit NF4 (bitsandbytes) under "
+        "the LoRA adapters; needs --lora-rank.",
+        panel=MEMORY_LEVERS,
+    )
+
+
 class QLoRA(Lever):
     name = "load-in-4bit"
-    fields = ("load_in_4bit",)
+    options = QLoRAOptions
     removes = "7/8 of the frozen base's Linear weights (4-bit NF4 codes and their scales)"
     packages = ("bitsandbytes", "peft")
     install = INSTALL

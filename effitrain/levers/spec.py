@@ -16,10 +16,11 @@ is what its :meth:`Lever.step_context` returns, kept by the run (``Run.lever_con
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from effitrain.config import option
+from effitrain.config import OptionGroup, option
 from effitrain.errors import EffitrainError
 
 if TYPE_CHECKING:
@@ -62,8 +63,11 @@ class Lever:
 
     name: str = ""
     """Its name in the metrics JSON's ``levers`` and the memory table's title."""
-    fields: tuple[str, ...] = ()
-    """The TrainConfig fields it owns: its options (``--lora-rank``, ``--lora-alpha`` …)."""
+    options: type[OptionGroup]
+    """Its options, declared in its module (``--lora-rank``, ``--lora-alpha`` …): a dataclass of
+    ``option_field`` fields, which registering the lever makes TrainConfig fields, CLI options
+    and YAML keys (``effitrain.config.add_options``); ``options.of(config)`` reads them typed.
+    The first is the one a planner searches over."""
     save_only: tuple[str, ...] = ()
     """Those of its fields that change only what is saved, not what a step holds (``effitrain
     estimate`` does not list them; ``effitrain compare`` does not pass them on)."""
@@ -92,6 +96,11 @@ class Lever:
     """The modules it imports that effitrain's own dependencies do not bring (peft)."""
     install: str = ""
     """What installs :attr:`packages`."""
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The TrainConfig fields it owns: its options' names, in declaration order."""
+        return tuple(f.name for f in dataclasses.fields(self.options))
 
     # -- on or off -------------------------------------------------------------------------
 

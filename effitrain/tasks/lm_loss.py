@@ -56,7 +56,7 @@ MIN_CHUNK_VALUES = 2**25
 
 @dataclass(frozen=True)
 class Choice:
-    """Which loss runs: ``name`` is one of ``effitrain.config.CHUNKED_LOSS`` but ``auto``; ``why`` explains
+    """Which loss runs: ``name`` is one of ``effitrain.levers.chunked_loss.CHUNKED_LOSS`` but ``auto``; ``why`` explains
     ``off`` chosen by ``auto`` (for the banner)."""
 
     name: str
