@@ -1,0 +1,111 @@
+"""A lever is one module: a toy lever, defined here and registered with one call
+(``effitrain.levers.register``), is an option of ``train --help``, a YAML key, a lever of
+``effitrain estimate`` and of the plan's search, and part of the resume command a stopped run
+prints, with no other file changed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+from conftest import OFFLINE
+
+TOY_LEVER = """
+from dataclasses import dataclass
+
+from effitrain.config import MEMORY_LEVERS, OptionGroup, option_field
+from effitrain.levers import register
+from effitrain.levers.spec import Lever
+
+
+@dataclass
+class ToyOptions(OptionGroup):
+    toy_checkpointing: bool = option_field(
+        False, "Checkpoint every layer (a toy lever).", panel=MEMORY_LEVERS
+    )
+
+
+class ToyCheckpointing(Lever):
+    name = "toy-checkpointing"
+    options = ToyOptions
+    removes = "most activations (a toy)"
+    search = SEARCH
+
+    def is_on(self, config):
+        return ToyOptions.of(config).toy_checkpointing
+
+    def apply_to_model(self, model, config, device):
+        from effitrain.levers.gradient_checkpointing import enable
+
+        enable(model)
+        return model
+
+    def banner(self, config, model):
+        return "toy checkpointing"
+
+
+register(ToyCheckpointing())
+"""
+
+SCRIPT = """
+import json, sys
+from typer.testing import CliRunner
+
+TOY_LEVER
+
+from effitrain.checkpoint import resume_command
+from effitrain.cli import app
+from effitrain.config import build_config
+
+out = {}
+for name, args in json.loads(sys.argv[1]).items():
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    out[name] = {"code": result.exit_code, "stdout": result.stdout}
+config = build_config(overrides={"toy_checkpointing": True, "output_dir": "out"})
+out["resume"] = resume_command(config, 1)
+print(json.dumps(out))
+"""
+
+
+def _with_toy_lever(commands: dict[str, list[str]], search: str, cwd) -> dict:
+    script = SCRIPT.replace("TOY_LEVER", TOY_LEVER.replace("SEARCH", search))
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), json.dumps(commands)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**__import__("os").environ, **OFFLINE},
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_a_lever_defined_outside_effitrain_is_everywhere_a_lever_is(tmp_path):
+    (tmp_path / "toy.yaml").write_text("toy_checkpointing: true\nmax_steps: 2\n")
+    metrics = tmp_path / "metrics.json"
+    out = _with_toy_lever(
+        {
+            "help": ["train", "--help"],
+            "yaml": [
+                "train",
+                "--config",
+                "toy.yaml",
+                "--no-memory-breakdown",
+                "--metrics-json",
+                str(metrics),
+            ],
+            "estimate": ["estimate", "--toy-checkpointing"],
+        },
+        search="None",
+        cwd=tmp_path,
+    )
+    assert "--toy-checkpointing" in out["help"]["stdout"]
+    assert out["yaml"]["code"] == 0, out["yaml"]["stdout"]
+    assert "toy checkpointing" in out["yaml"]["stdout"]  # its banner line
+    assert "toy-checkpointing" in json.loads(metrics.read_text())["levers"]
+    assert out["estimate"]["code"] == 0, out["estimate"]["stdout"]
+    assert "adamw + toy-checkpointing" in out["estimate"]["stdout"]
+    assert "--toy-checkpointing" in out["resume"].split()
