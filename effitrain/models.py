@@ -737,3 +737,23 @@ def is_causal_lm(model: Any) -> bool:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return type(base_model(model)).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+def head_modules(model: PreTrainedModel) -> list[str]:
+    """The classification head: the top-level modules with parameters outside the base model,
+    and the base model's ``pooler`` where the head reads it (BERT: ``bert.pooler``). A causal
+    LM has none that trains in full: its ``lm_head`` is pretrained (often the embeddings)."""
+    if is_causal_lm(model):
+        return []
+
+    def has_parameters(module: Any) -> bool:
+        return any(True for _ in module.parameters())
+
+    base = getattr(model, "base_model_prefix", "")
+    head = [
+        name for name, child in model.named_children() if name != base and has_parameters(child)
+    ]
+    pooler = getattr(getattr(model, base, None), "pooler", None)
+    if pooler is not None and has_parameters(pooler):
+        head.insert(0, f"{base}.pooler")
+    return head

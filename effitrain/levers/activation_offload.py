@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from effitrain.config import MEMORY_LEVERS, OptionGroup, option_field
 from effitrain.errors import EffitrainError
+from effitrain.levers.gradient_checkpointing import GradientCheckpointingOptions
 from effitrain.levers.spec import BuiltRun, Lever
 from effitrain.results import MemoryRow
 
@@ -198,7 +199,7 @@ class ActivationOffload(Lever):
     time_cost = "host copies on a side stream, overlapped with compute; bound by host bandwidth"
 
     def is_on(self, config: TrainConfig) -> bool:
-        return config.activation_offload
+        return ActivationOffloadOptions.of(config).activation_offload
 
     def check_launch(self, config: TrainConfig, launch: Launch) -> None:
         if launch.device_type != "cuda":
@@ -224,7 +225,11 @@ class ActivationOffload(Lever):
         return (
             "activation offload: tensors saved for backward wait in pinned host memory (trl's "
             "OffloadActivations, copies on a side CUDA stream"
-            + ("; only the checkpoints" if config.gradient_checkpointing else "")
+            + (
+                "; only the checkpoints"
+                if GradientCheckpointingOptions.of(config).gradient_checkpointing
+                else ""
+            )
             + ")"
         )
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from effitrain.config import MEMORY_LEVERS, OptionGroup, option_field
 from effitrain.errors import EffitrainError
+from effitrain.levers.lora import adapters_on
 from effitrain.levers.spec import Lever
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ class Bf16Weights(Lever):
     time_cost = "faster matmuls on GPUs with bf16 units; the update adds a rounding step"
 
     def is_on(self, config: TrainConfig) -> bool:
-        return config.weights_dtype == "bf16"
+        return Bf16WeightsOptions.of(config).weights_dtype == "bf16"
 
     def check(self, config: TrainConfig) -> None:
         from effitrain.optim.bf16 import BF16_VARIANTS, NONE_BECAUSE
@@ -62,7 +63,7 @@ class Bf16Weights(Lever):
                 "--mixed-precision or use --mixed-precision bf16 with --weights-dtype fp32"
             )
         # Only the dtype of the trained parameters matters: with LoRA they are fp32 adapters.
-        if config.optim not in BF16_VARIANTS and config.lora_rank is None:
+        if config.optim not in BF16_VARIANTS and not adapters_on(config):
             why = NONE_BECAUSE.get(config.optim, "it has no bf16 variant")
             raise EffitrainError(
                 "--weights-dtype bf16 needs an optimizer that updates bf16 weights without "
@@ -84,7 +85,7 @@ class Bf16Weights(Lever):
     def optimizer_spec(self, spec: OptimizerSpec, config: TrainConfig) -> OptimizerSpec:
         from effitrain.optim.bf16 import variant_for, variant_spec
 
-        variant = variant_for(config.optim, adapters=config.lora_rank is not None)
+        variant = variant_for(config.optim, adapters=adapters_on(config))
         return spec if variant is None else variant_spec(spec, variant, config.seed)
 
     def load_options(self, config: TrainConfig, options: LoadOptions) -> LoadOptions:
@@ -120,7 +121,7 @@ class Bf16Weights(Lever):
     def banner(self, config: TrainConfig, model: torch.nn.Module) -> str:
         from effitrain.optim.bf16 import variant_for
 
-        variant = variant_for(config.optim, adapters=config.lora_rank is not None)
+        variant = variant_for(config.optim, adapters=adapters_on(config))
         if variant is None:
             return (
                 "weights bf16 (parameters, gradients, optimizer state), "

@@ -42,10 +42,10 @@ class ChunkedLoss(Lever):
     time_cost = "one more output-layer matmul per chunk in backward (recomputed logits)"
 
     def is_on(self, config: TrainConfig) -> bool:
-        return config.chunked_loss != "off"
+        return ChunkedLossOptions.of(config).chunked_loss != "off"
 
     def in_use(self, run: BuiltRun) -> bool:
         return self.name in getattr(run.loss, "levers", [])
 
     def loss_options(self, config: TrainConfig) -> dict[str, Any]:
-        return {"chunked": config.chunked_loss or "auto"}
+        return {"chunked": ChunkedLossOptions.of(config).chunked_loss or "auto"}

@@ -36,7 +36,7 @@ class GradientCheckpointing(Lever):
     time_cost = "one more forward of every layer per step (about a third more compute)"
 
     def is_on(self, config: TrainConfig) -> bool:
-        return config.gradient_checkpointing
+        return GradientCheckpointingOptions.of(config).gradient_checkpointing
 
     def apply_to_model(
         self, model: torch.nn.Module, config: TrainConfig, device: torch.device | None

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from effitrain.config import MEMORY_LEVERS, OptionGroup, option, option_field
 from effitrain.errors import EffitrainError, MissingPackage
+from effitrain.levers.qlora import QLoRAOptions
 from effitrain.levers.spec import BuiltRun, Lever
 
 if TYPE_CHECKING:
@@ -51,14 +52,22 @@ ALL_LINEAR = "all-linear"
 MERGED_DIR = "final-merged"
 
 
+def adapters_on(config: TrainConfig) -> bool:
+    """Whether the run trains LoRA adapters (``--lora-rank``): the one test of it (outside the
+    levers, ``effitrain.levers.trains_adapters``)."""
+    return LoRAOptions.of(config).lora_rank is not None
+
+
 def alpha(config: TrainConfig) -> float:
     """LoRA's alpha: the given one, else 2 x rank."""
-    return config.lora_alpha if config.lora_alpha is not None else 2.0 * (config.lora_rank or 0)
+    options = LoRAOptions.of(config)
+    return options.lora_alpha if options.lora_alpha is not None else 2.0 * (options.lora_rank or 0)
 
 
 def dropout(config: TrainConfig) -> float:
     """Dropout on the adapters' inputs: the given one, else 0.05."""
-    return config.lora_dropout if config.lora_dropout is not None else 0.05
+    given = LoRAOptions.of(config).lora_dropout
+    return given if given is not None else 0.05
 
 
 @dataclass
@@ -105,28 +114,29 @@ class LoRA(Lever):
     time_cost = "less than full fine-tuning: no weight gradients for the frozen base"
 
     def is_on(self, config: TrainConfig) -> bool:
-        return config.lora_rank is not None
+        return adapters_on(config)
 
     def check(self, config: TrainConfig) -> None:
         given = [
             option(name) for name in self.fields[1:] if getattr(config, name) not in (None, False)
         ]
-        if config.lora_rank is None:
+        options = LoRAOptions.of(config)
+        if options.lora_rank is None:
             if given:
                 raise EffitrainError(
                     f"{given[0]} needs --lora-rank R (LoRA is off without it); add --lora-rank "
                     f"8, or drop {given[0]}"
                 )
             return
-        if config.lora_rank <= 0:
-            raise EffitrainError(f"--lora-rank must be greater than 0 (got {config.lora_rank})")
-        if config.lora_alpha is not None and not config.lora_alpha > 0:
-            raise EffitrainError(f"--lora-alpha must be greater than 0 (got {config.lora_alpha})")
-        if config.lora_dropout is not None and not 0 <= config.lora_dropout < 1:
+        if options.lora_rank <= 0:
+            raise EffitrainError(f"--lora-rank must be greater than 0 (got {options.lora_rank})")
+        if options.lora_alpha is not None and not options.lora_alpha > 0:
+            raise EffitrainError(f"--lora-alpha must be greater than 0 (got {options.lora_alpha})")
+        if options.lora_dropout is not None and not 0 <= options.lora_dropout < 1:
             raise EffitrainError(
-                f"--lora-dropout must be at least 0 and below 1 (got {config.lora_dropout})"
+                f"--lora-dropout must be at least 0 and below 1 (got {options.lora_dropout})"
             )
-        if config.lora_target_modules is not None and not config.lora_target_modules:
+        if options.lora_target_modules is not None and not options.lora_target_modules:
             raise EffitrainError(
                 "--lora-target-modules needs at least one module name (or all-linear)"
             )
@@ -166,7 +176,7 @@ class LoRA(Lever):
         config = run.config
         if not config.output_dir:
             return
-        if config.lora_merge:
+        if LoRAOptions.of(config).lora_merge:
             merged = save_merged(run.accelerator, run.model, run.tokenizer, config.output_dir)
             reporter.saved_final(str(merged))
         note = final_note(config)
@@ -178,28 +188,6 @@ def require_peft() -> None:
     """Raises: EffitrainError with the install line when peft is missing."""
     if importlib.util.find_spec("peft") is None:
         raise MissingPackage(f"--lora-rank needs peft, which is not installed: {INSTALL}")
-
-
-def head_modules(model: torch.nn.Module) -> list[str]:
-    """The classification head: the top-level modules with parameters outside the base model,
-    and the base model's ``pooler`` where the head reads it (BERT: ``bert.pooler``). A causal
-    LM has none that trains in full: its ``lm_head`` is pretrained (often the embeddings)."""
-    from effitrain.models import is_causal_lm
-
-    if is_causal_lm(model):
-        return []
-
-    def has_parameters(module: Any) -> bool:
-        return any(True for _ in module.parameters())
-
-    base = getattr(model, "base_model_prefix", "")
-    head = [
-        name for name, child in model.named_children() if name != base and has_parameters(child)
-    ]
-    pooler = getattr(getattr(model, base, None), "pooler", None)
-    if pooler is not None and has_parameters(pooler):
-        head.insert(0, f"{base}.pooler")
-    return head
 
 
 def _linear_types() -> tuple[type, ...]:
@@ -297,13 +285,14 @@ def apply(model: torch.nn.Module, config: TrainConfig) -> Any:
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     from peft import LoraConfig, TaskType, get_peft_model
 
+    from effitrain.models import head_modules, is_causal_lm
+
     head = head_modules(model)
-    targets = resolve_targets(model, config.lora_target_modules, head)
-    from effitrain.models import is_causal_lm
+    targets = resolve_targets(model, LoRAOptions.of(config).lora_target_modules, head)
 
     lora_config = LoraConfig(
         task_type=TaskType.CAUSAL_LM if is_causal_lm(model) else TaskType.SEQ_CLS,
-        r=config.lora_rank,
+        r=LoRAOptions.of(config).lora_rank,
         lora_alpha=alpha(config),
         lora_dropout=dropout(config),
         target_modules=targets,
@@ -335,16 +324,18 @@ def original_parameters(model: torch.nn.Module) -> list[Any]:
 def describe(model: torch.nn.Module, config: TrainConfig) -> str:
     """One banner line: rank, alpha, dropout, the adapted layers, the head, what trains."""
     from effitrain.memory.ledger import parameter_count, trainable_parameter_count
+    from effitrain.models import head_modules
 
     peft_model = model
     base = peft_model.get_base_model()
     head = head_modules(base)
-    why = _why(config.lora_target_modules)  # checked by apply, on the model before peft
+    options = LoRAOptions.of(config)
+    why = _why(options.lora_target_modules)  # checked by apply, on the model before peft
     targeted = _leaf_names(list(peft_model.base_model.targeted_module_names))
     total = parameter_count(peft_model)  # 4-bit: unpacked
-    default = "" if config.lora_alpha is not None else " (2 x rank)"
+    default = "" if options.lora_alpha is not None else " (2 x rank)"
     return (
-        f"LoRA r={config.lora_rank} alpha={alpha(config):g}{default} dropout "
+        f"LoRA r={options.lora_rank} alpha={alpha(config):g}{default} dropout "
         f"{dropout(config):g} on {', '.join(targeted)} ({why}); "
         + (f"head {', '.join(head)} trains in full; " if head else "")
         + f"{trainable_parameter_count(peft_model):,} of "
@@ -356,12 +347,12 @@ def final_note(config: TrainConfig) -> str | None:
     """What to say when ``final/`` holds adapters whose base weights are saved nowhere."""
     from effitrain.models import is_preset
 
-    if is_preset(config.model) and config.load_in_4bit:
+    if is_preset(config.model) and QLoRAOptions.of(config).load_in_4bit:
         return (
             f"final/ holds the LoRA adapters only; they apply to the '{config.model}' preset's "
             "random base weights, which are saved nowhere else (--load-in-4bit cannot merge)"
         )
-    if is_preset(config.model) and not config.lora_merge:
+    if is_preset(config.model) and not LoRAOptions.of(config).lora_merge:
         return (
             f"final/ holds the LoRA adapters only; the '{config.model}' preset's random base "
             "weights are saved nowhere else: add --lora-merge for a complete model"

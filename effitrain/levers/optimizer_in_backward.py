@@ -40,7 +40,7 @@ class OptimizerInBackward(Lever):
     time_cost = "none measurable: the same updates, one parameter at a time"
 
     def is_on(self, config: TrainConfig) -> bool:
-        return config.optimizer_in_backward
+        return OptimizerInBackwardOptions.of(config).optimizer_in_backward
 
     def check(self, config: TrainConfig) -> None:
         if config.max_grad_norm is not None and config.max_grad_norm > 0:

@@ -9,7 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 from effitrain.config import MEMORY_LEVERS, OptionGroup, option_field
 from effitrain.errors import EffitrainError
-from effitrain.levers.optimizer_in_backward import refuse_unless_per_parameter
+from effitrain.levers.optimizer_in_backward import (
+    OptimizerInBackwardOptions,
+    refuse_unless_per_parameter,
+)
 from effitrain.levers.spec import BuiltRun, Lever, OptimizerBuilder
 from effitrain.results import MemoryRow
 
@@ -38,6 +41,11 @@ class OptimizerOffloadOptions(OptionGroup):
     )
 
 
+def offloads_gradients(config: TrainConfig) -> bool:
+    """``--optimizer-offload state+grads``: each gradient goes to the host too."""
+    return OptimizerOffloadOptions.of(config).optimizer_offload == "state+grads"
+
+
 class OptimizerOffload(Lever):
     name = "optimizer-offload"
     options = OptimizerOffloadOptions
@@ -50,10 +58,10 @@ class OptimizerOffload(Lever):
     time_cost = "the step runs on the host: host bandwidth and CPU speed bound it"
 
     def is_on(self, config: TrainConfig) -> bool:
-        return config.optimizer_offload != "off"
+        return OptimizerOffloadOptions.of(config).optimizer_offload != "off"
 
     def check(self, config: TrainConfig) -> None:
-        if config.optimizer_in_backward:
+        if OptimizerInBackwardOptions.of(config).optimizer_in_backward:
             raise EffitrainError(
                 "--optimizer-offload cannot combine with --optimizer-in-backward: both run the "
                 "update from a hook on each gradient; choose one"
@@ -70,7 +78,7 @@ class OptimizerOffload(Lever):
                 "copies of the gradients are made before the loss scaler unscales them; use "
                 "--mixed-precision bf16 or no"
             )
-        if config.optimizer_offload == "state+grads" and config.grad_accum > 1:
+        if offloads_gradients(config) and config.grad_accum > 1:
             raise EffitrainError(
                 f"--grad-accum {config.grad_accum} cannot combine with --optimizer-offload "
                 "state+grads, which frees each gradient on the GPU after every backward pass; "
@@ -100,7 +108,7 @@ class OptimizerOffload(Lever):
             )
 
     def optimizer_builder(self, config: TrainConfig, estimating: bool) -> OptimizerBuilder:
-        gradients = config.optimizer_offload == "state+grads"
+        gradients = offloads_gradients(config)
 
         def build(groups: Any, spec: Any, lr: float) -> Any:
             if estimating:  # torchao needs a CUDA device: its stand-in on fake tensors
@@ -138,9 +146,7 @@ class OptimizerOffload(Lever):
         }
 
     def banner(self, config: TrainConfig, model: torch.nn.Module) -> str:
-        grads = (
-            ", and each gradient once copied" if config.optimizer_offload == "state+grads" else ""
-        )
+        grads = ", and each gradient once copied" if offloads_gradients(config) else ""
         return (
             "optimizer offload: state and step on the host for tensors of 4096+ elements "
             f"(torchao's CPUOffloadOptimizer{grads}); no clipping"

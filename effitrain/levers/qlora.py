@@ -213,7 +213,7 @@ def compute_dtype(config: TrainConfig) -> str:
 def kept_modules(model: torch.nn.Module) -> list[str]:
     """The modules that keep their weights: the output layer (and what is tied to it) and the
     classification head, which trains in full (LoRA's ``modules_to_save``)."""
-    from effitrain.levers.lora import head_modules
+    from effitrain.models import head_modules
 
     kept = list(head_modules(model))
     output = model.get_output_embeddings()

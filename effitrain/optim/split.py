@@ -9,7 +9,7 @@ classification head and every 1-D parameter (biases, LayerNorm) keep AdamW.
 
 - the *body* is the transformers model's base model (``model.<base_model_prefix>``:
   ``distilbert``, ``bert``, ``mpnet``…) without its ``pooler`` (BERT's/MiniLM's pooler feeds the
-  head only, and :func:`effitrain.levers.lora.head_modules` counts it as head);
+  head only, and :func:`effitrain.models.head_modules` counts it as head);
 - hidden = trainable parameters with ``ndim == 2`` inside the body that are not the weight of an
   ``nn.Embedding`` (word, position, token-type embeddings; MPNet's relative attention bias);
 - everything else (the head: ``pre_classifier``/``classifier``, BERT's pooler; embeddings; 1-D
