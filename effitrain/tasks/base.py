@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 
     from effitrain.config import TrainConfig
     from effitrain.models import LoadOptions
+    from effitrain.optim import LrDivisor
 
 SEQUENCE_CLASSIFICATION, CAUSAL_LM = "sequence-classification", "causal-lm"
 PREFERENCE = "preference"
@@ -92,6 +93,9 @@ class Task:
     name: str
     speed_unit: str
     """What throughput counts: ``samples`` or ``tokens`` (padding left out)."""
+    lr_divisor: LrDivisor | None = None
+    """What divides the optimizer's default lr on pretrained weights for this task; None: the
+    default as it is."""
 
     def check_options(self, config: TrainConfig) -> None:
         """Refuse options that belong to the other task or do not fit this one (EffitrainError)."""
