@@ -368,7 +368,7 @@ def describe(run: Run) -> RunInfo:
     config, accelerator, data, plan = run.config, run.accelerator, run.data, run.plan
     hyperparameters = run.hyperparameters
     unwrapped = accelerator.unwrap_model(run.model)
-    inner = getattr(run.optimizer, "optimizer", run.optimizer)
+    inner = ledger.unwrap_prepared(run.optimizer)
     device = device_name(accelerator.device)
     return RunInfo(
         task=run.task.name,

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from effitrain.errors import EffitrainError
+from effitrain.memory.ledger import unwrap_prepared
 
 if TYPE_CHECKING:
     import torch
@@ -139,8 +140,8 @@ def set_train_mode(optimizer: Any, train: bool) -> None:
     Unwraps Accelerate's ``AcceleratedOptimizer`` (``.optimizer``) and reaches the per-parameter
     optimizers of ``--optimizer-in-backward`` (``.optimizers``).
     """
-    inner = getattr(optimizer, "optimizer", None)
-    if inner is not None and inner is not optimizer:
+    inner = unwrap_prepared(optimizer)
+    if inner is not optimizer:
         set_train_mode(inner, train)
         return
     optimizers = getattr(optimizer, "optimizers", None)
