@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from effitrain.config import DECODER_TASKS
 from effitrain.levers.spec import BuiltRun, Lever
 
 if TYPE_CHECKING:
@@ -16,7 +17,7 @@ class ChunkedLoss(Lever):
     name = "chunked-loss"
     fields = ("chunked_loss",)
     removes = "the full logits and their gradient (tokens x vocabulary, fp32)"
-    task = ("causal-lm", "preference")
+    task = DECODER_TASKS
     search = ("off", "auto")
     time_cost = "one more output-layer matmul per chunk in backward (recomputed logits)"
 

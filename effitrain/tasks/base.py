@@ -17,8 +17,6 @@ if TYPE_CHECKING:
 SEQUENCE_CLASSIFICATION, CAUSAL_LM = "sequence-classification", "causal-lm"
 PREFERENCE = "preference"
 TASK_NAMES = (SEQUENCE_CLASSIFICATION, CAUSAL_LM, PREFERENCE)
-DECODER_TASKS = (CAUSAL_LM, PREFERENCE)
-"""The tasks that train a ``*ForCausalLM`` (its presets, its chunked loss)."""
 CAUSAL_LM_OPTIONS = ("packing", "completion_only_loss", "sample_prompt")
 PREFERENCE_OPTIONS = ("preference_loss", "beta", "label_smoothing", "simpo_gamma")
 """Config fields that only preference training takes (the reference lever's: its spec's
