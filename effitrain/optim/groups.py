@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> ParamGroups:
     """Two groups: >=2-D weights decay, biases and norm weights (1-D) do not (as in nanoGPT)."""
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for param in model.parameters():
         if not param.requires_grad:
             continue
