@@ -214,9 +214,11 @@ def build_loss(
     return task.loss_function(model, device, sharded, levers.loss_options(config), config=config)
 
 
-def resolve_hyperparameters(config: TrainConfig) -> Hyperparameters:
-    """The lr and schedule: the options', else the optimizer's defaults for this run."""
-    return optim.resolve_hyperparameters(config, adapters=levers.trains_adapters(config))
+def resolve_hyperparameters(config: TrainConfig, task: Task) -> Hyperparameters:
+    """The lr and schedule: the options', else the optimizer's defaults for this run and task."""
+    return optim.resolve_hyperparameters(
+        config, adapters=levers.trains_adapters(config), lr_divisor=task.lr_divisor
+    )
 
 
 def resolve_optimizer_spec(config: TrainConfig, launch: Launch) -> OptimizerSpec:
@@ -265,7 +267,7 @@ def assemble(
     """The optimizer, scheduler and the levers' step contexts for a model and its data, prepared
     by Accelerate, put together as the :class:`Run` (a run's, and an estimate's on fake
     tensors, whose model is already where it trains; ``weights``: :attr:`Run.weights`)."""
-    hyperparameters = resolve_hyperparameters(config)
+    hyperparameters = resolve_hyperparameters(config, task)
     spec = resolve_optimizer_spec(config, launch)
     optimizer = build_optimizer(config, model, spec, hyperparameters.lr, estimating)
     # Accelerate's prepared scheduler steps once per process on every optimizer step, so its
@@ -343,7 +345,7 @@ def build_run(config: TrainConfig, reporter: Reporter) -> Run:
     for note in getattr(data, "notes", []):
         reporter.note(note)
     train_loader, eval_loader = accelerator.prepare(train_loader, eval_loader)
-    warmup_ratio = resolve_hyperparameters(config).warmup_ratio
+    warmup_ratio = resolve_hyperparameters(config, task).warmup_ratio
     return assemble(
         config=config,
         accelerator=accelerator,
@@ -366,7 +368,7 @@ def describe(run: Run) -> RunInfo:
     config, accelerator, data, plan = run.config, run.accelerator, run.data, run.plan
     hyperparameters = run.hyperparameters
     unwrapped = accelerator.unwrap_model(run.model)
-    inner = getattr(run.optimizer, "optimizer", run.optimizer)
+    inner = ledger.unwrap_prepared(run.optimizer)
     device = device_name(accelerator.device)
     return RunInfo(
         task=run.task.name,

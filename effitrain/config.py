@@ -32,6 +32,8 @@ SCHEDULERS = ("linear", "cosine", "constant")
 MIXED_PRECISION = ("no", "fp16", "bf16")
 DEFAULT_CAUSAL_MODEL = "tiny-llama"
 """The model of ``--task causal-lm`` when none is given (the causal-LM demo's preset)."""
+DECODER_TASKS = ("causal-lm", "preference")
+"""The tasks that train a ``*ForCausalLM`` (its presets, its chunked loss)."""
 SAVE_STRATEGIES = ("steps", "epoch", "no")
 PREFERENCE_LOSSES = ("dpo", "orpo", "simpo")
 """``--preference-loss`` (effitrain.tasks.preference_loss): DPO needs a reference model, ORPO
@@ -752,7 +754,7 @@ def build_config(
         values = merge(values, load_yaml(config_file), source=str(config_file))
     cli = {k: v for k, v in (overrides or {}).items() if v is not None}
     values = merge(values, cli, source="command line")
-    if values["task"] in ("causal-lm", "preference") and values["model"] == default_for("model"):
+    if values["task"] in DECODER_TASKS and values["model"] == default_for("model"):
         given = {k.replace("-", "_") for k in (load_yaml(config_file) if config_file else {})}
         if "model" not in given | set(cli):
             values["model"] = DEFAULT_CAUSAL_MODEL

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import effitrain.build as build
 import effitrain.levers as levers
-from effitrain.config import TrainConfig
+from effitrain.config import DECODER_TASKS, TrainConfig
 from effitrain.distributed import Launch
 from effitrain.errors import EffitrainError
 from effitrain.loop import StepGuard, train_steps, updates_in_backward
@@ -173,7 +173,7 @@ def estimate(config: TrainConfig, launch: Launch | None = None) -> Estimate:
     task = build.resolve_task(config)
     # A causal LM needs no labels from the data (preference pairs neither): its shapes come
     # from the model alone; a lever may count something per example (the reference's table).
-    needed = task.name not in ("causal-lm", "preference") or levers.estimate_reads_data(config)
+    needed = task.name not in DECODER_TASKS or levers.estimate_reads_data(config)
     data = task.load_data(config) if needed else None
     tokenizer, max_tokens = _tokenizer_or_config(config, notes)
     spec = build.resolve_optimizer_spec(config, launch)

@@ -29,6 +29,7 @@ import effitrain.checkpoint as checkpoint
 import effitrain.levers as levers
 from effitrain.cost import StepCounter
 from effitrain.errors import EffitrainError
+from effitrain.memory.ledger import unwrap_prepared
 from effitrain.memory.step import StepMemoryProbe, compiles_step
 from effitrain.optim import set_train_mode
 from effitrain.progress import Stopwatch, TrainingProgress
@@ -219,7 +220,7 @@ def train_steps(
     steps through this too."""
     group_start = True  # the next micro-batch starts an optimizer step
     # A step torch.compile'd with fullgraph (torchao's) refuses to run under a dispatch mode.
-    countable = not compiles_step(getattr(run.optimizer, "optimizer", run.optimizer))
+    countable = not compiles_step(unwrap_prepared(run.optimizer))
     counter: StepCounter | None = None
     micro_batches = 0
     try:
@@ -309,7 +310,7 @@ def fit(
 def updates_in_backward(run: Run) -> bool:
     """Whether the optimizer updates inside backward, before the guard could stop it
     (``--optimizer-in-backward``'s)."""
-    optimizer = getattr(run.optimizer, "optimizer", run.optimizer)
+    optimizer = unwrap_prepared(run.optimizer)
     return bool(getattr(optimizer, "updates_in_backward", False))
 
 

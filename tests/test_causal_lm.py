@@ -69,6 +69,17 @@ def test_demo_defaults_run_a_few_steps_and_report_perplexity(train_cli, tmp_path
     assert "optimizer state" in proc.stdout.lower()
 
 
+def test_decoder_tasks_are_the_tasks_that_train_a_causal_lm():
+    """config.DECODER_TASKS (the leaf's, read where the tasks cannot be imported) names exactly
+    the tasks built on DecoderTask."""
+    from effitrain.config import DECODER_TASKS
+    from effitrain.tasks import TASKS
+    from effitrain.tasks.causal_lm import DecoderTask
+
+    decoders = {name for name, task in TASKS.items() if isinstance(task, DecoderTask)}
+    assert set(DECODER_TASKS) == decoders
+
+
 def test_the_preset_alone_picks_the_task(train_cli):
     proc = train_cli("train", "--model", "tiny-llama", "--max-steps", "1", *SHORT)
     assert proc.returncode == 0, proc.stdout + proc.stderr

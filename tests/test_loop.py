@@ -105,7 +105,7 @@ def tiny_run(config: TrainConfig | None = None, **model_options):
     train_loader, eval_loader = accelerator.prepare(train_loader, eval_loader)
     model = TinyClassifier.build(**model_options)
     task = get_task("sequence-classification")
-    warmup_ratio = build.resolve_hyperparameters(config).warmup_ratio
+    warmup_ratio = build.resolve_hyperparameters(config, task).warmup_ratio
     return build.assemble(
         config=config,
         accelerator=accelerator,

@@ -348,9 +348,10 @@ def test_lora_combines_with_the_other_levers_in_the_config():
 def test_lora_lr_default_for_adamw_on_pretrained_weights():
     pretrained = "/some/pretrained-folder"
     from effitrain.build import resolve_hyperparameters  # a run's: adapters' defaults for LoRA
+    from effitrain.tasks import get_task
 
     def hyper(**options):
-        return resolve_hyperparameters(lora_config(**options))
+        return resolve_hyperparameters(lora_config(**options), get_task("causal-lm"))
 
     config = hyper(model=pretrained, lora_rank=8)
     assert (config.lr, config.lr_note) == (2e-3, "adamw default for LoRA")

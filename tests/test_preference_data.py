@@ -360,22 +360,23 @@ def test_the_data_line(tokenizer):
 
 
 def test_preference_tuning_of_pretrained_weights_defaults_to_a_lower_lr():
-    """The fine-tuning (or LoRA) lr over PREFERENCE_LR_DIVISOR, said in the banner's note;
+    """The fine-tuning (or LoRA) lr over the task's divisor (40), said in the banner's note;
     a preset (the demo, from scratch) and a given --lr are left alone."""
+    from effitrain.build import resolve_hyperparameters
     from effitrain.config import TrainConfig
-    from effitrain.optim.registry import PREFERENCE_LR_DIVISOR, resolve_hyperparameters
+    from effitrain.tasks import get_task
 
     def lr(**values):
-        result = resolve_hyperparameters(TrainConfig(**values), adapters="lora_rank" in values)
+        result = resolve_hyperparameters(TrainConfig(**values), get_task(values["task"]))
         return result.lr, result.lr_note
 
     folder = {"model": "./my-sft-model"}
     fine, _ = lr(task="causal-lm", **folder)
     assert lr(task="preference", **folder) == (
-        fine / PREFERENCE_LR_DIVISOR,
+        fine / 40,
         "adamw default for fine-tuning / 40 for preference tuning",
     )
     lora, _ = lr(task="causal-lm", lora_rank=8, **folder)
-    assert lr(task="preference", lora_rank=8, **folder)[0] == lora / PREFERENCE_LR_DIVISOR
+    assert lr(task="preference", lora_rank=8, **folder)[0] == lora / 40
     assert lr(task="preference", model="tiny-llama") == lr(task="causal-lm", model="tiny-llama")
     assert lr(task="preference", lr=1e-6, **folder) == (1e-6, "")

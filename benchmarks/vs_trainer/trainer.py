@@ -191,6 +191,7 @@ def state_facts(trainer: Trainer, model, args: argparse.Namespace) -> dict:
     parameters whose 8-bit state the Trainer keeps in fp32 (its bitsandbytes override for
     nn.Embedding), counted from the real state."""
     from effitrain import optimizer_memory
+    from effitrain.memory.ledger import unwrap_prepared
 
     ledger = optimizer_memory(trainer.optimizer)
     decay = set(trainer.get_decay_parameter_names(model))
@@ -198,7 +199,7 @@ def state_facts(trainer: Trainer, model, args: argparse.Namespace) -> dict:
     effitrain_decay = {n for n, p in named if p.ndim >= 2}
     fp32_override = 0
     if "bnb" in args.optim and "8bit" in args.optim:
-        inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        inner = unwrap_prepared(trainer.optimizer)
         fp32_override = sum(
             p.numel()
             for p, state in inner.state.items()

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from effitrain.errors import EffitrainError
+from effitrain.memory.ledger import unwrap_prepared
 
 if TYPE_CHECKING:
     from effitrain.config import TrainConfig
@@ -228,7 +229,7 @@ def step_counters(optimizer: Any, lr_scheduler: Any) -> dict[str, int | None]:
     optimizer step) and ``optimizer_steps`` (the largest per-parameter ``step`` in its state;
     None for an optimizer that keeps none, SGD's momentum)."""
     scheduler = getattr(lr_scheduler, "scheduler", lr_scheduler)
-    inner = getattr(optimizer, "optimizer", optimizer)
+    inner = unwrap_prepared(optimizer)
     steps = [
         float(entry["step"])
         for entry in getattr(inner, "state", {}).values()

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from effitrain.config import MEMORY_LEVERS, OptionGroup, option_field
+from effitrain.config import DECODER_TASKS, MEMORY_LEVERS, OptionGroup, option_field
 from effitrain.levers.spec import BuiltRun, Lever
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ class ChunkedLoss(Lever):
     name = "chunked-loss"
     options = ChunkedLossOptions
     removes = "the full logits and their gradient (tokens x vocabulary, fp32)"
-    task = ("causal-lm", "preference")
+    task = DECODER_TASKS
     search = ("off", "auto")
     time_cost = "one more output-layer matmul per chunk in backward (recomputed logits)"
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from effitrain.config import MEMORY_LEVERS, OptionGroup, option_field
 from effitrain.errors import EffitrainError
 from effitrain.levers.spec import BuiltRun, Lever, OptimizerBuilder
+from effitrain.memory.ledger import unwrap_prepared
 
 if TYPE_CHECKING:
     import torch
@@ -87,7 +88,10 @@ class OptimizerInBackward(Lever):
         return build
 
     def after_prepare(self, run: BuiltRun) -> None:
-        optimizer = getattr(run.optimizer, "optimizer", run.optimizer)
+        from effitrain.optim.in_backward import InBackwardOptimizer
+
+        optimizer = unwrap_prepared(run.optimizer)
+        assert isinstance(optimizer, InBackwardOptimizer)  # this lever built it
         optimizer.check_hooked(run.accelerator.unwrap_model(run.model))
 
     def banner(self, config: TrainConfig, model: torch.nn.Module) -> str:

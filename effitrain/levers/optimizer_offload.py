@@ -14,6 +14,7 @@ from effitrain.levers.optimizer_in_backward import (
     refuse_unless_per_parameter,
 )
 from effitrain.levers.spec import BuiltRun, Lever, OptimizerBuilder
+from effitrain.memory.ledger import unwrap_prepared
 from effitrain.results import MemoryRow
 
 if TYPE_CHECKING:
@@ -130,7 +131,7 @@ class OptimizerOffload(Lever):
     def finish_steps(self, run: BuiltRun) -> None:
         from effitrain.optim.offload import EstimatedOffload
 
-        optimizer = getattr(run.optimizer, "optimizer", run.optimizer)
+        optimizer = unwrap_prepared(run.optimizer)
         if isinstance(optimizer, EstimatedOffload):
             optimizer.step_host_optimizers()
 

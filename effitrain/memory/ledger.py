@@ -48,6 +48,7 @@ __all__ = [
     "parameter_count",
     "trainable_parameter_count",
     "unwrap_optimizer",
+    "unwrap_prepared",
 ]
 
 BNB_QUANT_STATE_KEY = "__bnb_optimizer_quant_state__"
@@ -311,12 +312,19 @@ class _Dedup:
 # --------------------------------------------------------------------------------------------
 
 
+def unwrap_prepared(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that Accelerate's ``prepare`` wrapped (its ``AcceleratedOptimizer`` keeps
+    it as ``.optimizer``); ``optimizer`` itself when it is not wrapped. One layer only, so under
+    DeepSpeed it is DeepSpeed's optimizer; :func:`unwrap_optimizer` goes on to the state."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
 def unwrap_optimizer(optimizer: Any) -> Any:
     """The optimizer inside wrappers that keep it as ``.optimizer`` (Accelerate's
     ``AcceleratedOptimizer`` and similar); ``optimizer`` itself when it is not wrapped."""
     for _ in range(8):
-        inner = getattr(optimizer, "optimizer", None)
-        if inner is None or inner is optimizer or not hasattr(inner, "state"):
+        inner = unwrap_prepared(optimizer)
+        if inner is optimizer or not hasattr(inner, "state"):
             break
         optimizer = inner
     return optimizer

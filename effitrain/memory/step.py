@@ -129,7 +129,7 @@ class StepMemoryProbe:
         """Modules and tensors the step holds besides the model and the optimizer (a frozen
         reference copy: its parameters count as parameters; a tensor as other)."""
         # accelerate's AcceleratedOptimizer keeps the real one as .optimizer.
-        self.optimizer = getattr(optimizer, "optimizer", optimizer)
+        self.optimizer = ledger.unwrap_prepared(optimizer)
         self.device = device
         self._tracker: Any = None
         self._warnings: Callable[[], None] | None = None

@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from effitrain.optim.registry import OptimizerSpec, ParamGroups
+    from effitrain.optim.optimizer_spec import OptimizerSpec, ParamGroups
 
 INSTALL = "pip install 'effitrain[bf16]'  (torch-optimi)"
 

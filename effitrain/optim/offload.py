@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from effitrain.memory.ledger import unwrap_prepared
 from effitrain.optim.in_backward import check_saved_groups, numbered_state_dict
 
 ParamGroups = list[dict[str, Any]]
@@ -237,7 +238,7 @@ def offload_ledger(optimizer: Any) -> dict[str, int]:
     own account; {} for any other optimizer."""
     from effitrain.memory import ledger
 
-    inner = getattr(optimizer, "optimizer", optimizer)
+    inner = unwrap_prepared(optimizer)
     if isinstance(inner, EstimatedOffload):
         return dict(inner.placement)
     if not isinstance(inner, OffloadedOptimizer):
@@ -260,7 +261,7 @@ def offload_ledger(optimizer: Any) -> dict[str, int]:
 def offloaded_parameters(optimizer: Any) -> list[Any]:
     """The device parameters whose state and step live on the host (Accelerate's wrapper looked
     through; an estimate's :class:`EstimatedOffload` too); [] for any other optimizer."""
-    inner = getattr(optimizer, "optimizer", optimizer)
+    inner = unwrap_prepared(optimizer)
     if isinstance(inner, EstimatedOffload):
         return [param for param, _ in inner.offloaded]
     if isinstance(inner, OffloadedOptimizer):

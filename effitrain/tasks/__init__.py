@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from effitrain.config import DECODER_TASKS
 from effitrain.errors import EffitrainError
 from effitrain.models import CAUSAL_PRESETS, PRESETS, load_model_config
 from effitrain.tasks.base import (
     CAUSAL_LM,
-    DECODER_TASKS,
     PREFERENCE,
     PREFERENCE_OPTIONS,
     SEQUENCE_CLASSIFICATION,

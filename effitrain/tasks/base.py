@@ -12,12 +12,11 @@ if TYPE_CHECKING:
 
     from effitrain.config import TrainConfig
     from effitrain.models import LoadOptions
+    from effitrain.optim import LrDivisor
 
 SEQUENCE_CLASSIFICATION, CAUSAL_LM = "sequence-classification", "causal-lm"
 PREFERENCE = "preference"
 TASK_NAMES = (SEQUENCE_CLASSIFICATION, CAUSAL_LM, PREFERENCE)
-DECODER_TASKS = (CAUSAL_LM, PREFERENCE)
-"""The tasks that train a ``*ForCausalLM`` (its presets, its chunked loss)."""
 CAUSAL_LM_OPTIONS = ("packing", "completion_only_loss", "sample_prompt")
 PREFERENCE_OPTIONS = ("preference_loss", "beta", "label_smoothing", "simpo_gamma")
 """Config fields that only preference training takes (the reference lever's: its spec's
@@ -92,6 +91,9 @@ class Task:
     name: str
     speed_unit: str
     """What throughput counts: ``samples`` or ``tokens`` (padding left out)."""
+    lr_divisor: LrDivisor | None = None
+    """What divides the optimizer's default lr on pretrained weights for this task; None: the
+    default as it is."""
 
     def check_options(self, config: TrainConfig) -> None:
         """Refuse options that belong to the other task or do not fit this one (EffitrainError)."""
