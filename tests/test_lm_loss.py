@@ -235,7 +235,7 @@ def test_auto_chooses_torch_on_a_cpu_and_off_where_unsafe(tiny_lm, monkeypatch):
     from effitrain.levers import loss_options
     from effitrain.tasks.lm_loss import choose
 
-    wanted = loss_options(TrainConfig(task="causal-lm"))["chunked"]
+    wanted = loss_options(TrainConfig(task="causal-lm")).chunked
     assert wanted == "auto"  # a causal-LM run's default
     assert choose(wanted, tiny_lm, _device("cpu"), None).name == "torch"
     off = choose(wanted, tiny_lm, _device("cpu"), "FSDP2 over 2 processes")
@@ -246,7 +246,7 @@ def test_auto_chooses_torch_on_a_cpu_and_off_where_unsafe(tiny_lm, monkeypatch):
     assert "full logits" in off.describe() and off.why in off.describe()
     monkeypatch.setattr(tiny_lm.config, "logit_scale", 0.0625, raising=False)
     assert "rescales its logits" in choose(wanted, tiny_lm, _device("cpu"), None).why
-    torch_wanted = loss_options(TrainConfig(task="causal-lm", chunked_loss="torch"))["chunked"]
+    torch_wanted = loss_options(TrainConfig(task="causal-lm", chunked_loss="torch")).chunked
     with pytest.raises(
         EffitrainError, match="--chunked-loss torch cannot run: this model rescales"
     ):

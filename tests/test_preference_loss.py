@@ -420,7 +420,7 @@ def test_defaults_and_description():
     }
     assert betas == {"dpo": 0.1, "orpo": 0.1, "simpo": 2.0}
     loss = PreferenceLoss(_config("simpo", beta=2.5), Choice("torch"), None)
-    assert loss.token_weighted is False and loss.levers == ["chunked-loss"]
+    assert loss.token_weighted is False and loss.chunked
     assert loss.to_dict()["beta"] == 2.5 and loss.to_dict()["preference_loss"] == "simpo"
     assert "SimPO" in " ".join(loss.describe())
 

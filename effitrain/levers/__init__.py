@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from effitrain.optim import OptimizerSpec
     from effitrain.report import Reporter
     from effitrain.results import MemoryRow
+    from effitrain.tasks.base import LossOptions
 
 LEVERS: dict[str, Lever] = {}
 """Every lever by its metrics name, in the order they act."""
@@ -184,11 +185,13 @@ def for_launch(model: torch.nn.Module, config: TrainConfig, launch: Launch) -> N
         lever.for_launch(model, config, launch)
 
 
-def loss_options(config: TrainConfig) -> dict[str, Any]:
-    """The options the levers give the task's loss."""
-    options: dict[str, Any] = {}
+def loss_options(config: TrainConfig) -> LossOptions:
+    """What the levers that are on ask of the task's loss."""
+    from effitrain.tasks.base import LossOptions
+
+    options = LossOptions()
     for lever in active(config):
-        options.update(lever.loss_options(config))
+        options = lever.loss_options(config, options)
     return options
 
 

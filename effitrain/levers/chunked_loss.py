@@ -4,14 +4,16 @@ keeps the full logits where it must). On by default for causal-LM training (``au
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from effitrain.config import DECODER_TASKS, MEMORY_LEVERS, OptionGroup, option_field
 from effitrain.levers.spec import BuiltRun, Lever
 
 if TYPE_CHECKING:
     from effitrain.config import TrainConfig
+    from effitrain.tasks.base import LossOptions
 
 
 CHUNKED_LOSS = ("auto", "torch", "liger", "cce", "off")
@@ -45,7 +47,8 @@ class ChunkedLoss(Lever):
         return ChunkedLossOptions.of(config).chunked_loss != "off"
 
     def in_use(self, run: BuiltRun) -> bool:
-        return self.name in getattr(run.loss, "levers", [])
+        return run.loss.chunked  # auto keeps the full logits where it must
 
-    def loss_options(self, config: TrainConfig) -> dict[str, Any]:
-        return {"chunked": ChunkedLossOptions.of(config).chunked_loss or "auto"}
+    def loss_options(self, config: TrainConfig, options: LossOptions) -> LossOptions:
+        wanted = ChunkedLossOptions.of(config).chunked_loss or "auto"
+        return dataclasses.replace(options, chunked=wanted)

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from effitrain.optim import OptimizerSpec, ParamGroups
     from effitrain.report import Reporter
     from effitrain.results import MemoryRow
+    from effitrain.tasks.base import LossOptions
 
 OptimizerBuilder = Callable[["ParamGroups", "OptimizerSpec", float], Any]
 """How a lever builds the optimizer around a spec's factory: ``(groups, spec, lr) ->
@@ -164,9 +165,10 @@ class Lever:
 
     # -- the loss, the optimizer, the step ------------------------------------------------------
 
-    def loss_options(self, config: TrainConfig) -> dict[str, Any]:
-        """Options for the task's loss (``Task.loss_function``)."""
-        return {}
+    def loss_options(self, config: TrainConfig, options: LossOptions) -> LossOptions:
+        """What it asks of the task's loss (``Task.loss_function``): ``options`` with its own
+        changes."""
+        return options
 
     def optimizer_spec(self, spec: OptimizerSpec, config: TrainConfig) -> OptimizerSpec:
         """The optimizer spec to build in place of ``spec`` (a variant for bf16 weights)."""

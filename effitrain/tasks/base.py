@@ -5,6 +5,7 @@ uses for them). Everything else (optimizers, levers, the loop, memory) is the sa
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -22,6 +23,15 @@ PREFERENCE_OPTIONS = ("preference_loss", "beta", "label_smoothing", "simpo_gamma
 """Config fields that only preference training takes (the reference lever's: its spec's
 ``task``)."""
 """Config fields that only causal-LM training takes (a lever's: its spec's ``task``)."""
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """What the memory levers ask of a task's loss (``Lever.loss_options``)."""
+
+    chunked: str = "off"
+    """The chunked loss's implementation wanted (``--chunked-loss``: auto, torch, liger, cce),
+    or off: the model's own output layer and loss."""
 
 
 class Prepared(Protocol):
@@ -43,8 +53,8 @@ class Loss(Protocol):
     """Whether the loss is a sum that the loop weighs by the step's labelled tokens."""
     name: str
     """In the metrics JSON (``loss.implementation``)."""
-    levers: list[str]
-    """Its names among the metrics JSON's ``levers``."""
+    chunked: bool
+    """Whether it computes the logits chunk by chunk, never all at once (the chunked loss)."""
 
     def __call__(self, model: Any, batch: dict[str, Any]) -> Any: ...
 
@@ -66,8 +76,8 @@ class ModelLoss:
     """Whether the loss is a sum that the loop weighs by the step's labelled tokens."""
     name = "model"
     """In the metrics JSON (``loss.implementation``)."""
-    levers: list[str] = []
-    """Its names among the metrics JSON's ``levers``."""
+    chunked = False
+    """Whether it computes the logits chunk by chunk, never all at once (the chunked loss)."""
 
     def __call__(self, model: Any, batch: dict[str, Any]) -> Any:
         return model(**batch).loss
@@ -128,13 +138,13 @@ class Task:
         model: Any,
         device: Any,
         sharded: str | None,
-        options: dict[str, Any],
+        options: LossOptions,
         *,
         config: TrainConfig,
     ) -> Loss:
         """How this task computes a micro-batch's loss (``model``: unwrapped, levers applied;
         ``sharded``: FSDP's or DeepSpeed's description, None when parameters are whole;
-        ``options``: the levers', ``effitrain.levers.loss_options``; ``config``: the run's, for
+        ``options``: the levers' (``effitrain.levers.loss_options``); ``config``: the run's, for
         a loss with options of its own, such as the preference losses). Defaults to the model's
         own loss, a mean over the micro-batch."""
         return ModelLoss()

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from torch.utils.data import DataLoader
 
     from effitrain.config import TrainConfig
-    from effitrain.tasks.lm_loss import LMLoss
+    from effitrain.tasks.base import LossOptions
+    from effitrain.tasks.lm_loss import Choice, LMLoss
 
 SAMPLE_TOKENS = 40
 """Tokens a ``--sample-prompt`` continuation runs to (greedy, stops earlier at eos)."""
@@ -121,11 +122,11 @@ class DecoderTask(Task):
         return models.model_from_config(config.model, tokenizer, causal_lm=True)
 
     @staticmethod
-    def loss_choice(model: Any, device: Any, sharded: str | None, options: dict[str, Any]) -> Any:
+    def loss_choice(model: Any, device: Any, sharded: str | None, options: LossOptions) -> Choice:
         """The chunked loss's implementation (``--chunked-loss``, via the levers' ``options``)."""
         from effitrain.tasks.lm_loss import choose
 
-        return choose(options.get("chunked", "off"), model, device, sharded)
+        return choose(options.chunked, model, device, sharded)
 
 
 class CausalLMTask(DecoderTask):
@@ -157,7 +158,7 @@ class CausalLMTask(DecoderTask):
         model: Any,
         device: Any,
         sharded: str | None,
-        options: dict[str, Any],
+        options: LossOptions,
         *,
         config: TrainConfig,
     ) -> LMLoss:

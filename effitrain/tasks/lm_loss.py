@@ -56,7 +56,7 @@ MIN_CHUNK_VALUES = 2**25
 
 @dataclass(frozen=True)
 class Choice:
-    """Which loss runs: ``name`` is one of ``effitrain.levers.chunked_loss.CHUNKED_LOSS`` but ``auto``; ``why`` explains
+    """Which loss runs: ``name`` is a ``--chunked-loss`` value but ``auto``; ``why`` explains
     ``off`` chosen by ``auto`` (for the banner)."""
 
     name: str
@@ -366,8 +366,8 @@ class ChosenLoss:
         return self.choice.name
 
     @property
-    def levers(self) -> list[str]:
-        return ["chunked-loss"] if self.choice.chunked else []
+    def chunked(self) -> bool:
+        return self.choice.chunked
 
 
 class LMLoss(ChosenLoss):

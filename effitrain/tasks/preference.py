@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from torch.utils.data import DataLoader
 
     from effitrain.config import TrainConfig
+    from effitrain.tasks.base import LossOptions
 
 REFUSED_OPTIONS = CAUSAL_LM_OPTIONS
 """Causal-LM options that preference pairs do not take: they are never packed, the loss is on
@@ -91,7 +92,7 @@ class PreferenceTask(DecoderTask):
         model: Any,
         device: Any,
         sharded: str | None,
-        options: dict[str, Any],
+        options: LossOptions,
         *,
         config: TrainConfig,
     ) -> Any:
