@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from effitrain.memory.step import StepMemory
     from effitrain.models import LoadOptions
     from effitrain.optim import OptimizerSpec, ParamGroups
-    from effitrain.report import Reporter
+    from effitrain.report.live import Reporter
     from effitrain.results import MemoryRow
 
 OptimizerBuilder = Callable[["ParamGroups", "OptimizerSpec", float], Any]
