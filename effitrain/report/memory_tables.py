@@ -107,7 +107,7 @@ def _add_part_rows(table: Table, memory: MemoryRecord, optimizer: str) -> None:
             label,
             format_bytes(measured) if measured is not None else "—",
             format_bytes(at_peak[kind]) if kind in at_peak else "—",
-            _versus(measured, baseline) if baseline is not None else "—",
+            _versus(measured, baseline) if measured is not None and baseline is not None else "—",
         )
         for row in memory.lever_rows:
             if row.part_of == kind:
