@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from effitrain.optim import Hyperparameters, OptimizerSpec
-    from effitrain.report import Reporter
+    from effitrain.report.live import Reporter
     from effitrain.tasks.base import Loss, Task
 
 

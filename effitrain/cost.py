@@ -15,6 +15,7 @@ the ratios of their modeled times (``effitrain plan``). docs/cost.md describes t
 it was checked against measured times (``benchmarks/cost``).
 
 :func:`peak_flops` is the bf16 dense peak of the GPUs whose peak is known, for MFU.
+:func:`format_flops` writes a count of FLOPs in its unit, for every table that shows one.
 """
 
 from __future__ import annotations
@@ -48,6 +49,14 @@ class StepCost:
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+def format_flops(flops: float) -> str:
+    """FLOPs in the largest unit that keeps a number >= 1 (``313.4 GFLOP``)."""
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if flops >= scale:
+            return f"{flops / scale:,.1f} {unit}"
+    return f"{flops:,.0f} FLOP"
 
 
 @dataclass(frozen=True)

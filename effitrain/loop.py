@@ -39,7 +39,7 @@ from effitrain.signals import StopRequest, TrainingStopped
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from effitrain.report import Reporter
+    from effitrain.report.live import Reporter
     from effitrain.run import Run
 
 

@@ -10,8 +10,8 @@
 The usual hand-written ``sum(t.numel() * t.element_size() for state ...)`` done right: storages counted once, dtypes as
 they are, and the comparison with fp32 AdamW for the same parameters. Accounting is
 :mod:`effitrain.memory.ledger`'s, files are read by :mod:`effitrain.inspection`, the table is
-:mod:`effitrain.report`'s; this module only puts them together. ``torch`` is imported by those,
-inside their functions, when a measurement is made.
+:mod:`effitrain.report.memory_tables`'s; this module only puts them together. ``torch`` is
+imported by those, inside their functions, when a measurement is made.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ class OptimizerMemory:
 
     def table(self) -> Any:
         """The rich table ``effitrain train`` prints: one row per state key, then the total."""
-        from effitrain.report import ledger_table
+        from effitrain.report.memory_tables import ledger_table
 
         return ledger_table(
             self.optimizer_state, f"Optimizer state: {self.name} ({self.optimizer_class})"

@@ -14,7 +14,7 @@ from effitrain.errors import EffitrainError
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from effitrain.report import Reporter
+    from effitrain.report.live import Reporter
     from effitrain.results import StepLog, TrainResult
 
 PROJECT = "effitrain"

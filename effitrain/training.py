@@ -35,7 +35,7 @@ from effitrain.run import Run
 from effitrain.signals import StoppedAtOnce, StopRequest, TrainingStopped, stop_on_signals
 
 if TYPE_CHECKING:
-    from effitrain.report import Reporter
+    from effitrain.report.live import Reporter
 
 
 def train(config: TrainConfig, reporter: Reporter) -> TrainResult:

@@ -291,7 +291,7 @@ def test_a_refused_launch_prints_one_error_line():
 def test_a_sharding_refusal_comes_before_any_data_or_model_is_loaded(monkeypatch):
     """FSDP refuses a whole-matrix optimizer from the accelerator's state alone."""
     from effitrain import build
-    from effitrain.report import Reporter
+    from effitrain.report.live import Reporter
 
     def loaded(*_args, **_kwargs):
         raise AssertionError("the model or data was loaded before the refusal")

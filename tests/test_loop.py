@@ -426,7 +426,7 @@ def recording_reporter():
 
     from rich.console import Console
 
-    from effitrain.report import Reporter
+    from effitrain.report.live import Reporter
 
     stream = StringIO()
     return Reporter(console=Console(file=stream, width=200, highlight=False)), stream

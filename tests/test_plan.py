@@ -381,7 +381,7 @@ def test_only_verified_candidates_are_answers(train_cli, monkeypatch):
     import effitrain.planning
     from effitrain.cli.compare import train_config
     from effitrain.distributed import Launch
-    from effitrain.report import print_plan
+    from effitrain.report.plan import print_plan
 
     monkeypatch.setattr(effitrain.planning, "VERIFIED", 1)
     monkeypatch.setattr(effitrain.planning, "MAX_VERIFICATIONS", 1)

@@ -428,7 +428,7 @@ def test_defaults_and_description():
 def test_log_line_and_eval_line_show_reward_accuracy():
     from rich.console import Console
 
-    from effitrain.report import Reporter
+    from effitrain.report.live import Reporter
     from effitrain.results import StepLog
 
     console = Console(file=io.StringIO(), width=200, highlight=False)

@@ -86,7 +86,7 @@ def test_precompute_and_an_fp32_copy_give_the_same_gradients(pairs_file):
 
     from effitrain.build import build_run, checked_config
     from effitrain.levers.reference import FrozenCopy, Precomputed
-    from effitrain.report import Reporter
+    from effitrain.report.live import Reporter
     from tests.conftest import _reset_accelerate
 
     _reset_accelerate()

@@ -35,7 +35,8 @@ def train(
 
 def run(config: TrainConfig) -> None:
     """Train with the run's one reporter, print the results, write the metrics JSON."""
-    from effitrain.report import Reporter, write_metrics_json
+    from effitrain.report.live import Reporter
+    from effitrain.report.metrics_json import write_metrics_json
     from effitrain.signals import TrainingStopped
     from effitrain.training import train
 

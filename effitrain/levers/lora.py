@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
     from effitrain.config import TrainConfig
     from effitrain.distributed import Launch
-    from effitrain.report import Reporter
+    from effitrain.report.live import Reporter
 
 INSTALL = "pip install 'effitrain[lora]'"
 UNTRIED_SHARDING = {

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from effitrain.config import TrainConfig
     from effitrain.distributed import Launch
     from effitrain.memory.step import StepMemory
-    from effitrain.report import Reporter
+    from effitrain.report.live import Reporter
 
 TABLE_FILE = "reference_logps.safetensors"
 """The precomputed table's file in a checkpoint folder."""

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from effitrain.memory.step import StepMemory
     from effitrain.models import LoadOptions
     from effitrain.optim import OptimizerSpec, ParamGroups
-    from effitrain.report import Reporter
+    from effitrain.report.live import Reporter
     from effitrain.results import MemoryRow
     from effitrain.tasks.base import LossOptions
 
