@@ -275,7 +275,7 @@ def _verify(
                 result = verified[index]
                 if result is None:
                     continue
-                peak = _device_peak(result)
+                peak = device_peak(result)
                 if peak + margin > budget:
                     continue
                 ranked.append((screened, result.cost, peak, result))
@@ -670,7 +670,7 @@ class _Search:
                 results.append(None)
                 continue
             self.runs += 1
-            self.verified_peaks.append(_device_peak(outcome))
+            self.verified_peaks.append(device_peak(outcome))
             results.append(outcome)
         return results
 
@@ -752,7 +752,8 @@ def _end_with_parent() -> None:
     threading.Thread(target=watch, name="end-with-parent", daemon=True).start()
 
 
-def _device_peak(result: Estimate) -> int:
+def device_peak(result: Estimate) -> int:
+    """An estimate's peak tensor bytes per device (the whole run's where it has one device)."""
     if result.per_device is not None and result.per_device.peak_tensor_bytes is not None:
         return result.per_device.peak_tensor_bytes
     return result.memory.peak_tensor_bytes or 0
@@ -769,7 +770,7 @@ def _screen_of(result: Estimate) -> Screen:
         static = memory.parameter_bytes + memory.gradient_bytes + state
     parameters = per.parameter_bytes if per is not None else memory.parameter_bytes
     return Screen(
-        _device_peak(result), static, state, parameters, memory.trainable_parameters, result.cost
+        device_peak(result), static, state, parameters, memory.trainable_parameters, result.cost
     )
 
 
@@ -901,86 +902,3 @@ def _gib(nbytes: int) -> str:
     from effitrain.memory.ledger import format_bytes
 
     return format_bytes(nbytes)
-
-
-# -- train --max-memory ------------------------------------------------------------------------
-
-QUICK_PLAN_BYTES = 2**29
-"""A refused run gets the plan's best configuration where its parameters are at most this many
-bytes (the plan then takes seconds); a larger one gets the plan's command to run."""
-
-
-def check_budget(config: TrainConfig, launch: Launch, budget: int) -> int:
-    """``effitrain train --max-memory``: the run's estimate, before any weight is read, against
-    ``budget`` with the plan's margin. Returns the estimated peak per device.
-
-    Raises:
-        EffitrainError: it will not fit: one line with the overshoot and what fits instead.
-    """
-    text = config.max_memory or _gib(budget).replace(" ", "")
-    config = dataclasses.replace(config, max_memory=None)  # the steps, as a plain run takes them
-    with _as_one_process():
-        result = estimate(config, launch)
-    peak = _device_peak(result)
-    margin = margin_bytes(budget, launch.device_type)
-    if peak + margin <= budget:
-        return peak
-    over = f"{_gib(peak)} + {_gib(margin)} margin, {_gib(peak + margin - budget)} over"
-    advice = f"find one that fits: effitrain plan --memory {text} (same options)"
-    if result.memory.parameter_bytes <= QUICK_PLAN_BYTES:
-        # A resume keeps the checkpoint's optimizer and parameters: only what keeps them.
-        adapters = lever_registry.get_lever(ADAPTER_LEVER).is_on(config)
-        keep = (
-            {"optimizers": [config.optim], "full_parameter": not adapters} if config.resume else {}
-        )
-        try:
-            found = plan(config, launch, budget, workers=0, **keep).candidates
-        except EffitrainError:
-            found = []
-        if config.resume:  # nor another optimizer class (bf16 weights change it)
-            found = [c for c in found if c.optimizer_class == result.optimizer_class]
-        if found:
-            best = found[0]
-            advice = f"this fits (peak {_gib(best.peak_tensor_bytes)}): {shlex.join(best.args)}"
-        else:
-            advice = "nothing the plan tries fits it either" + (
-                " with the checkpoint's optimizer" if config.resume else ""
-            )
-    raise EffitrainError(f"--max-memory {text}: the estimated peak per device is {over}; {advice}")
-
-
-LAUNCH_VARIABLES = (
-    *("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-    *("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"),
-)
-"""What ``accelerate launch`` tells its processes that Accelerate reads when it starts."""
-
-
-@contextmanager
-def _as_one_process() -> Iterator[None]:
-    """Inside a launched process, the estimate as ``effitrain estimate`` makes it: in one
-    process, for the launch it is given (with the launch's variables, the estimate's own
-    Accelerator would join the launch's process group, with fake tensors)."""
-    saved = {name: os.environ.pop(name) for name in LAUNCH_VARIABLES if name in os.environ}
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
-
-
-def launch_from_environment() -> Launch:
-    """The launch ``accelerate launch`` set up for this process, read from its environment
-    before Accelerate is started (processes, FSDP or DeepSpeed's stage, the device type)."""
-    import os
-
-    import torch
-
-    processes = int(os.environ.get("WORLD_SIZE", "1"))
-    cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
-    device = "cuda" if torch.cuda.is_available() and not cpu else "cpu"
-    strategy = "ddp"
-    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
-        strategy = "fsdp"
-    elif os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
-        strategy = f"zero{os.environ.get('ACCELERATE_DEEPSPEED_ZERO_STAGE', '2')}"
-    return Launch.described(processes, strategy, device)
