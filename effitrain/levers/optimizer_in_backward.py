@@ -21,7 +21,7 @@ class OptimizerInBackward(Lever):
     name = "optimizer-in-backward"
     fields = ("optimizer_in_backward",)
     removes = "the full set of gradients (one parameter's at a time)"
-    unclippable = True
+    in_backward = "update"
     search = (False, True)
     time_cost = "none measurable: the same updates, one parameter at a time"
 

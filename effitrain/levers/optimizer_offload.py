@@ -25,7 +25,7 @@ class OptimizerOffload(Lever):
     removes = "the optimizer state from the GPU (state+grads: the gradients too)"
     packages = ("torchao",)
     install = "pip install 'effitrain[offload]'"
-    unclippable = True
+    in_backward = "gradients"
     devices = ("cuda",)
     search = ("off", "state", "state+grads")
     time_cost = "the step runs on the host: host bandwidth and CPU speed bound it"

@@ -17,7 +17,7 @@ is what its :meth:`Lever.step_context` returns, kept by the run (``Run.lever_con
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from effitrain.config import option
 from effitrain.errors import EffitrainError
@@ -77,9 +77,12 @@ class Lever:
     estimates for such a device unless told another (``check_launch`` refuses that one)."""
     trains_adapters = False
     """Its trained parameters are new adapters: the optimizer's LoRA defaults apply."""
-    unclippable = False
-    """The update runs before the gradients could be clipped together: ``--max-grad-norm``
-    defaults to 0 with it, and a positive value is refused."""
+    in_backward: Literal["update", "gradients"] | None = None
+    """What of the optimizer step runs inside backward, from a hook on each gradient: the
+    ``"update"`` itself (done before the step's guard sees the loss), or ``"gradients"``: only
+    each gradient's copy off the device (the update follows backward). Either way they cannot be
+    clipped together: ``--max-grad-norm`` defaults to 0 with it, and a positive value is refused
+    (:func:`effitrain.levers.updates_in_backward`, :func:`effitrain.levers.max_grad_norm`)."""
     strict_load = True
     """A checkpoint's model loads with every key checked by Accelerate (False: the lever checks
     the keys itself, :meth:`check_checkpoint`)."""
