@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from effitrain.levers.spec import BuiltRun, Lever
+from effitrain.levers.spec import BuiltRun, Lever, Search
 
 if TYPE_CHECKING:
     from effitrain.config import TrainConfig
@@ -17,7 +17,7 @@ class ChunkedLoss(Lever):
     fields = ("chunked_loss",)
     removes = "the full logits and their gradient (tokens x vocabulary, fp32)"
     task = ("causal-lm", "preference")
-    search = ("off", "auto")
+    search = Search(("off", "auto"), order=30)
     time_cost = "one more output-layer matmul per chunk in backward (recomputed logits)"
 
     def is_on(self, config: TrainConfig) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from effitrain.errors import EffitrainError
-from effitrain.levers.spec import Lever
+from effitrain.levers.spec import Lever, Search
 
 if TYPE_CHECKING:
     import torch
@@ -18,7 +18,7 @@ class GradientCheckpointing(Lever):
     name = "gradient-checkpointing"
     fields = ("gradient_checkpointing",)
     removes = "most activations (each layer's are recomputed in backward)"
-    search = (False, True)
+    search = Search((False, True), order=40)
     time_cost = "one more forward of every layer per step (about a third more compute)"
 
     def is_on(self, config: TrainConfig) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from effitrain.errors import EffitrainError
-from effitrain.levers.spec import BuiltRun, Lever, OptimizerBuilder
+from effitrain.levers.spec import BuiltRun, Lever, OptimizerBuilder, Search
 
 if TYPE_CHECKING:
     import torch
@@ -22,7 +22,7 @@ class OptimizerInBackward(Lever):
     fields = ("optimizer_in_backward",)
     removes = "the full set of gradients (one parameter's at a time)"
     in_backward = "update"
-    search = (False, True)
+    search = Search((False, True), order=10, costs_time=False, removes_only_update=True)
     time_cost = "none measurable: the same updates, one parameter at a time"
 
     def is_on(self, config: TrainConfig) -> bool:

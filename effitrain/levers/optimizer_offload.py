@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from effitrain.errors import EffitrainError
 from effitrain.levers.optimizer_in_backward import refuse_unless_per_parameter
-from effitrain.levers.spec import BuiltRun, Lever, OptimizerBuilder
+from effitrain.levers.spec import BuiltRun, Lever, OptimizerBuilder, Search
 from effitrain.results import MemoryRow
 
 if TYPE_CHECKING:
@@ -27,7 +27,12 @@ class OptimizerOffload(Lever):
     install = "pip install 'effitrain[offload]'"
     in_backward = "gradients"
     devices = ("cuda",)
-    search = ("off", "state", "state+grads")
+    search = Search(
+        ("off", "state", "state+grads"),
+        order=70,
+        removes_only_update=True,
+        steps_when_on=True,
+    )
     time_cost = "the step runs on the host: host bandwidth and CPU speed bound it"
 
     def is_on(self, config: TrainConfig) -> bool:

@@ -17,6 +17,7 @@ is what its :meth:`Lever.step_context` returns, kept by the run (``Run.lever_con
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from effitrain.config import option
@@ -56,6 +57,27 @@ class BuiltRun(Protocol):
     eval_loader: Any
 
 
+@dataclass(frozen=True)
+class Search:
+    """What a planner (``effitrain plan``) may try of a lever: a lever that declares one is
+    planned. The lever that trains adapters is a mode of its own (full fine-tuning or adapters);
+    the others are added one at a time, in :attr:`order`."""
+
+    values: tuple[Any, ...]
+    """Values to try for the lever's first field, its "off" value first."""
+    order: int = 0
+    """Its place in the order levers are added in: the cheapest in time first."""
+    costs_time: bool = True
+    """False: tried even where enough fits without it, as it costs no time or saves some."""
+    removes_only_update: bool = False
+    """It removes only gradients and optimizer state: not tried where those are a small share of
+    the peak (LoRA's adapters)."""
+    steps_when_on: bool = False
+    """Its next values are tried even where it is on (the offload's state, then state+grads)."""
+    offload_per_example: bool = False
+    """Its host copies (``StepCost.offload_bytes_per_step``) grow with the examples of a step."""
+
+
 class Lever:
     """One memory lever. Subclasses set the class attributes and override the moments they act
     at; every method has the signature the registry calls it with."""
@@ -86,9 +108,8 @@ class Lever:
     strict_load = True
     """A checkpoint's model loads with every key checked by Accelerate (False: the lever checks
     the keys itself, :meth:`check_checkpoint`)."""
-    search: tuple[Any, ...] = ()
-    """Values a planner may try for its first field, the lever's "off" value first (empty: a
-    planner leaves the option as the user gave it)."""
+    search: Search | None = None
+    """What a planner may try of it (None: a planner leaves its options as the user gave them)."""
     time_cost: str = ""
     """What it costs in time per step, in words, until a planner measures it."""
     packages: tuple[str, ...] = ()
