@@ -10,6 +10,7 @@ import os
 import shlex
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import effitrain.levers as lever_registry
 from effitrain.config import TrainConfig
@@ -47,7 +48,7 @@ def check_budget(config: TrainConfig, launch: Launch, budget: int) -> int:
     if result.memory.parameter_bytes <= QUICK_PLAN_BYTES:
         # A resume keeps the checkpoint's optimizer and parameters: only what keeps them.
         adapters = lever_registry.trains_adapters(config)
-        keep = (
+        keep: dict[str, Any] = (
             {"optimizers": [config.optim], "full_parameter": not adapters} if config.resume else {}
         )
         try:
