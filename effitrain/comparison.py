@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from effitrain.errors import EffitrainError
-from effitrain.report.compare import COLUMNS, PARTS
+from effitrain.report.comparison_table import COLUMNS, PARTS
 
 DEFAULT_OPTIMIZERS = ("adamw", "adafactor", "adamw-8bit")
 """The default comparison: AdamW against its two memory-saving rivals, Adafactor and 8-bit AdamW."""

@@ -301,6 +301,22 @@ def launched_world_size() -> int:
         return 1
 
 
+def launch_from_environment() -> Launch:
+    """The launch ``accelerate launch`` set up for this process, read from its environment
+    before Accelerate is started (processes, FSDP or DeepSpeed's stage, the device type)."""
+    import torch
+
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
+    device = "cuda" if torch.cuda.is_available() and not cpu else "cpu"
+    strategy = "ddp"
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        strategy = "fsdp"
+    elif os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        strategy = f"zero{os.environ.get('ACCELERATE_DEEPSPEED_ZERO_STAGE', '2')}"
+    return Launch.described(processes, strategy, device)
+
+
 def _has_distributed_accelerator() -> bool:
     """True when this machine has a device type with a distributed backend (CUDA, XPU, …)."""
     import torch

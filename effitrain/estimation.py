@@ -37,7 +37,7 @@ import effitrain.levers as levers
 from effitrain.config import DECODER_TASKS, TrainConfig
 from effitrain.distributed import Launch
 from effitrain.errors import EffitrainError
-from effitrain.loop import StepGuard, train_steps, updates_in_backward
+from effitrain.loop import StepGuard, train_steps
 from effitrain.measure import memory_record
 from effitrain.memory import host, ledger
 from effitrain.memory.step import StepMemoryProbe
@@ -319,7 +319,7 @@ def _run_steps(run: Run, device: torch.device | None) -> TrainingProgress:
     from effitrain.optim import set_train_mode
 
     progress = TrainingProgress.for_accelerator(run.accelerator)
-    guard = StepGuard(run.accelerator, StopRequest(), None, updates_in_backward(run))
+    guard = StepGuard(run.accelerator, StopRequest(), None, levers.updates_in_backward(run.config))
     run.model.train()
     set_train_mode(run.optimizer, True)  # as fit() does (schedule-free)
     extra = levers.step_tensors(run)

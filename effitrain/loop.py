@@ -137,12 +137,12 @@ class StepGuard:
         accelerator: Accelerator,
         stop: StopRequest,
         output_dir: str | None,
-        updated_in_backward: bool = False,
+        updates_in_backward: bool = False,
     ):
         self.accelerator = accelerator
         self.stop = stop
         self.output_dir = output_dir
-        self.updated_in_backward = updated_in_backward
+        self.updates_in_backward = updates_in_backward
         """--optimizer-in-backward: the update has already happened when the check runs."""
 
     def check(self, loss: Any, grad_norm: Any, progress: TrainingProgress) -> bool:
@@ -188,7 +188,7 @@ class StepGuard:
         latest = checkpoint.find_latest(self.output_dir) if self.output_dir else None
         resume = f"; last good checkpoint: {latest}" if latest else ""
         where = f"non-finite {what} at step {progress.global_step + 1} (epoch {progress.epoch + 1})"
-        if self.updated_in_backward:
+        if self.updates_in_backward:
             return EffitrainError(
                 f"{where}: --optimizer-in-backward already applied this step's update in "
                 f"backward; stopped, nothing saved{resume}. Try a lower --lr"
@@ -268,7 +268,7 @@ def fit(
         EffitrainError: a non-finite loss or gradient (see :class:`StepGuard`).
     """
     plan, config = run.plan, run.config
-    guard = StepGuard(run.accelerator, stop, config.output_dir, updates_in_backward(run))
+    guard = StepGuard(run.accelerator, stop, config.output_dir, levers.updates_in_backward(config))
     timer = Stopwatch()
     reporter.progress_started(plan.total_steps, completed=progress.global_step)
     run.model.train()
@@ -305,13 +305,6 @@ def fit(
                 )
     reporter.progress_finished()
     return timer
-
-
-def updates_in_backward(run: Run) -> bool:
-    """Whether the optimizer updates inside backward, before the guard could stop it
-    (``--optimizer-in-backward``'s)."""
-    optimizer = unwrap_prepared(run.optimizer)
-    return bool(getattr(optimizer, "updates_in_backward", False))
 
 
 def measure_now(run: Run, progress: TrainingProgress, probe: StepMemoryProbe) -> bool:

@@ -11,10 +11,10 @@ decides which configurations to estimate, and how to estimate many of them quick
   state, activations, the peak, the FLOPs) grows by the same amount per layer: each screened
   configuration is estimated with the model cut to one and to two layers (about a second each,
   at any width) and extended to the model's depth along that line.
-- **Levers, one at a time, per optimizer.** From the user's configuration, levers are added in
-  the order of their time cost (:data:`LADDER`: the cheapest first), each kept only where it
-  lowers that optimizer's peak; every configuration on the way is a candidate, in full
-  fine-tuning and with LoRA adapters. What needs a package that is not installed is left out
+- **Levers, one at a time, per optimizer.** From the user's configuration, the levers that
+  declare a search (``Lever.search``) are added in its order (the cheapest in time first,
+  :func:`_ladder`), each kept only where it lowers that optimizer's peak; every configuration
+  on the way is a candidate, in full fine-tuning and with LoRA adapters. What needs a package that is not installed is left out
   for the optimizers it needs it for, and named.
 - **Optimizers.** One is estimated per lever set (of those that run it, the one with the most
   state); the others' state is its measured state scaled by their measured bytes per parameter
@@ -48,30 +48,14 @@ from effitrain.cost import StepCost, modeled_step_seconds
 from effitrain.distributed import Launch
 from effitrain.errors import EffitrainError, MissingPackage
 from effitrain.estimation import SHARDED, estimate
+from effitrain.levers.spec import Lever, Search
 from effitrain.results import Estimate, PlanCandidate, PlanResult
 
 DEFAULT_OPTIMIZERS = ("adamw", "adamw-8bit", "adafactor")
 """What a plan tries without ``--optim``: full state, 8-bit state, factored state."""
-LADDER = (
-    "optimizer-in-backward",
-    "bf16-weights",
-    "chunked-loss",
-    "gradient-checkpointing",
-    "load-in-4bit",
-    "activation-offload",
-    "optimizer-offload",
-)
-"""The order levers are added in, cheapest in time first (their ``time_cost``; the step in
-backward costs nothing measurable, bf16 weights speed a GPU up, the offloads are bound by the
-host link). Each is tried at its ``search`` values after the first (off) one."""
-FASTER = ("optimizer-in-backward", "bf16-weights")
-"""Levers tried even where enough fits without them: they cost no time (the step in backward) or
-save it (bf16 matmuls), so a configuration with them may be the fastest."""
-ADAPTER_LEVER = "lora"
-UPDATE_LEVERS = ("optimizer-in-backward", "optimizer-offload")
-"""Levers that remove only gradients and optimizer state: not tried where those are under
-:data:`SMALL_SHARE` of the peak (LoRA's adapters)."""
 SMALL_SHARE = 0.02
+"""A lever that removes only gradients and optimizer state (``Search.removes_only_update``) is
+not tried where those are under this share of the peak (LoRA's adapters)."""
 VERIFIED = 3
 """Candidates verified by a full estimate: at least the first this many printed."""
 MAX_VERIFICATIONS = 8
@@ -99,6 +83,27 @@ def margin_bytes(budget: int, device_type: str) -> int:
     if device_type == "cpu":
         return 0
     return CUDA_CONTEXT + int(CUDA_CACHE_SHARE * budget)
+
+
+def _adapter_lever() -> tuple[Lever, Search]:
+    """The lever whose search is the plan's mode (full fine-tuning or adapters): the one that
+    trains adapters and declares a search."""
+    return next(
+        (lever, lever.search)
+        for lever in lever_registry.LEVERS.values()
+        if lever.trains_adapters and lever.search is not None
+    )
+
+
+def _ladder() -> list[tuple[Lever, Search]]:
+    """The other levers that declare a search, in its order: the order they are added in,
+    cheapest in time first. Each is tried at its search values after the first (off) one."""
+    searched = [
+        (lever, lever.search)
+        for lever in lever_registry.LEVERS.values()
+        if lever.search is not None and not lever.trains_adapters
+    ]
+    return sorted(searched, key=lambda pair: pair[1].order)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,7 +280,7 @@ def _verify(
                 result = verified[index]
                 if result is None:
                     continue
-                peak = _device_peak(result)
+                peak = device_peak(result)
                 if peak + margin > budget:
                     continue
                 ranked.append((screened, result.cost, peak, result))
@@ -350,14 +355,14 @@ class _Search:
 
     def options(self, full_parameter: bool) -> list[Option]:
         """Every screened candidate: per mode (full fine-tuning; LoRA adapters), the lever sets
-        along :data:`LADDER`, each optimizer, each split of the global batch."""
-        lora = lever_registry.get_lever(ADAPTER_LEVER)
+        along :func:`_ladder`, each optimizer, each split of the global batch."""
+        lora, search = _adapter_lever()
         user_adapters = lora.is_on(self.config)
-        modes = []
+        modes: list[tuple[dict[str, Any], bool]] = []
         if not user_adapters:
             modes.append(({}, True))
-        if not full_parameter and ADAPTER_LEVER not in self.without:
-            rank = getattr(self.config, lora.fields[0]) if user_adapters else lora.search[1]
+        if not full_parameter and lora.name not in self.without:
+            rank = getattr(self.config, lora.fields[0]) if user_adapters else search.values[1]
             modes.append(({lora.fields[0]: rank}, False))
         if full_parameter and user_adapters:
             raise EffitrainError(
@@ -370,7 +375,7 @@ class _Search:
         return out
 
     def _walk(self, base: dict[str, Any], full: bool, name: str) -> list[Option]:
-        """``name``'s options: levers added one at a time along :data:`LADDER` (a lever kept
+        """``name``'s options: levers added one at a time along :func:`_ladder` (a lever kept
         where it lowers ``name``'s peak), until enough of them fit (:meth:`_enough`). What a
         missing package rules out is left out, and noted (:meth:`_left_out_for_a_package`)."""
         if self._left_out_for_a_package(base, base, name):
@@ -378,7 +383,7 @@ class _Search:
         changes = dict(base)
         reasons = {}
         if base:
-            lever = lever_registry.get_lever(ADAPTER_LEVER)
+            lever, _ = _adapter_lever()
             reasons[lever.name] = (
                 f"trains rank-{base[lever.fields[0]]} adapters: removes {lever.removes}"
             )
@@ -393,11 +398,11 @@ class _Search:
         if screen is not None:
             latest = self._candidates(changes, reasons, full, screen, name)
             out += latest
-        for lever, step in self._steps():
-            if lever.name not in FASTER and self._enough(out, latest):
+        for lever, search, step in self._steps():
+            if search.costs_time and self._enough(out, latest):
                 break
             trial = {**changes, **step}
-            if not self._worth_trying(lever, changes, screen):
+            if not self._worth_trying(lever, search, changes, screen):
                 continue
             if self._left_out_for_a_package(trial, step, name):
                 continue
@@ -452,24 +457,28 @@ class _Search:
             return None
         return None if spec.is_available() else " ".join(spec.install.split())
 
-    def _takes(self, lever: Any) -> bool:
+    def _takes(self, lever: Lever) -> bool:
         """Whether the plan's task takes ``lever`` (the chunked loss: a causal LM's)."""
         takes = (lever.task,) if isinstance(lever.task, str) else lever.task
         return takes is None or self.task in takes
 
-    def _worth_trying(self, lever: Any, changes: dict[str, Any], screen: Screen | None) -> bool:
-        """Not a lever that is on already (the offload's next value excepted), nor one that
-        removes only gradients and state where those are small (:data:`UPDATE_LEVERS`)."""
+    def _worth_trying(
+        self, lever: Lever, search: Search, changes: dict[str, Any], screen: Screen | None
+    ) -> bool:
+        """Not a lever that is on already (unless its search steps on from there: the offload's
+        next value), nor one that removes only gradients and state where those are small
+        (:data:`SMALL_SHARE`)."""
         on = lever.is_on(dataclasses.replace(self.config, **changes))
-        if on and lever.name != "optimizer-offload":
+        if on and not search.steps_when_on:
             return False
-        if lever.name in UPDATE_LEVERS and screen is not None:
+        if search.removes_only_update and screen is not None:
             return screen.static - screen.parameters >= SMALL_SHARE * screen.peak
         return True
 
     def _enough(self, options: list[Option], latest: list[Option]) -> bool:
         """Whether :data:`VERIFIED` options fit already, or every one of the latest lever set:
-        a further lever would only add time (the ladder's order; :data:`FASTER` excepted)."""
+        a further lever would only add time (the ladder's order; those that cost no time,
+        ``Search.costs_time``, excepted)."""
         if latest and all(self._fits(o.peak) for o in latest):
             return True
         return sum(self._fits(o.peak) for o in options) >= VERIFIED
@@ -477,15 +486,14 @@ class _Search:
     def _fits(self, peak: int) -> bool:
         return peak + self.margin <= self.budget
 
-    def _steps(self) -> Iterator[tuple[Any, dict[str, Any]]]:
-        for name in LADDER:
-            lever = lever_registry.LEVERS[name]
-            if name in self.without or not lever.search or not self._takes(lever):
+    def _steps(self) -> Iterator[tuple[Lever, Search, dict[str, Any]]]:
+        for lever, search in _ladder():
+            if lever.name in self.without or not self._takes(lever):
                 continue
             if lever.devices and self.launch.device_type not in lever.devices:
                 continue
-            for value in lever.search[1:]:
-                yield lever, {lever.fields[0]: value}
+            for value in search.values[1:]:
+                yield lever, search, {lever.fields[0]: value}
 
     def _candidates(
         self,
@@ -670,7 +678,7 @@ class _Search:
                 results.append(None)
                 continue
             self.runs += 1
-            self.verified_peaks.append(_device_peak(outcome))
+            self.verified_peaks.append(device_peak(outcome))
             results.append(outcome)
         return results
 
@@ -752,7 +760,8 @@ def _end_with_parent() -> None:
     threading.Thread(target=watch, name="end-with-parent", daemon=True).start()
 
 
-def _device_peak(result: Estimate) -> int:
+def device_peak(result: Estimate) -> int:
+    """An estimate's peak tensor bytes per device (the whole run's where it has one device)."""
     if result.per_device is not None and result.per_device.peak_tensor_bytes is not None:
         return result.per_device.peak_tensor_bytes
     return result.memory.peak_tensor_bytes or 0
@@ -769,7 +778,7 @@ def _screen_of(result: Estimate) -> Screen:
         static = memory.parameter_bytes + memory.gradient_bytes + state
     parameters = per.parameter_bytes if per is not None else memory.parameter_bytes
     return Screen(
-        _device_peak(result), static, state, parameters, memory.trainable_parameters, result.cost
+        device_peak(result), static, state, parameters, memory.trainable_parameters, result.cost
     )
 
 
@@ -836,8 +845,10 @@ def _scaled(
     ``batch / micro`` micro-batches, the activations' offload per example."""
     if cost is None:
         return None
-    activation_offload = lever_registry.get_lever("activation-offload")
-    per_example = activation_offload.is_on(dataclasses.replace(config, **values))
+    per_example = any(
+        lever.search is not None and lever.search.offload_per_example
+        for lever in lever_registry.active(dataclasses.replace(config, **values))
+    )
     return dataclasses.replace(
         cost,
         flops_per_step=cost.flops_per_step * batch,
@@ -901,86 +912,3 @@ def _gib(nbytes: int) -> str:
     from effitrain.memory.ledger import format_bytes
 
     return format_bytes(nbytes)
-
-
-# -- train --max-memory ------------------------------------------------------------------------
-
-QUICK_PLAN_BYTES = 2**29
-"""A refused run gets the plan's best configuration where its parameters are at most this many
-bytes (the plan then takes seconds); a larger one gets the plan's command to run."""
-
-
-def check_budget(config: TrainConfig, launch: Launch, budget: int) -> int:
-    """``effitrain train --max-memory``: the run's estimate, before any weight is read, against
-    ``budget`` with the plan's margin. Returns the estimated peak per device.
-
-    Raises:
-        EffitrainError: it will not fit: one line with the overshoot and what fits instead.
-    """
-    text = config.max_memory or _gib(budget).replace(" ", "")
-    config = dataclasses.replace(config, max_memory=None)  # the steps, as a plain run takes them
-    with _as_one_process():
-        result = estimate(config, launch)
-    peak = _device_peak(result)
-    margin = margin_bytes(budget, launch.device_type)
-    if peak + margin <= budget:
-        return peak
-    over = f"{_gib(peak)} + {_gib(margin)} margin, {_gib(peak + margin - budget)} over"
-    advice = f"find one that fits: effitrain plan --memory {text} (same options)"
-    if result.memory.parameter_bytes <= QUICK_PLAN_BYTES:
-        # A resume keeps the checkpoint's optimizer and parameters: only what keeps them.
-        adapters = lever_registry.get_lever(ADAPTER_LEVER).is_on(config)
-        keep = (
-            {"optimizers": [config.optim], "full_parameter": not adapters} if config.resume else {}
-        )
-        try:
-            found = plan(config, launch, budget, workers=0, **keep).candidates
-        except EffitrainError:
-            found = []
-        if config.resume:  # nor another optimizer class (bf16 weights change it)
-            found = [c for c in found if c.optimizer_class == result.optimizer_class]
-        if found:
-            best = found[0]
-            advice = f"this fits (peak {_gib(best.peak_tensor_bytes)}): {shlex.join(best.args)}"
-        else:
-            advice = "nothing the plan tries fits it either" + (
-                " with the checkpoint's optimizer" if config.resume else ""
-            )
-    raise EffitrainError(f"--max-memory {text}: the estimated peak per device is {over}; {advice}")
-
-
-LAUNCH_VARIABLES = (
-    *("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-    *("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"),
-)
-"""What ``accelerate launch`` tells its processes that Accelerate reads when it starts."""
-
-
-@contextmanager
-def _as_one_process() -> Iterator[None]:
-    """Inside a launched process, the estimate as ``effitrain estimate`` makes it: in one
-    process, for the launch it is given (with the launch's variables, the estimate's own
-    Accelerator would join the launch's process group, with fake tensors)."""
-    saved = {name: os.environ.pop(name) for name in LAUNCH_VARIABLES if name in os.environ}
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
-
-
-def launch_from_environment() -> Launch:
-    """The launch ``accelerate launch`` set up for this process, read from its environment
-    before Accelerate is started (processes, FSDP or DeepSpeed's stage, the device type)."""
-    import os
-
-    import torch
-
-    processes = int(os.environ.get("WORLD_SIZE", "1"))
-    cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
-    device = "cuda" if torch.cuda.is_available() and not cpu else "cpu"
-    strategy = "ddp"
-    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
-        strategy = "fsdp"
-    elif os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
-        strategy = f"zero{os.environ.get('ACCELERATE_DEEPSPEED_ZERO_STAGE', '2')}"
-    return Launch.described(processes, strategy, device)

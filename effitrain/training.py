@@ -91,8 +91,9 @@ def prepare(
     if config.resume:  # before anything is built: the accumulation shapes the data loaders
         config, resume_notes = continue_checkpoint_run(config)
     if config.max_memory is not None:  # before any weight is read
+        from effitrain.budget import check_budget
         from effitrain.config import parse_size
-        from effitrain.planning import check_budget, launch_from_environment
+        from effitrain.distributed import launch_from_environment
 
         budget = parse_size(config.max_memory, "--max-memory")
         check_budget(config, launch_from_environment(), budget)
@@ -144,7 +145,7 @@ def finish(
 def continue_checkpoint_run(config: TrainConfig) -> tuple[TrainConfig, list[str]]:
     """The ``--resume`` run's options as they continue its checkpoint's run on this launch's
     process count (:func:`effitrain.checkpoint.continued_config`), and the notes on what changed."""
-    from effitrain.planning import launch_from_environment
+    from effitrain.distributed import launch_from_environment
 
     path, _ = checkpoint.resolve_resume(config.resume, config.output_dir)
     meta = checkpoint.read_metadata(path)

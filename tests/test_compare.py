@@ -9,7 +9,7 @@ import pytest
 
 from effitrain.comparison import child_error, configurations, parse_variant, plot
 from effitrain.errors import EffitrainError
-from effitrain.report.compare import PARTS
+from effitrain.report.comparison_table import PARTS
 from tests.conftest import assert_clean_error
 
 
@@ -210,7 +210,7 @@ def test_the_table_has_flops_and_mfu_where_a_peak_is_known():
     """FLOPs per step (with ratios), TFLOP/s, and MFU only where some run has one."""
     from rich.console import Console
 
-    from effitrain.report.compare import COLUMNS, comparison_table
+    from effitrain.report.comparison_table import COLUMNS, comparison_table
 
     def row(label, flops, tflops, mfu):
         values = {key: None for _, key in COLUMNS}
@@ -235,7 +235,7 @@ def test_a_preference_runs_reward_accuracy_is_a_row():
     from rich.console import Console
 
     from effitrain.comparison import Configuration, summarize
-    from effitrain.report.compare import comparison_table
+    from effitrain.report.comparison_table import comparison_table
 
     metrics = {
         "label": "adamw", "optimizer": "adamw", "optimizer_class": "torch.optim.AdamW",

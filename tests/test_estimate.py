@@ -492,7 +492,7 @@ def test_report_renders_columns_rows_and_errors():
     from rich.console import Console
 
     from effitrain.cli.estimate import _against
-    from effitrain.report.estimate import print_estimates
+    from effitrain.report.estimate_tables import print_estimates
 
     def shown(*args) -> str:
         console = Console(width=200, record=True)

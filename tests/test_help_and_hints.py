@@ -28,7 +28,7 @@ def test_optimizers_install_hint_keeps_its_extra(train_cli, monkeypatch):
 
 
 def test_compare_and_note_hints_keep_their_extra():
-    from effitrain.report.compare import COLUMNS, print_comparison
+    from effitrain.report.comparison_table import COLUMNS, print_comparison
     from effitrain.report.live import Reporter
 
     row = {"label": "adamw", **{key: None for _, key in COLUMNS}}
@@ -119,7 +119,7 @@ def test_help_at_80_columns_shows_every_option_whole(command):
 
 def test_inspect_states_names_are_told_apart_at_80_columns():
     """Every row read ``distilbert.trans…`` at 80 columns."""
-    from effitrain.report.inspect_state import largest_states_table
+    from effitrain.report.state_tables import largest_states_table
     from effitrain.results import ParamState
 
     names = [

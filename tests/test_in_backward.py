@@ -147,7 +147,7 @@ def test_nan_loss_says_the_update_already_happened():
     from effitrain.signals import StopRequest
 
     run = tiny_run(lever_config(), poison_call=1)
-    guard = StepGuard(run.accelerator, StopRequest(), None, updated_in_backward=True)
+    guard = StepGuard(run.accelerator, StopRequest(), None, updates_in_backward=True)
     with pytest.raises(EffitrainError, match="already applied this step's update") as error:
         train_step(run, first_batch(run), TrainingProgress(), guard)
     assert "before the update" not in str(error.value)

@@ -117,10 +117,10 @@ def test_what_the_plan_prints_fits_when_run(train_cli, tmp_path):
 def test_max_memory_refuses_before_reading_weights(train_cli, monkeypatch, tmp_path):
     """The estimate refuses the run; the task's model loader is never called (the plan's
     suggestion left out: a plan that finds nothing tries every lever)."""
-    import effitrain.planning
+    import effitrain.budget
     from effitrain.tasks.causal_lm import CausalLMTask
 
-    monkeypatch.setattr(effitrain.planning, "QUICK_PLAN_BYTES", 0)
+    monkeypatch.setattr(effitrain.budget, "QUICK_PLAN_BYTES", 0)
 
     def no_weights(*args, **kwargs):
         raise AssertionError("weights were read")
@@ -156,9 +156,9 @@ def test_max_memory_stops_after_the_measured_step_with_a_checkpoint(
 def _measured_only(monkeypatch):
     """``--max-memory`` decided by the measured step alone: the estimate before the build,
     which would refuse these budgets first, is left out."""
-    import effitrain.planning
+    import effitrain.budget
 
-    monkeypatch.setattr(effitrain.planning, "check_budget", lambda *args: 0)
+    monkeypatch.setattr(effitrain.budget, "check_budget", lambda *args: 0)
 
 
 def _peak(metrics) -> int:
@@ -381,7 +381,7 @@ def test_only_verified_candidates_are_answers(train_cli, monkeypatch):
     import effitrain.planning
     from effitrain.cli.compare import train_config
     from effitrain.distributed import Launch
-    from effitrain.report.plan import print_plan
+    from effitrain.report.plan_table import print_plan
 
     monkeypatch.setattr(effitrain.planning, "VERIFIED", 1)
     monkeypatch.setattr(effitrain.planning, "MAX_VERIFICATIONS", 1)

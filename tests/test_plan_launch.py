@@ -20,12 +20,12 @@ from tests.test_plan import LM, ONE
 )
 def test_a_multi_process_command_carries_its_launch(monkeypatch, strategy, device):
     """The printed ``accelerate launch`` flags, parsed by accelerate itself, set up the launch
-    the plan estimated (as each process reads it: planning.launch_from_environment)."""
+    the plan estimated (as each process reads it: distributed.launch_from_environment)."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
-    from effitrain.distributed import Launch
-    from effitrain.planning import launch_arguments, launch_from_environment
+    from effitrain.distributed import Launch, launch_from_environment
+    from effitrain.planning import launch_arguments
 
     launch = Launch.described(2, strategy, device)
     words = launch_arguments(launch, grad_accum=4)

@@ -105,7 +105,7 @@ def compare(
     with user_errors():
         quiet_libraries()  # checking the configurations imports what they use
         from effitrain.comparison import write_files
-        from effitrain.report.compare import print_comparison
+        from effitrain.report.comparison_table import print_comparison
 
         default = _is_default_comparison(optim, variant, overrides)
         common = shared_arguments(overrides, default)

@@ -119,7 +119,7 @@ def estimate(
         if as_json:
             typer.echo(_json(results, against))
             return
-        from effitrain.report.estimate import print_estimates
+        from effitrain.report.estimate_tables import print_estimates
 
         print_estimates(results, against, skipped)
 
@@ -216,7 +216,7 @@ def _against(results: list[Any], measured: dict[str, Any], path: Path) -> dict[s
 
 def _errors(result: dict[str, Any], measured: dict[str, Any]) -> dict[str, float | None]:
     """(estimate - measured) / measured, per field of the two metrics JSONs."""
-    from effitrain.report.estimate import ESTIMATE_FIELDS, metrics_field
+    from effitrain.report.estimate_tables import ESTIMATE_FIELDS, metrics_field
 
     out: dict[str, float | None] = {}
     for _, key in ESTIMATE_FIELDS:

@@ -45,6 +45,6 @@ def inspect_state(
 
             typer.echo(json.dumps(report.to_dict(top=top), indent=2))
             return
-        from effitrain.report.inspect_state import print_state_report
+        from effitrain.report.state_tables import print_state_report
 
         print_state_report(report, top)

@@ -123,7 +123,7 @@ def plan(
 
             typer.echo(json.dumps(result.to_dict(), indent=2))
             return
-        from effitrain.report.plan import print_plan
+        from effitrain.report.plan_table import print_plan
 
         print_plan(result)
 

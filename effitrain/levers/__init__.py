@@ -212,10 +212,17 @@ def optimizer_builder(config: TrainConfig, estimating: bool = False) -> Optimize
 
 def max_grad_norm(config: TrainConfig) -> float:
     """``--max-grad-norm`` as used: the value given, else 1.0 (0, no clipping, with a lever
-    whose update runs before clipping could see every gradient)."""
+    that runs part of the step inside backward, before clipping could see every gradient:
+    ``Lever.in_backward``)."""
     if config.max_grad_norm is not None:
         return config.max_grad_norm
-    return 0.0 if any(lever.unclippable for lever in active(config)) else 1.0
+    return 0.0 if any(lever.in_backward for lever in active(config)) else 1.0
+
+
+def updates_in_backward(config: TrainConfig) -> bool:
+    """Whether the update itself runs inside backward, before the step's guard sees the loss
+    (``Lever.in_backward``: ``--optimizer-in-backward``'s)."""
+    return any(lever.in_backward == "update" for lever in active(config))
 
 
 def trains_adapters(config: TrainConfig) -> bool:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from effitrain.config import MEMORY_LEVERS, OptionGroup, option_field
 from effitrain.errors import EffitrainError
 from effitrain.levers.gradient_checkpointing import GradientCheckpointingOptions
-from effitrain.levers.spec import BuiltRun, Lever
+from effitrain.levers.spec import BuiltRun, Lever, Search
 from effitrain.results import MemoryRow
 
 if TYPE_CHECKING:
@@ -195,7 +195,7 @@ class ActivationOffload(Lever):
     packages = ("trl",)
     install = "pip install 'effitrain[offload]'"
     devices = ("cuda",)
-    search = (False, True)
+    search = Search((False, True), order=60, offload_per_example=True)
     time_cost = "host copies on a side stream, overlapped with compute; bound by host bandwidth"
 
     def is_on(self, config: TrainConfig) -> bool:

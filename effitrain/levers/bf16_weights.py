@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from effitrain.config import MEMORY_LEVERS, OptionGroup, option_field
 from effitrain.errors import EffitrainError
 from effitrain.levers.lora import adapters_on
-from effitrain.levers.spec import Lever
+from effitrain.levers.spec import Lever, Search
 
 if TYPE_CHECKING:
     import torch
@@ -47,7 +47,7 @@ class Bf16Weights(Lever):
     name = "bf16-weights"
     options = Bf16WeightsOptions
     removes = "half of the parameters, the gradients and the state"
-    search = ("fp32", "bf16")
+    search = Search(("fp32", "bf16"), order=20, costs_time=False)
     time_cost = "faster matmuls on GPUs with bf16 units; the update adds a rounding step"
 
     def is_on(self, config: TrainConfig) -> bool:

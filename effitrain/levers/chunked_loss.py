@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from effitrain.config import DECODER_TASKS, MEMORY_LEVERS, OptionGroup, option_field
-from effitrain.levers.spec import BuiltRun, Lever
+from effitrain.levers.spec import BuiltRun, Lever, Search
 
 if TYPE_CHECKING:
     from effitrain.config import TrainConfig
@@ -40,7 +40,7 @@ class ChunkedLoss(Lever):
     options = ChunkedLossOptions
     removes = "the full logits and their gradient (tokens x vocabulary, fp32)"
     task = DECODER_TASKS
-    search = ("off", "auto")
+    search = Search(("off", "auto"), order=30)
     time_cost = "one more output-layer matmul per chunk in backward (recomputed logits)"
 
     def is_on(self, config: TrainConfig) -> bool:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from effitrain.config import MEMORY_LEVERS, OptionGroup, option_field
 from effitrain.errors import EffitrainError
-from effitrain.levers.spec import Lever
+from effitrain.levers.spec import Lever, Search
 
 if TYPE_CHECKING:
     import torch
@@ -32,7 +32,7 @@ class GradientCheckpointing(Lever):
     name = "gradient-checkpointing"
     options = GradientCheckpointingOptions
     removes = "most activations (each layer's are recomputed in backward)"
-    search = (False, True)
+    search = Search((False, True), order=40)
     time_cost = "one more forward of every layer per step (about a third more compute)"
 
     def is_on(self, config: TrainConfig) -> bool:

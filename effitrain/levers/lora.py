@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from effitrain.config import MEMORY_LEVERS, OptionGroup, option, option_field
 from effitrain.errors import EffitrainError, MissingPackage
 from effitrain.levers.qlora import QLoRAOptions
-from effitrain.levers.spec import BuiltRun, Lever
+from effitrain.levers.spec import BuiltRun, Lever, Search
 
 if TYPE_CHECKING:
     import torch
@@ -110,7 +110,7 @@ class LoRA(Lever):
     packages = ("peft",)
     install = INSTALL
     trains_adapters = True
-    search = (None, 16)
+    search = Search((None, 16))
     time_cost = "less than full fine-tuning: no weight gradients for the frozen base"
 
     def is_on(self, config: TrainConfig) -> bool:

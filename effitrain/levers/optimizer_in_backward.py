@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from effitrain.config import MEMORY_LEVERS, OptionGroup, option_field
 from effitrain.errors import EffitrainError
-from effitrain.levers.spec import BuiltRun, Lever, OptimizerBuilder
+from effitrain.levers.spec import BuiltRun, Lever, OptimizerBuilder, Search
 from effitrain.memory.ledger import unwrap_prepared
 
 if TYPE_CHECKING:
@@ -36,8 +36,8 @@ class OptimizerInBackward(Lever):
     name = "optimizer-in-backward"
     options = OptimizerInBackwardOptions
     removes = "the full set of gradients (one parameter's at a time)"
-    unclippable = True
-    search = (False, True)
+    in_backward = "update"
+    search = Search((False, True), order=10, costs_time=False, removes_only_update=True)
     time_cost = "none measurable: the same updates, one parameter at a time"
 
     def is_on(self, config: TrainConfig) -> bool:

@@ -13,7 +13,7 @@ from effitrain.levers.optimizer_in_backward import (
     OptimizerInBackwardOptions,
     refuse_unless_per_parameter,
 )
-from effitrain.levers.spec import BuiltRun, Lever, OptimizerBuilder
+from effitrain.levers.spec import BuiltRun, Lever, OptimizerBuilder, Search
 from effitrain.memory.ledger import unwrap_prepared
 from effitrain.results import MemoryRow
 
@@ -53,9 +53,14 @@ class OptimizerOffload(Lever):
     removes = "the optimizer state from the GPU (state+grads: the gradients too)"
     packages = ("torchao",)
     install = "pip install 'effitrain[offload]'"
-    unclippable = True
+    in_backward = "gradients"
     devices = ("cuda",)
-    search = ("off", "state", "state+grads")
+    search = Search(
+        ("off", "state", "state+grads"),
+        order=70,
+        removes_only_update=True,
+        steps_when_on=True,
+    )
     time_cost = "the step runs on the host: host bandwidth and CPU speed bound it"
 
     def is_on(self, config: TrainConfig) -> bool:

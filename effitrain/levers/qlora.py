@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from effitrain.config import MEMORY_LEVERS, OptionGroup, option_field
 from effitrain.errors import EffitrainError, MissingPackage
-from effitrain.levers.spec import BuiltRun, Lever
+from effitrain.levers.spec import BuiltRun, Lever, Search
 from effitrain.results import MemoryRow
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ class QLoRA(Lever):
     packages = ("bitsandbytes", "peft")
     install = INSTALL
     strict_load = False  # Accelerate cannot load bitsandbytes' quant-state keys: checked here
-    search = (False, True)
+    search = Search((False, True), order=50)
     time_cost = "each weight is dequantized for its matmul, forward and backward"
 
     def is_on(self, config: TrainConfig) -> bool:

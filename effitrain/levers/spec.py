@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from effitrain.config import OptionGroup, option
 from effitrain.errors import EffitrainError
@@ -58,6 +59,27 @@ class BuiltRun(Protocol):
     eval_loader: Any
 
 
+@dataclass(frozen=True)
+class Search:
+    """What a planner (``effitrain plan``) may try of a lever: a lever that declares one is
+    planned. The lever that trains adapters is a mode of its own (full fine-tuning or adapters);
+    the others are added one at a time, in :attr:`order`."""
+
+    values: tuple[Any, ...]
+    """Values to try for the lever's first field, its "off" value first."""
+    order: int = 0
+    """Its place in the order levers are added in: the cheapest in time first."""
+    costs_time: bool = True
+    """False: tried even where enough fits without it, as it costs no time or saves some."""
+    removes_only_update: bool = False
+    """It removes only gradients and optimizer state: not tried where those are a small share of
+    the peak (LoRA's adapters)."""
+    steps_when_on: bool = False
+    """Its next values are tried even where it is on (the offload's state, then state+grads)."""
+    offload_per_example: bool = False
+    """Its host copies (``StepCost.offload_bytes_per_step``) grow with the examples of a step."""
+
+
 class Lever:
     """One memory lever. Subclasses set the class attributes and override the moments they act
     at; every method has the signature the registry calls it with."""
@@ -82,15 +104,17 @@ class Lever:
     estimates for such a device unless told another (``check_launch`` refuses that one)."""
     trains_adapters = False
     """Its trained parameters are new adapters: the optimizer's LoRA defaults apply."""
-    unclippable = False
-    """The update runs before the gradients could be clipped together: ``--max-grad-norm``
-    defaults to 0 with it, and a positive value is refused."""
+    in_backward: Literal["update", "gradients"] | None = None
+    """What of the optimizer step runs inside backward, from a hook on each gradient: the
+    ``"update"`` itself (done before the step's guard sees the loss), or ``"gradients"``: only
+    each gradient's copy off the device (the update follows backward). Either way they cannot be
+    clipped together: ``--max-grad-norm`` defaults to 0 with it, and a positive value is refused
+    (:func:`effitrain.levers.updates_in_backward`, :func:`effitrain.levers.max_grad_norm`)."""
     strict_load = True
     """A checkpoint's model loads with every key checked by Accelerate (False: the lever checks
     the keys itself, :meth:`check_checkpoint`)."""
-    search: tuple[Any, ...] = ()
-    """Values a planner may try for its first field, the lever's "off" value first (empty: a
-    planner leaves the option as the user gave it)."""
+    search: Search | None = None
+    """What a planner may try of it (None: a planner leaves its options as the user gave them)."""
     time_cost: str = ""
     """What it costs in time per step, in words, until a planner measures it."""
     packages: tuple[str, ...] = ()

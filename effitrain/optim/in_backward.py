@@ -96,9 +96,6 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         lr: the initial learning rate.
     """
 
-    updates_in_backward = True
-    """The update has happened by the time backward returns (the loop's guard says so)."""
-
     def __init__(
         self,
         groups: ParamGroups,
