@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from effitrain.config import MEMORY_LEVERS, OptionGroup, option_field
 from effitrain.levers import register
-from effitrain.levers.spec import Lever
+from effitrain.levers.spec import Lever, Search
 
 
 @dataclass
@@ -31,7 +31,7 @@ class ToyCheckpointing(Lever):
     name = "toy-checkpointing"
     options = ToyOptions
     removes = "most activations (a toy)"
-    search = SEARCH
+    search = Search((False, True), order=5, costs_time=False)
 
     def is_on(self, config):
         return ToyOptions.of(config).toy_checkpointing
@@ -69,8 +69,8 @@ print(json.dumps(out))
 """
 
 
-def _with_toy_lever(commands: dict[str, list[str]], search: str, cwd) -> dict:
-    script = SCRIPT.replace("TOY_LEVER", TOY_LEVER.replace("SEARCH", search))
+def _with_toy_lever(commands: dict[str, list[str]], cwd) -> dict:
+    script = SCRIPT.replace("TOY_LEVER", TOY_LEVER)
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script), json.dumps(commands)],
         capture_output=True,
@@ -98,8 +98,13 @@ def test_a_lever_defined_outside_effitrain_is_everywhere_a_lever_is(tmp_path):
                 str(metrics),
             ],
             "estimate": ["estimate", "--toy-checkpointing"],
+            # Declared as costing no time, it is tried even where smaller micro-batches fit.
+            "plan": [
+                "plan",
+                *("--task", "causal-lm", "--max-length", "512", "--memory", "64MiB"),
+                *("--optim", "adamw", "--full-parameter", "--json"),
+            ],
         },
-        search="None",
         cwd=tmp_path,
     )
     assert "--toy-checkpointing" in out["help"]["stdout"]
@@ -109,3 +114,8 @@ def test_a_lever_defined_outside_effitrain_is_everywhere_a_lever_is(tmp_path):
     assert out["estimate"]["code"] == 0, out["estimate"]["stdout"]
     assert "adamw + toy-checkpointing" in out["estimate"]["stdout"]
     assert "--toy-checkpointing" in out["resume"].split()
+    plan = json.loads(out["plan"]["stdout"])
+    planned = [
+        c for c in plan["candidates"] + plan["not_verified"] if "toy-checkpointing" in c["levers"]
+    ]
+    assert planned and all("--toy-checkpointing" in c["args"] for c in planned), plan
