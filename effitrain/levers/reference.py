@@ -118,7 +118,7 @@ class Reference(Lever):
                 "copy's weights would be whole on every process; use --reference precompute"
             )
         if how(config) == "copy" and copy_dtype(config) == "4bit":
-            from effitrain.levers.qlora import require_bitsandbytes
+            from effitrain.quantization import require_bitsandbytes
 
             require_bitsandbytes()
 
@@ -285,7 +285,7 @@ class FrozenCopy:
         if self.dtype == "4bit":
             from torch._subclasses.fake_tensor import is_fake
 
-            from effitrain.levers.qlora import quantize_model
+            from effitrain.quantization import quantize_model
 
             if is_fake(next(model.parameters())):
                 _quantize_fake(model, config)
@@ -314,7 +314,7 @@ def _quantize_fake(model: torch.nn.Module, config: TrainConfig) -> None:
     import torch
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    from effitrain.levers.qlora import quantized_like, replace_linear_layers
+    from effitrain.quantization import quantized_like, replace_linear_layers
 
     @contextlib.contextmanager
     def on_meta() -> Iterator[None]:
