@@ -304,6 +304,7 @@ def assemble(
         weights=weights,
     )
     levers.after_prepare(run)
+    loss.after_prepare(run)  # DPO's reference: the model as it starts, before any resume
     return run
 
 

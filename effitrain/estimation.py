@@ -171,10 +171,7 @@ def estimate(config: TrainConfig, launch: Launch | None = None) -> Estimate:
     launch = launch or Launch.described(1, "ddp", "cpu")
     notes = _checked(config, launch)
     task = build.resolve_task(config)
-    # A causal LM needs no labels from the data (preference pairs neither): its shapes come
-    # from the model alone; a lever may count something per example (the reference's table).
-    needed = task.name not in ("causal-lm", "preference") or levers.estimate_reads_data(config)
-    data = task.load_data(config) if needed else None
+    data = task.load_data(config) if task.estimate_reads_data(config) else None
     tokenizer, max_tokens = _tokenizer_or_config(config, notes)
     spec = build.resolve_optimizer_spec(config, launch)
     notes += levers.estimate_notes(config) + _optimizer_notes(spec)
@@ -322,7 +319,7 @@ def _run_steps(run: Run, device: torch.device | None) -> TrainingProgress:
     guard = StepGuard(run.accelerator, StopRequest(), None, updates_in_backward(run))
     run.model.train()
     set_train_mode(run.optimizer, True)  # as fit() does (schedule-free)
-    extra = levers.step_tensors(run)
+    extra = run.loss.step_tensors()
     with StepMemoryProbe(
         run.model, run.optimizer, device, compiled_step=False, extra=extra
     ) as probe:

@@ -26,7 +26,6 @@ Nothing heavy is imported here: the CLI checks options through this module.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from effitrain.config import default_for
@@ -208,18 +207,6 @@ def after_prepare(run: BuiltRun) -> None:
         lever.after_prepare(run)
 
 
-def before_training(run: BuiltRun, reporter: Reporter) -> None:
-    """After the build and any resume, before the first step (``Lever.before_training``)."""
-    for lever in active(run.config):
-        lever.before_training(run, reporter)
-
-
-def step_tensors(run: BuiltRun) -> list[Any]:
-    """What the levers that are on hold in every step besides the model and the optimizer, for
-    the step probe to track (``Lever.step_tensors``)."""
-    return [tensor for lever in active(run.config) for tensor in lever.step_tensors(run)]
-
-
 def step_contexts(
     config: TrainConfig, model: torch.nn.Module, estimating: bool = False
 ) -> dict[str, Any]:
@@ -283,11 +270,6 @@ def memory_rows(fields: dict[str, Any], step: StepMemory | None) -> list[MemoryR
     return [row for lever in LEVERS.values() for row in lever.memory_rows(fields, step)]
 
 
-def estimate_reads_data(config: TrainConfig) -> bool:
-    """Whether a lever that is on needs ``effitrain estimate`` to load the data."""
-    return any(lever.estimate_reads_data(config) for lever in active(config))
-
-
 def estimate_notes(config: TrainConfig) -> list[str]:
     return [note for lever in active(config) for note in lever.estimate_notes(config)]
 
@@ -312,21 +294,6 @@ def strict_load(config: TrainConfig) -> bool:
 def check_checkpoint(run: BuiltRun, checkpoint: Path) -> None:
     for lever in active(run.config):
         lever.check_checkpoint(run, checkpoint)
-
-
-def save_extra(run: BuiltRun) -> Callable[[Path], None]:
-    """What the checkpointer calls on each checkpoint folder being written."""
-
-    def save(folder: Path) -> None:
-        for lever in active(run.config):
-            lever.save_extra(run, folder)
-
-    return save
-
-
-def load_extra(run: BuiltRun, checkpoint: Path) -> None:
-    for lever in active(run.config):
-        lever.load_extra(run, checkpoint)
 
 
 def after_final_save(run: BuiltRun, reporter: Reporter) -> None:

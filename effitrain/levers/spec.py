@@ -171,20 +171,6 @@ class Lever:
     def after_prepare(self, run: BuiltRun) -> None:
         """Once Accelerate prepared the model and optimizer."""
 
-    def before_training(self, run: BuiltRun, reporter: Reporter) -> None:
-        """Once the run is built and any ``--resume`` checkpoint loaded, before the first step
-        of ``fit``: work that needs the run as it will start and must not be repeated where a
-        checkpoint kept its result (the reference's precomputed log-probs, read back by
-        :meth:`load_extra`); ``reporter`` says what it does. Not called by ``effitrain
-        estimate``."""
-
-    def step_tensors(self, run: BuiltRun) -> list[Any]:
-        """Modules and tensors of its own that every step holds besides the model's and the
-        optimizer's (a frozen reference copy): the step probe tracks them, so that they are in
-        the measured peak (it counts only what the step creates, the model and the
-        optimizer)."""
-        return []
-
     def step_context(
         self, config: TrainConfig, model: torch.nn.Module, estimating: bool
     ) -> AbstractContextManager[Any] | None:
@@ -224,11 +210,6 @@ class Lever:
         where a plain one will do."""
         return None
 
-    def estimate_reads_data(self, config: TrainConfig) -> bool:
-        """Whether ``effitrain estimate`` must load the data for it (the reference's table of
-        precomputed log-probs has a row per example), where the task's shapes need none."""
-        return False
-
     def estimate_notes(self, config: TrainConfig) -> list[str]:
         """What ``effitrain estimate`` models in its place, or leaves out."""
         return []
@@ -241,12 +222,6 @@ class Lever:
         Raises:
             EffitrainError: the checkpoint cannot continue this run.
         """
-
-    def save_extra(self, run: BuiltRun, folder: Path) -> None:
-        """Write what it keeps in a checkpoint besides Accelerate's state (every process)."""
-
-    def load_extra(self, run: BuiltRun, folder: Path) -> None:
-        """Read back what :meth:`save_extra` wrote."""
 
     def after_final_save(self, run: BuiltRun, reporter: Reporter) -> None:
         """After the final model was saved and the results summed up (every process)."""

@@ -120,6 +120,9 @@ class DecoderTask(Task):
     def model_from_config(self, config: TrainConfig, data: Any, tokenizer: Any) -> Any:
         return models.model_from_config(config.model, tokenizer, causal_lm=True)
 
+    def estimate_reads_data(self, config: TrainConfig) -> bool:
+        return False  # no labels to size a head from: the shapes come from the model
+
     @staticmethod
     def loss_choice(model: Any, device: Any, sharded: str | None, options: dict[str, Any]) -> Any:
         """The chunked loss's implementation (``--chunked-loss``, via the levers' ``options``)."""
