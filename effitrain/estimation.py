@@ -378,7 +378,7 @@ def fsdp2_layout(model: torch.nn.Module, optimizer: Any) -> dict[str, dict[str, 
     the bytes every rank holds whole (``"whole"``: the column factors of 2-D weights, scalars,
     a 4-bit weight's quant state). Gradients are the trainable parameters' shapes. A 4-bit
     weight's packed codes are split as FSDP2 splits them: stored as 2-byte elements in one
-    column (:data:`effitrain.quantization.SHARDABLE_STORAGE`)."""
+    column (:data:`effitrain.levers.qlora_bnb.SHARDABLE_STORAGE`)."""
     import torch
 
     from effitrain.distributed import replicated_under_fsdp2

@@ -1,6 +1,6 @@
 """QLoRA's frozen base: ``--load-in-4bit`` stores the base model's Linear weights in 4-bit NF4
 (bitsandbytes), under LoRA's adapters (``--lora-rank``). What is quantized and how, and what it
-takes: :mod:`effitrain.quantization`; a resume's check of the 4-bit base:
+takes: :mod:`effitrain.levers.qlora_bnb`; a resume's check of the 4-bit base:
 :mod:`effitrain.checkpoint.quantized`.
 
 A checkpoint is quantized while it is read, tensor by tensor, by transformers' bitsandbytes
@@ -25,8 +25,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from effitrain.errors import EffitrainError
-from effitrain.levers.spec import BuiltRun, Lever
-from effitrain.quantization import (
+from effitrain.levers.qlora_bnb import (
     BLOCKSIZE,
     INSTALL,
     compute_dtype,
@@ -40,6 +39,7 @@ from effitrain.quantization import (
     shardable_codes,
     storage,
 )
+from effitrain.levers.spec import BuiltRun, Lever
 from effitrain.results import MemoryRow
 
 if TYPE_CHECKING:

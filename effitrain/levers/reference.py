@@ -1,6 +1,7 @@
 """DPO's reference model as a memory lever: ``--reference adapters|precompute|copy`` and
-``--reference-dtype``, their checks, and what the reference shows (the banner line, the metrics
-JSON's ``reference``, its memory table row, the estimate's note) and checks before a resume.
+``--reference-dtype``, what they resolve to (:func:`how`, :func:`copy_dtype`), their checks, and
+what the reference shows (the banner line, the metrics JSON's ``reference``, its memory table
+row, the estimate's note) and checks before a resume.
 
 The reference itself (its providers, the precomputed table kept in checkpoints, the frozen copy)
 belongs to the preference loss, which builds it once the run is prepared:
@@ -16,13 +17,6 @@ from typing import TYPE_CHECKING, Any
 from effitrain.errors import EffitrainError
 from effitrain.levers.spec import BuiltRun, Lever
 from effitrain.results import MemoryRow
-from effitrain.tasks.preference_reference import (
-    COPY_SHARDINGS,
-    TABLE_FILE,
-    copy_dtype,
-    how,
-    uses_lora,
-)
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -32,6 +26,31 @@ if TYPE_CHECKING:
     from effitrain.config import TrainConfig
     from effitrain.distributed import Launch
     from effitrain.memory.step import StepMemory
+
+TABLE_FILE = "reference_logps.safetensors"
+"""The precomputed table's file in a checkpoint folder."""
+COPY_SHARDINGS = ("fsdp1", "fsdp2", "deepspeed")
+"""The shardings a copy is refused under: its weights would be whole on every process."""
+
+
+def how(config: TrainConfig) -> str:
+    """``--reference`` as used: the given one, else adapters with --lora-rank, else precompute."""
+    if config.reference is not None:
+        return config.reference
+    return "adapters" if uses_lora(config) else "precompute"
+
+
+def uses_lora(config: TrainConfig) -> bool:
+    from effitrain.levers.lora import LoRA
+
+    return LoRA().is_on(config)
+
+
+def copy_dtype(config: TrainConfig) -> str:
+    """The copy's weights: ``--reference-dtype``, else the trained weights' (fp32 or bf16)."""
+    if config.reference_dtype is not None:
+        return config.reference_dtype
+    return "bf16" if config.weights_dtype == "bf16" else "fp32"
 
 
 class Reference(Lever):
@@ -80,7 +99,7 @@ class Reference(Lever):
                 "copy's weights would be whole on every process; use --reference precompute"
             )
         if how(config) == "copy" and copy_dtype(config) == "4bit":
-            from effitrain.quantization import require_bitsandbytes
+            from effitrain.levers.qlora_bnb import require_bitsandbytes
 
             require_bitsandbytes()
 

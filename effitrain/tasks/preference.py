@@ -73,7 +73,7 @@ class PreferenceTask(DecoderTask):
         return load_preference_data(config)
 
     def estimate_reads_data(self, config: TrainConfig) -> bool:
-        from effitrain.tasks.preference_reference import how
+        from effitrain.levers.reference import how
 
         # DPO's precomputed reference counts a table row per example.
         return config.preference_loss == "dpo" and how(config) == "precompute"

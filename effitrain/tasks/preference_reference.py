@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from effitrain.errors import EffitrainError
+from effitrain.levers.reference import TABLE_FILE, copy_dtype, how
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -43,32 +44,8 @@ if TYPE_CHECKING:
     from effitrain.report import Reporter
     from effitrain.tasks.base import Prepared
 
-TABLE_FILE = "reference_logps.safetensors"
-"""The precomputed table's file in a checkpoint folder."""
 FINGERPRINT_BATCH = 64
 """Examples per batch when the data's fingerprint is computed (no model: the collate only)."""
-COPY_SHARDINGS = ("fsdp1", "fsdp2", "deepspeed")
-"""The shardings a copy is refused under: its weights would be whole on every process."""
-
-
-def how(config: TrainConfig) -> str:
-    """``--reference`` as used: the given one, else adapters with --lora-rank, else precompute."""
-    if config.reference is not None:
-        return config.reference
-    return "adapters" if uses_lora(config) else "precompute"
-
-
-def uses_lora(config: TrainConfig) -> bool:
-    from effitrain.levers.lora import LoRA
-
-    return LoRA().is_on(config)
-
-
-def copy_dtype(config: TrainConfig) -> str:
-    """The copy's weights: ``--reference-dtype``, else the trained weights' (fp32 or bf16)."""
-    if config.reference_dtype is not None:
-        return config.reference_dtype
-    return "bf16" if config.weights_dtype == "bf16" else "fp32"
 
 
 class Scorer(Protocol):
@@ -175,7 +152,7 @@ class FrozenCopy(Provider):
         if self.dtype == "4bit":
             from torch._subclasses.fake_tensor import is_fake
 
-            from effitrain.quantization import quantize_model
+            from effitrain.levers.qlora_bnb import quantize_model
 
             if is_fake(next(model.parameters())):
                 _quantize_fake(model, config)
@@ -207,7 +184,7 @@ def _quantize_fake(model: torch.nn.Module, config: TrainConfig) -> None:
     import torch
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    from effitrain.quantization import quantized_like, replace_linear_layers
+    from effitrain.levers.qlora_bnb import quantized_like, replace_linear_layers
 
     @contextlib.contextmanager
     def on_meta() -> Iterator[None]:
