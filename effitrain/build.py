@@ -306,6 +306,7 @@ def assemble(
         weights=weights,
     )
     levers.after_prepare(run)
+    loss.after_prepare(run)  # DPO's reference: the model as it starts, before any resume
     return run
 
 

@@ -38,9 +38,6 @@ SAVE_STRATEGIES = ("steps", "epoch", "no")
 PREFERENCE_LOSSES = ("dpo", "orpo", "simpo")
 """``--preference-loss`` (effitrain.tasks.preference_loss): DPO needs a reference model, ORPO
 and SimPO do not."""
-REFERENCES = ("adapters", "precompute", "copy")
-"""``--reference`` (effitrain.levers.reference): how DPO's reference log-probs are paid for."""
-REFERENCE_DTYPES = ("fp32", "bf16", "4bit")
 TRACKERS = (
     "tensorboard",
     "wandb",
@@ -341,27 +338,6 @@ class TrainConfig:
         "--memory.",
         panel=LOOP,
         metavar="SIZE",
-    )
-
-    # --- memory levers: the reference model of preference tuning (each lever's own options are
-    # declared in its module, effitrain.levers) ---
-    reference: str | None = option_field(
-        None,
-        "preference, dpo: the reference model's log-probs from the base with the adapters "
-        "switched off (no second copy; with --lora-rank), precomputed in one pass before "
-        "training (kept with checkpoints), or a frozen copy in the step.",
-        panel=MEMORY_LEVERS,
-        metavar="HOW",
-        choices=REFERENCES,
-        default_text="adapters with --lora-rank, else precompute",
-    )
-    reference_dtype: str | None = option_field(
-        None,
-        "preference, --reference copy: the copy's weights: fp32, bf16 or 4bit (bitsandbytes NF4).",
-        panel=MEMORY_LEVERS,
-        metavar="DTYPE",
-        choices=REFERENCE_DTYPES,
-        default_text="as the trained weights",
     )
 
     # --- outputs ---

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import effitrain.build as build
 import effitrain.levers as levers
-from effitrain.config import DECODER_TASKS, TrainConfig
+from effitrain.config import TrainConfig
 from effitrain.distributed import Launch
 from effitrain.errors import EffitrainError
 from effitrain.loop import StepGuard, train_steps
@@ -171,10 +171,7 @@ def estimate(config: TrainConfig, launch: Launch | None = None) -> Estimate:
     launch = launch or Launch.described(1, "ddp", "cpu")
     notes = _checked(config, launch)
     task = build.resolve_task(config)
-    # A causal LM needs no labels from the data (preference pairs neither): its shapes come
-    # from the model alone; a lever may count something per example (the reference's table).
-    needed = task.name not in DECODER_TASKS or levers.estimate_reads_data(config)
-    data = task.load_data(config) if needed else None
+    data = task.load_data(config) if task.estimate_reads_data(config) else None
     tokenizer, max_tokens = _tokenizer_or_config(config, notes)
     spec = build.resolve_optimizer_spec(config, launch)
     notes += levers.estimate_notes(config) + _optimizer_notes(spec)
@@ -322,7 +319,7 @@ def _run_steps(run: Run, device: torch.device | None) -> TrainingProgress:
     guard = StepGuard(run.accelerator, StopRequest(), None, levers.updates_in_backward(run.config))
     run.model.train()
     set_train_mode(run.optimizer, True)  # as fit() does (schedule-free)
-    extra = levers.step_tensors(run)
+    extra = run.loss.step_tensors()
     with StepMemoryProbe(
         run.model, run.optimizer, device, compiled_step=False, extra=extra
     ) as probe:
@@ -381,7 +378,7 @@ def fsdp2_layout(model: torch.nn.Module, optimizer: Any) -> dict[str, dict[str, 
     the bytes every rank holds whole (``"whole"``: the column factors of 2-D weights, scalars,
     a 4-bit weight's quant state). Gradients are the trainable parameters' shapes. A 4-bit
     weight's packed codes are split as FSDP2 splits them: stored as 2-byte elements in one
-    column (:data:`effitrain.levers.qlora.SHARDABLE_STORAGE`)."""
+    column (:data:`effitrain.levers.qlora_bnb.SHARDABLE_STORAGE`)."""
     import torch
 
     from effitrain.distributed import replicated_under_fsdp2

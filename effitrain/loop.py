@@ -275,7 +275,7 @@ def fit(
     set_train_mode(run.optimizer, True)  # schedule-free: steps only in train mode
     # One optimizer step is measured by kind (effitrain.memory.step), late (see measure_now).
     probe = StepMemoryProbe(
-        run.model, run.optimizer, run.accelerator.device, extra=levers.step_tensors(run)
+        run.model, run.optimizer, run.accelerator.device, extra=run.loss.step_tensors()
     )
     budget_checked = config.max_memory is None
     with probe:  # an error mid-step leaves no tracker behind

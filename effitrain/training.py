@@ -13,6 +13,7 @@ With ``--report-to``, Accelerate's trackers follow along (:mod:`effitrain.tracki
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -83,7 +84,7 @@ def stopped_at_once(stop: StopRequest, reporter: Reporter, when: str) -> Iterato
 def prepare(
     config: TrainConfig, reporter: Reporter
 ) -> tuple[Run, TrainingProgress, checkpoint.Checkpointer]:
-    """Everything before the first step: the checks, the build, the resume, the levers' work
+    """Everything before the first step: the checks, the build, the resume, the loss's work
     before training (DPO's reference pass)."""
     check_outputs(config)
     tracking.check(config)
@@ -105,7 +106,7 @@ def prepare(
     checkpointer = make_checkpointer(run)
     if config.resume:
         resume(run, progress, checkpointer, reporter)
-    levers.before_training(run, reporter)  # e.g. DPO's reference pass
+    run.loss.before_training(run, reporter)  # e.g. DPO's reference pass
     if config.output_dir:  # before training, not after: final/ never goes back to an older model
         checkpoint.check_final(config.output_dir, run.plan.total_steps)
     run.trackers.start(progress.global_step, reporter)
@@ -172,7 +173,7 @@ def make_checkpointer(run: Run) -> checkpoint.Checkpointer:
         parameter_shapes={name: list(p.shape) for name, p in model.named_parameters()},
         lr_scheduler=run.lr_scheduler,
         schedule=schedule_of(run),
-        save_extra=levers.save_extra(run),
+        save_extra=functools.partial(run.loss.save_extra, run),
     )
 
 
@@ -237,7 +238,7 @@ def resume(
     checkpoint.load_checkpoint(accelerator, path, strict=levers.strict_load(config))
     checkpoint.check_counters(meta, path, run.optimizer, run.lr_scheduler)
     checkpoint.continue_schedule(run.lr_scheduler, meta, accelerator.num_processes)
-    levers.load_extra(run, path)
+    run.loss.load_extra(run, path)
     if unrestored:
         reporter.note(
             f"{'; '.join(unrestored)}: the random state is not restored, so this resume is not "

@@ -236,7 +236,7 @@ def test_quantizing_while_reading_gives_the_same_4bit_weights(tiny_model_dir):
     gives (so checkpoints written before resume as before)."""
     from effitrain.config import TrainConfig
     from effitrain.levers import load_options
-    from effitrain.levers.qlora import quantize_model
+    from effitrain.levers.qlora_bnb import quantize_model
     from effitrain.models import LoadOptions, load_model, load_tokenizer
 
     config = TrainConfig(model=str(tiny_model_dir), lora_rank=8, load_in_4bit=True)
@@ -263,7 +263,7 @@ def test_a_bf16_read_quantizes_to_the_same_codes(bf16_lm_dir):
 
     from effitrain.config import TrainConfig
     from effitrain.levers import load_options
-    from effitrain.levers.qlora import quantize_model
+    from effitrain.levers.qlora_bnb import quantize_model
     from effitrain.models import LoadOptions, load_causal_lm, load_tokenizer
 
     name = str(bf16_lm_dir)

@@ -18,8 +18,6 @@ from effitrain.config import (
     MIXED_PRECISION,
     OPTIONS,
     PREFERENCE_LOSSES,
-    REFERENCE_DTYPES,
-    REFERENCES,
     SAVE_STRATEGIES,
     SCHEDULERS,
     TRACKERS,
@@ -30,6 +28,7 @@ from effitrain.errors import EffitrainError
 from effitrain.levers.bf16_weights import WEIGHTS_DTYPES
 from effitrain.levers.chunked_loss import CHUNKED_LOSS
 from effitrain.levers.optimizer_offload import OPTIMIZER_OFFLOAD
+from effitrain.levers.reference import REFERENCE_DTYPES, REFERENCES
 
 CAUSAL = {"task": "causal-lm", "model": "tiny-llama"}
 PREFERENCE = {"task": "preference", "model": "tiny-llama"}

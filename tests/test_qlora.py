@@ -57,7 +57,7 @@ def test_qlora_learns_and_says_what_is_4bit(qlora_run):
 
 
 def test_4bit_storage_is_counted_to_the_byte(qlora_run):
-    from effitrain.levers.qlora import expected_storage
+    from effitrain.levers.qlora_bnb import expected_storage
     from effitrain.memory.ledger import format_bytes
 
     metrics = qlora_run.metrics
@@ -135,7 +135,7 @@ def test_evaluation_leaves_the_4bit_weights_as_they_are():
     import torch
 
     from effitrain.config import TrainConfig
-    from effitrain.levers.qlora import quantize_model
+    from effitrain.levers.qlora_bnb import quantize_model
     from effitrain.models import load_causal_lm, load_tokenizer
 
     model = load_causal_lm("tiny-llama", load_tokenizer("tiny-llama"))
@@ -209,7 +209,7 @@ def test_estimate_counts_the_quant_state_whole_on_every_fsdp2_rank():
     from effitrain.demo.lm import tiny_llama_config
     from effitrain.distributed import Launch
     from effitrain.estimation import estimate
-    from effitrain.levers.qlora import expected_storage
+    from effitrain.levers.qlora_bnb import expected_storage
 
     result = estimate(train_config([*QLORA, *SHAPE[:4]]), Launch.described(2, "fsdp", "cpu"))
     quant_state = expected_storage(tiny_llama_linear_shapes()).quant_state_bytes

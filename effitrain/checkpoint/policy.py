@@ -99,7 +99,8 @@ class Checkpointer:
         self.schedule = schedule or {}
         """The run's lr schedule (lr, scheduler, warmup and total steps), recorded for resumes."""
         self.save_extra = save_extra
-        """Writes what the levers keep in a checkpoint besides Accelerate's state."""
+        """Writes what the loss keeps in a checkpoint besides Accelerate's state (DPO's
+        precomputed reference)."""
         self.last_saved_step = -1
         """A resumed run starts with its checkpoint's step: that one is not written again."""
         self.last_path: Path | None = None

@@ -189,18 +189,15 @@ _RESERVED = ("ctx", "overrides")
 """Parameters of a decorated command that are not options."""
 
 
-def _panel_rank(param: inspect.Parameter) -> tuple[int, bool]:
-    """Where --help lists an option: unpanelled options (with --help), the command's own
-    panels, then the config's panels in HELP_PANELS order; in a panel, the levers' options
-    first, in the order the levers act (``effitrain.levers.LEVERS``)."""
-    from effitrain.levers import lever_of
-
+def _panel_rank(param: inspect.Parameter) -> int:
+    """Where --help lists an option's panel: unpanelled options (with --help), the command's
+    own panels, then the config's panels in HELP_PANELS order (in a panel, the option table's
+    order: the levers' options in the order the levers act)."""
     infos = typing.get_args(param.annotation)[1:]
     panel = getattr(infos[0], "rich_help_panel", None) if infos else None
     if panel is None:
-        return 0, False
-    rank = 2 + HELP_PANELS.index(panel) if panel in HELP_PANELS else 1
-    return rank, lever_of(param.name) is None
+        return 0
+    return 2 + HELP_PANELS.index(panel) if panel in HELP_PANELS else 1
 
 
 __all__ = [

@@ -26,7 +26,6 @@ Nothing heavy is imported here: the CLI checks options through this module.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from effitrain.config import add_options, default_for
@@ -40,7 +39,7 @@ from effitrain.levers.optimizer_in_backward import OptimizerInBackward
 from effitrain.levers.optimizer_offload import OptimizerOffload
 from effitrain.levers.qlora import QLoRA
 from effitrain.levers.reference import Reference
-from effitrain.levers.spec import BuiltRun, Lever, OptimizerBuilder
+from effitrain.levers.spec import BuiltRun, Lever, LossOptions, OptimizerBuilder
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -54,7 +53,6 @@ if TYPE_CHECKING:
     from effitrain.optim import OptimizerSpec
     from effitrain.report.live import Reporter
     from effitrain.results import MemoryRow
-    from effitrain.tasks.base import LossOptions
 
 LEVERS: dict[str, Lever] = {}
 """Every lever by its metrics name, in the order they act."""
@@ -73,7 +71,7 @@ def register(*levers: Lever) -> None:
     for lever in levers:
         if lever.name in LEVERS:
             raise ValueError(f"lever {lever.name!r} is registered already")
-    add_options(*(lever.options for lever in levers if hasattr(lever, "options")))
+    add_options(*(lever.options for lever in levers))
     LEVERS.update({lever.name: lever for lever in levers})
 
 
@@ -187,8 +185,6 @@ def for_launch(model: torch.nn.Module, config: TrainConfig, launch: Launch) -> N
 
 def loss_options(config: TrainConfig) -> LossOptions:
     """What the levers that are on ask of the task's loss."""
-    from effitrain.tasks.base import LossOptions
-
     options = LossOptions()
     for lever in active(config):
         options = lever.loss_options(config, options)
@@ -233,18 +229,6 @@ def trains_adapters(config: TrainConfig) -> bool:
 def after_prepare(run: BuiltRun) -> None:
     for lever in active(run.config):
         lever.after_prepare(run)
-
-
-def before_training(run: BuiltRun, reporter: Reporter) -> None:
-    """After the build and any resume, before the first step (``Lever.before_training``)."""
-    for lever in active(run.config):
-        lever.before_training(run, reporter)
-
-
-def step_tensors(run: BuiltRun) -> list[Any]:
-    """What the levers that are on hold in every step besides the model and the optimizer, for
-    the step probe to track (``Lever.step_tensors``)."""
-    return [tensor for lever in active(run.config) for tensor in lever.step_tensors(run)]
 
 
 def step_contexts(
@@ -310,11 +294,6 @@ def memory_rows(fields: dict[str, Any], step: StepMemory | None) -> list[MemoryR
     return [row for lever in LEVERS.values() for row in lever.memory_rows(fields, step)]
 
 
-def estimate_reads_data(config: TrainConfig) -> bool:
-    """Whether a lever that is on needs ``effitrain estimate`` to load the data."""
-    return any(lever.estimate_reads_data(config) for lever in active(config))
-
-
 def estimate_notes(config: TrainConfig) -> list[str]:
     return [note for lever in active(config) for note in lever.estimate_notes(config)]
 
@@ -339,21 +318,6 @@ def strict_load(config: TrainConfig) -> bool:
 def check_checkpoint(run: BuiltRun, checkpoint: Path) -> None:
     for lever in active(run.config):
         lever.check_checkpoint(run, checkpoint)
-
-
-def save_extra(run: BuiltRun) -> Callable[[Path], None]:
-    """What the checkpointer calls on each checkpoint folder being written."""
-
-    def save(folder: Path) -> None:
-        for lever in active(run.config):
-            lever.save_extra(run, folder)
-
-    return save
-
-
-def load_extra(run: BuiltRun, checkpoint: Path) -> None:
-    for lever in active(run.config):
-        lever.load_extra(run, checkpoint)
 
 
 def after_final_save(run: BuiltRun, reporter: Reporter) -> None:

@@ -13,7 +13,7 @@ from effitrain.levers.spec import BuiltRun, Lever, Search
 
 if TYPE_CHECKING:
     from effitrain.config import TrainConfig
-    from effitrain.tasks.base import LossOptions
+    from effitrain.levers.spec import LossOptions
 
 
 CHUNKED_LOSS = ("auto", "torch", "liger", "cce", "off")

@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 
 from effitrain.config import MEMORY_LEVERS, OptionGroup, option, option_field
 from effitrain.errors import EffitrainError, MissingPackage
-from effitrain.levers.qlora import QLoRAOptions
 from effitrain.levers.spec import BuiltRun, Lever, Search
 
 if TYPE_CHECKING:
@@ -179,7 +178,10 @@ class LoRA(Lever):
         if LoRAOptions.of(config).lora_merge:
             merged = save_merged(run.accelerator, run.model, run.tokenizer, config.output_dir)
             reporter.saved_final(str(merged))
-        note = final_note(config)
+        from effitrain.models import base_model
+
+        base = base_model(run.accelerator.unwrap_model(run.model))
+        note = final_note(config, quantized=getattr(base, "is_loaded_in_4bit", False))
         if note:
             reporter.note(note)
 
@@ -343,11 +345,11 @@ def describe(model: torch.nn.Module, config: TrainConfig) -> str:
     )
 
 
-def final_note(config: TrainConfig) -> str | None:
+def final_note(config: TrainConfig, quantized: bool) -> str | None:
     """What to say when ``final/`` holds adapters whose base weights are saved nowhere."""
     from effitrain.models import is_preset
 
-    if is_preset(config.model) and QLoRAOptions.of(config).load_in_4bit:
+    if is_preset(config.model) and quantized:
         return (
             f"final/ holds the LoRA adapters only; they apply to the '{config.model}' preset's "
             "random base weights, which are saved nowhere else (--load-in-4bit cannot merge)"

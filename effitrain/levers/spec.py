@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from effitrain.optim import OptimizerSpec, ParamGroups
     from effitrain.report.live import Reporter
     from effitrain.results import MemoryRow
-    from effitrain.tasks.base import LossOptions
 
 OptimizerBuilder = Callable[["ParamGroups", "OptimizerSpec", float], Any]
 """How a lever builds the optimizer around a spec's factory: ``(groups, spec, lr) ->
@@ -78,6 +77,15 @@ class Search:
     """Its next values are tried even where it is on (the offload's state, then state+grads)."""
     offload_per_example: bool = False
     """Its host copies (``StepCost.offload_bytes_per_step``) grow with the examples of a step."""
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """What the memory levers ask of a task's loss (``Lever.loss_options``)."""
+
+    chunked: str = "off"
+    """The chunked loss's implementation wanted (``--chunked-loss``: auto, torch, liger, cce),
+    or off: the model's own output layer and loss."""
 
 
 class Lever:
@@ -206,20 +214,6 @@ class Lever:
     def after_prepare(self, run: BuiltRun) -> None:
         """Once Accelerate prepared the model and optimizer."""
 
-    def before_training(self, run: BuiltRun, reporter: Reporter) -> None:
-        """Once the run is built and any ``--resume`` checkpoint loaded, before the first step
-        of ``fit``: work that needs the run as it will start and must not be repeated where a
-        checkpoint kept its result (the reference's precomputed log-probs, read back by
-        :meth:`load_extra`); ``reporter`` says what it does. Not called by ``effitrain
-        estimate``."""
-
-    def step_tensors(self, run: BuiltRun) -> list[Any]:
-        """Modules and tensors of its own that every step holds besides the model's and the
-        optimizer's (a frozen reference copy): the step probe tracks them, so that they are in
-        the measured peak (it counts only what the step creates, the model and the
-        optimizer)."""
-        return []
-
     def step_context(
         self, config: TrainConfig, model: torch.nn.Module, estimating: bool
     ) -> AbstractContextManager[Any] | None:
@@ -259,11 +253,6 @@ class Lever:
         where a plain one will do."""
         return None
 
-    def estimate_reads_data(self, config: TrainConfig) -> bool:
-        """Whether ``effitrain estimate`` must load the data for it (the reference's table of
-        precomputed log-probs has a row per example), where the task's shapes need none."""
-        return False
-
     def estimate_notes(self, config: TrainConfig) -> list[str]:
         """What ``effitrain estimate`` models in its place, or leaves out."""
         return []
@@ -276,12 +265,6 @@ class Lever:
         Raises:
             EffitrainError: the checkpoint cannot continue this run.
         """
-
-    def save_extra(self, run: BuiltRun, folder: Path) -> None:
-        """Write what it keeps in a checkpoint besides Accelerate's state (every process)."""
-
-    def load_extra(self, run: BuiltRun, folder: Path) -> None:
-        """Read back what :meth:`save_extra` wrote."""
 
     def after_final_save(self, run: BuiltRun, reporter: Reporter) -> None:
         """After the final model was saved and the results summed up (every process)."""

@@ -230,7 +230,7 @@ def tensor_storage(t: torch.Tensor) -> list[tuple[StorageKey | None, int, int, s
 SHARDED_QUANT_STATE = "sharded_quant_state"
 """The attribute under which a 4-bit weight sharded by FSDP2 (a DTensor of its packed codes,
 which lost the ``Params4bit`` and its ``quant_state``) carries its module's ``QuantState``
-(``effitrain.levers.qlora``). Not ``quant_state``: bitsandbytes would then save the quant state
+(``effitrain.levers.qlora_bnb``). Not ``quant_state``: bitsandbytes would then save the quant state
 in the sharded checkpoint too."""
 
 

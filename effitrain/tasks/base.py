@@ -5,15 +5,18 @@ uses for them). Everything else (optimizers, levers, the loop, memory) is the sa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from torch.utils.data import DataLoader
 
     from effitrain.config import TrainConfig
+    from effitrain.levers.spec import LossOptions
     from effitrain.models import LoadOptions
     from effitrain.optim import LrDivisor
+    from effitrain.report.live import Reporter
 
 SEQUENCE_CLASSIFICATION, CAUSAL_LM = "sequence-classification", "causal-lm"
 PREFERENCE = "preference"
@@ -25,21 +28,13 @@ PREFERENCE_OPTIONS = ("preference_loss", "beta", "label_smoothing", "simpo_gamma
 """Config fields that only causal-LM training takes (a lever's: its spec's ``task``)."""
 
 
-@dataclass(frozen=True)
-class LossOptions:
-    """What the memory levers ask of a task's loss (``Lever.loss_options``)."""
-
-    chunked: str = "off"
-    """The chunked loss's implementation wanted (``--chunked-loss``: auto, torch, liger, cce),
-    or off: the model's own output layer and loss."""
-
-
 class Prepared(Protocol):
-    """What evaluation reads of a built run (:class:`effitrain.build.Run` is one)."""
+    """What evaluation and a loss read of a built run (:class:`effitrain.run.Run` is one)."""
 
     config: TrainConfig
     accelerator: Any
     model: Any
+    train_loader: Any
     eval_loader: Any
     data: Any
     tokenizer: Any
@@ -67,8 +62,53 @@ class Loss(Protocol):
         rewards; a collective under several processes); empties its window. Most have none."""
         ...
 
+    def after_prepare(self, run: Prepared) -> None:
+        """Once Accelerate prepared the run, before any resume: build what the loss holds
+        besides the model (DPO's reference: the model as it starts is copied here)."""
+        ...
 
-class ModelLoss:
+    def before_training(self, run: Prepared, reporter: Reporter) -> None:
+        """After the build and any resume, before the first step of ``fit``: work that a
+        checkpoint keeps the result of (DPO's precomputed reference pass); ``reporter`` says
+        what it does. Not called by ``effitrain estimate``."""
+        ...
+
+    def step_tensors(self) -> list[Any]:
+        """Modules and tensors it holds through every step (a frozen reference copy): the step
+        probe tracks them, so that they are in the measured peak."""
+        ...
+
+    def save_extra(self, run: Prepared, folder: Path) -> None:
+        """Write what it keeps in a checkpoint folder besides Accelerate's state (every
+        process calls it)."""
+        ...
+
+    def load_extra(self, run: Prepared, folder: Path) -> None:
+        """Read back what :meth:`save_extra` wrote."""
+        ...
+
+
+class LossMoments:
+    """A loss's moments of the run besides computing the loss (:class:`Loss` says what each is
+    for), each doing nothing: what a loss that holds nothing besides the model does at them."""
+
+    def after_prepare(self, run: Prepared) -> None:
+        pass
+
+    def before_training(self, run: Prepared, reporter: Reporter) -> None:
+        pass
+
+    def step_tensors(self) -> list[Any]:
+        return []
+
+    def save_extra(self, run: Prepared, folder: Path) -> None:
+        pass
+
+    def load_extra(self, run: Prepared, folder: Path) -> None:
+        pass
+
+
+class ModelLoss(LossMoments):
     """The model's own loss (labels are in the batch): a mean over the micro-batch, so every
     micro-batch of an optimizer step weighs the same."""
 
@@ -123,6 +163,11 @@ class Task:
         """The same model built from its config alone, no weights read (``effitrain estimate``
         calls it on the meta device). ``data`` may be None where the model needs none."""
         raise NotImplementedError
+
+    def estimate_reads_data(self, config: TrainConfig) -> bool:
+        """Whether ``effitrain estimate`` must load the data (a classifier's head is sized from
+        its labels); a task whose shapes come from the model alone needs none."""
+        return True
 
     def check_model(self, config: TrainConfig, data: Any, model: Any) -> None:
         """Fit the data options to the loaded model (may change ``data``, add notes)."""

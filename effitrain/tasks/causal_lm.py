@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from torch.utils.data import DataLoader
 
     from effitrain.config import TrainConfig
-    from effitrain.tasks.base import LossOptions
+    from effitrain.levers.spec import LossOptions
     from effitrain.tasks.lm_loss import Choice, LMLoss
 
 SAMPLE_TOKENS = 40
@@ -120,6 +120,9 @@ class DecoderTask(Task):
 
     def model_from_config(self, config: TrainConfig, data: Any, tokenizer: Any) -> Any:
         return models.model_from_config(config.model, tokenizer, causal_lm=True)
+
+    def estimate_reads_data(self, config: TrainConfig) -> bool:
+        return False  # no labels to size a head from: the shapes come from the model
 
     @staticmethod
     def loss_choice(model: Any, device: Any, sharded: str | None, options: LossOptions) -> Choice:

@@ -40,6 +40,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from effitrain.errors import EffitrainError
+from effitrain.tasks.base import LossMoments
 from effitrain.tasks.lm_data import IGNORE_INDEX
 
 if TYPE_CHECKING:
@@ -356,7 +357,7 @@ def softcap_of(model: Any) -> float | None:
     return getattr(config, "final_logit_softcapping", None) or None
 
 
-class ChosenLoss:
+class ChosenLoss(LossMoments):
     """A loss computed by a :class:`Choice`: its name and levers in the metrics JSON."""
 
     choice: Choice

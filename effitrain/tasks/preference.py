@@ -1,6 +1,7 @@
 """Preference tuning (``--task preference``): a ``*ForCausalLM`` trained on pairs of a chosen and
-a rejected answer with DPO, ORPO or SimPO (the losses, the reference and the evaluation are
-:mod:`.preference_loss`; the data pipeline is :mod:`.preference_data`).
+a rejected answer with DPO, ORPO or SimPO (the losses and the evaluation are
+:mod:`.preference_loss`, DPO's reference :mod:`.preference_reference`; the data pipeline is
+:mod:`.preference_data`).
 
 The model, its loading and the chunked loss's choice of implementation are the causal LM's; the
 data is pairs, never packed, and every batch holds each pair as two sequences.
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from torch.utils.data import DataLoader
 
     from effitrain.config import TrainConfig
-    from effitrain.tasks.base import LossOptions
+    from effitrain.levers.spec import LossOptions
 
 REFUSED_OPTIONS = CAUSAL_LM_OPTIONS
 """Causal-LM options that preference pairs do not take: they are never packed, the loss is on
@@ -77,6 +78,12 @@ class PreferenceTask(DecoderTask):
 
     def load_data(self, config: TrainConfig) -> PreferenceData:
         return load_preference_data(config)
+
+    def estimate_reads_data(self, config: TrainConfig) -> bool:
+        from effitrain.levers.reference import how
+
+        # DPO's precomputed reference counts a table row per example.
+        return config.preference_loss == "dpo" and how(config) == "precompute"
 
     def dataloaders(
         self,

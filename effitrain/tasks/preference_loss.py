@@ -42,10 +42,14 @@ from effitrain.tasks.lm_loss import (
 )
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
 
     from effitrain.config import TrainConfig
+    from effitrain.report.live import Reporter
     from effitrain.tasks.base import Prepared
+    from effitrain.tasks.preference_reference import Provider
 
 PREFERENCE_LOSSES = ("dpo", "orpo", "simpo")
 DEFAULT_BETA = {"dpo": 0.1, "orpo": 0.1, "simpo": 2.0}
@@ -211,8 +215,9 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
 class PreferenceLoss(ChosenLoss):
     """The preference loss of ``config.preference_loss``, with the chosen implementation.
 
-    ``model`` arguments may be wrapped (DDP); ``unwrapped`` is the model itself. ``reference``
-    (DPO's) is set by the reference lever: an object with ``logps(model, batch) -> [2B]``."""
+    ``model`` arguments may be wrapped (DDP); ``unwrapped`` is the model itself. DPO's
+    ``reference`` (:mod:`effitrain.tasks.preference_reference`) is built by :meth:`after_prepare`
+    and does its work at the run's moments below."""
 
     token_weighted = False
 
@@ -228,7 +233,7 @@ class PreferenceLoss(ChosenLoss):
         self.simpo_gamma = config.simpo_gamma
         self.choice = per_sequence_choice(choice, unwrapped)
         self.unwrapped = unwrapped
-        self.reference: Any = None
+        self.reference: Provider | None = None
         self._window: torch.Tensor | None = None
         """Since the last log line: ``[pairs, *sums of METRICS]`` on the device."""
 
@@ -264,6 +269,34 @@ class PreferenceLoss(ChosenLoss):
             **({"simpo_gamma": self.simpo_gamma} if self.kind == "simpo" else {}),
         }
 
+    def reference_logps(self, model: Any, unwrapped: Any, batch: dict[str, Any]) -> torch.Tensor:
+        """Each sequence's summed answer log-probs, as the reference scores them."""
+        return sequence_logps(self.choice, model, unwrapped, batch, average=False)
+
+    def after_prepare(self, run: Prepared) -> None:
+        """DPO: build the reference, as ``--reference`` says. The copy is made here, before any
+        step or resume (the model is then as it starts); the precomputed table is allocated
+        here and filled by :meth:`before_training` (or read back by :meth:`load_extra`)."""
+        if self.kind == "dpo":
+            from effitrain.tasks.preference_reference import make_provider
+
+            self.reference = make_provider(run, self)
+
+    def before_training(self, run: Prepared, reporter: Reporter) -> None:
+        if self.reference is not None:
+            self.reference.before_training(run, reporter)
+
+    def step_tensors(self) -> list[Any]:
+        return self.reference.step_tensors() if self.reference is not None else []
+
+    def save_extra(self, run: Prepared, folder: Path) -> None:
+        if self.reference is not None:
+            self.reference.save(run, folder)
+
+    def load_extra(self, run: Prepared, folder: Path) -> None:
+        if self.reference is not None:
+            self.reference.load(run, folder)
+
     def __call__(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
         """The micro-batch's loss (fp32); its rewards join the log window (no sync)."""
         terms = self.terms(model, batch)
@@ -292,7 +325,7 @@ class PreferenceLoss(ChosenLoss):
                 self.beta * rejected.detach(),
             )
         if self.reference is None:
-            raise RuntimeError("DPO needs a reference: the reference lever sets loss.reference")
+            raise RuntimeError("DPO needs a reference: after_prepare builds it")
         with torch.no_grad():
             ref_chosen, ref_rejected = self.reference.logps(model, batch).float().chunk(2)
         chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
