@@ -35,8 +35,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from effitrain.optim import Hyperparameters, OptimizerSpec
+    from effitrain.parts import Loss
     from effitrain.report.live import Reporter
-    from effitrain.tasks.base import Loss, Task
+    from effitrain.tasks.base import Task
 
 
 def checked_config(

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from effitrain.config import MEMORY_LEVERS, OptionGroup, option_field
 from effitrain.errors import EffitrainError
 from effitrain.levers.gradient_checkpointing import GradientCheckpointingOptions
-from effitrain.levers.spec import BuiltRun, Lever, Search
+from effitrain.levers.spec import Lever, Search
 from effitrain.results import MemoryRow
 
 if TYPE_CHECKING:
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from effitrain.config import TrainConfig
     from effitrain.distributed import Launch
     from effitrain.memory.step import StepMemory
+    from effitrain.parts import RunParts
 
 MIN_OFFLOAD_BYTES = 1024
 """trl's default: smaller saved tensors stay on the GPU."""
@@ -217,7 +218,7 @@ class ActivationOffload(Lever):
         context = offload_context(model, counter)
         return OffloadContext(lambda: context, counter)
 
-    def step_cost(self, run: BuiltRun, micro_batches: int) -> dict[str, int]:
+    def step_cost(self, run: RunParts, micro_batches: int) -> dict[str, int]:
         moved = run.lever_contexts[self.name].host_bytes.moved
         return {"offload_bytes_per_step": moved * micro_batches}
 
@@ -233,7 +234,7 @@ class ActivationOffload(Lever):
             + ")"
         )
 
-    def metrics(self, run: BuiltRun) -> dict[str, Any]:
+    def metrics(self, run: RunParts) -> dict[str, Any]:
         return {"activation_offload_host_bytes": run.lever_contexts[self.name].host_bytes.peak}
 
     def memory_rows(self, metrics: dict[str, Any], step: StepMemory | None) -> list[MemoryRow]:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from effitrain.config import MEMORY_LEVERS, OptionGroup, option, option_field
 from effitrain.errors import EffitrainError, MissingPackage
-from effitrain.levers.spec import BuiltRun, Lever, Search
+from effitrain.levers.spec import Lever, Search
 
 if TYPE_CHECKING:
     import torch
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
     from effitrain.config import TrainConfig
     from effitrain.distributed import Launch
+    from effitrain.parts import RunParts
     from effitrain.report.live import Reporter
 
 INSTALL = "pip install 'effitrain[lora]'"
@@ -169,7 +170,7 @@ class LoRA(Lever):
     def banner(self, config: TrainConfig, model: torch.nn.Module) -> str:
         return describe(model, config)
 
-    def after_final_save(self, run: BuiltRun, reporter: Reporter) -> None:
+    def after_final_save(self, run: RunParts, reporter: Reporter) -> None:
         """``final-merged/`` with --lora-merge: after the summary, because merging changes the
         model in place (its parameters no longer are the ones that trained)."""
         config = run.config

@@ -19,7 +19,7 @@ from effitrain.config import MEMORY_LEVERS, OptionGroup, option_field
 from effitrain.errors import EffitrainError
 from effitrain.levers.bf16_weights import Bf16WeightsOptions
 from effitrain.levers.lora import adapters_on
-from effitrain.levers.spec import BuiltRun, Lever
+from effitrain.levers.spec import Lever
 from effitrain.results import MemoryRow
 
 if TYPE_CHECKING:
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from effitrain.config import TrainConfig
     from effitrain.distributed import Launch
     from effitrain.memory.step import StepMemory
+    from effitrain.parts import RunParts
 
 TABLE_FILE = "reference_logps.safetensors"
 """The precomputed table's file in a checkpoint folder."""
@@ -138,7 +139,7 @@ class Reference(Lever):
             "copy": f"reference: a frozen {copy_dtype(config)} copy of the model, in the step",
         }[how(config)]
 
-    def metrics(self, run: BuiltRun) -> dict[str, Any]:
+    def metrics(self, run: RunParts) -> dict[str, Any]:
         provider = run.loss.reference
         return {
             "reference": {
@@ -172,7 +173,7 @@ class Reference(Lever):
             "copy": [f"reference: the frozen {copy_dtype(config)} copy's weights are in the peak"],
         }[how(config)]
 
-    def check_checkpoint(self, run: BuiltRun, checkpoint: Path) -> None:
+    def check_checkpoint(self, run: RunParts, checkpoint: Path) -> None:
         if how(run.config) == "precompute" and not (checkpoint / TABLE_FILE).is_file():
             raise EffitrainError(
                 f"cannot resume from {checkpoint}: it holds no precomputed reference log-probs "

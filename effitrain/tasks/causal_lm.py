@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import effitrain.models as models
 from effitrain.errors import EffitrainError
-from effitrain.tasks.base import CAUSAL_LM, Prepared, Task
+from effitrain.tasks.base import CAUSAL_LM, Task
 from effitrain.tasks.lm_data import (
     IGNORE_INDEX,
     LMData,
@@ -29,13 +29,14 @@ if TYPE_CHECKING:
 
     from effitrain.config import TrainConfig
     from effitrain.levers.spec import LossOptions
+    from effitrain.parts import RunParts
     from effitrain.tasks.lm_loss import Choice, LMLoss
 
 SAMPLE_TOKENS = 40
 """Tokens a ``--sample-prompt`` continuation runs to (greedy, stops earlier at eos)."""
 
 
-def evaluate_lm(run: Prepared) -> dict[str, Any]:
+def evaluate_lm(run: RunParts) -> dict[str, Any]:
     """Validation loss and perplexity over every labelled token; with a sample prompt (given,
     or the built-in demo's), its greedy continuation under ``"sample"``.
 
@@ -65,7 +66,7 @@ def evaluate_lm(run: Prepared) -> dict[str, Any]:
     return metrics
 
 
-def sample_prompt(run: Prepared) -> str | None:
+def sample_prompt(run: RunParts) -> str | None:
     """``--sample-prompt``, else the demo corpus's own prompt when training on it."""
     config = run.config
     if config.sample_prompt is not None:
@@ -77,7 +78,7 @@ def sample_prompt(run: Prepared) -> str | None:
     return None
 
 
-def generate_sample(run: Prepared, prompt: str, max_new_tokens: int = SAMPLE_TOKENS) -> str:
+def generate_sample(run: RunParts, prompt: str, max_new_tokens: int = SAMPLE_TOKENS) -> str:
     """The greedy continuation of ``prompt`` (the new text only). With instruction or chat
     data, the prompt is a user turn rendered by the chat template the data was rendered with.
 
@@ -169,7 +170,7 @@ class CausalLMTask(DecoderTask):
 
         return LMLoss(self.loss_choice(model, device, sharded, options), model)
 
-    def evaluate(self, run: Prepared) -> dict[str, Any]:
+    def evaluate(self, run: RunParts) -> dict[str, Any]:
         return evaluate_lm(run)
 
     def data_line(self, data: LMData, train_loader: Any) -> str:

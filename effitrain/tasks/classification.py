@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import effitrain.models as models
 from effitrain.config import option
 from effitrain.errors import EffitrainError
-from effitrain.tasks.base import CAUSAL_LM_OPTIONS, SEQUENCE_CLASSIFICATION, Prepared, Task
+from effitrain.tasks.base import CAUSAL_LM_OPTIONS, SEQUENCE_CLASSIFICATION, Task
 from effitrain.tasks.sources import (
     LABEL_COLUMN_CANDIDATES,
     hold_out,
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from effitrain.config import TrainConfig
+    from effitrain.parts import RunParts
 
 # Tried in order; the first whose columns all exist wins.
 TEXT_COLUMN_CANDIDATES: tuple[tuple[str, ...], ...] = (
@@ -242,7 +243,7 @@ def build_dataloaders(
     return loaders(train, validation, collator, config)
 
 
-def evaluate(run: Prepared) -> dict[str, Any]:
+def evaluate(run: RunParts) -> dict[str, Any]:
     """Loss, accuracy and F1 over the whole validation set, each example counted once.
 
     ``gather_for_metrics`` drops the samples that the last batch repeats to even out processes.
@@ -310,7 +311,7 @@ class ClassificationTask(Task):
     ) -> tuple[DataLoader, DataLoader]:
         return build_dataloaders(data, tokenizer, config, pad_to_multiple_of)
 
-    def evaluate(self, run: Prepared) -> dict[str, Any]:
+    def evaluate(self, run: RunParts) -> dict[str, Any]:
         return evaluate(run)
 
     def data_line(self, data: LoadedData, train_loader: Any) -> str:

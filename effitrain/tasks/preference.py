@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from effitrain.config import default_for, option
 from effitrain.errors import EffitrainError
 from effitrain.optim import LrDivisor
-from effitrain.tasks.base import CAUSAL_LM_OPTIONS, PREFERENCE, Prepared
+from effitrain.tasks.base import CAUSAL_LM_OPTIONS, PREFERENCE
 from effitrain.tasks.causal_lm import DecoderTask
 from effitrain.tasks.preference_data import (
     FORMATS,
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
     from effitrain.config import TrainConfig
     from effitrain.levers.spec import LossOptions
+    from effitrain.parts import RunParts
 
 REFUSED_OPTIONS = CAUSAL_LM_OPTIONS
 """Causal-LM options that preference pairs do not take: they are never packed, the loss is on
@@ -107,7 +108,7 @@ class PreferenceTask(DecoderTask):
 
         return PreferenceLoss(config, self.loss_choice(model, device, sharded, options), model)
 
-    def evaluate(self, run: Prepared) -> dict[str, Any]:
+    def evaluate(self, run: RunParts) -> dict[str, Any]:
         from effitrain.tasks.preference_loss import evaluate_preference
 
         return evaluate_preference(run)
