@@ -32,6 +32,7 @@ from effitrain.tracking import Trackers
 if TYPE_CHECKING:
     import torch
     from accelerate import Accelerator
+    from torch.utils.data import DataLoader
     from transformers import PreTrainedTokenizerBase
 
     from effitrain.optim import Hyperparameters, OptimizerSpec
@@ -258,8 +259,8 @@ def assemble(
     tokenizer: PreTrainedTokenizerBase | None,
     model: torch.nn.Module,
     loss: Loss,
-    train_loader: Any,
-    eval_loader: Any,
+    train_loader: DataLoader[Any],
+    eval_loader: DataLoader[Any],
     plan: Plan,
     trackers: Trackers,
     estimating: bool = False,

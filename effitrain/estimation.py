@@ -30,7 +30,7 @@ import dataclasses
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import effitrain.build as build
 import effitrain.levers as levers
@@ -50,6 +50,7 @@ from effitrain.tracking import Trackers
 
 if TYPE_CHECKING:
     import torch
+    from torch.utils.data import DataLoader
 
     from effitrain.run import Run
 
@@ -65,7 +66,7 @@ def _fake_mode() -> Any:
         """Fake tensors that answer ``.item()`` with 1 (True for bool): optimizers read step
         counts and norms back; their state's shapes never depend on those values."""
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is torch.ops.aten._local_scalar_dense.default:
                 dtype = args[0].dtype
                 if dtype == torch.bool:
@@ -249,8 +250,9 @@ def _fake_run(
         tokenizer=tokenizer,
         model=model,
         loss=loss,
-        train_loader=_FakeLoader([batch] * (config.grad_accum * STEPS)),
-        eval_loader=_FakeLoader(),
+        # The loop only iterates the training data; nothing reads the evaluation's.
+        train_loader=cast("DataLoader[Any]", _FakeLoader([batch] * (config.grad_accum * STEPS))),
+        eval_loader=cast("DataLoader[Any]", _FakeLoader()),
         plan=Plan(steps_per_epoch=STEPS, total_steps=STEPS, epochs=1, warmup_steps=0),
         trackers=Trackers(None, config),
         estimating=True,

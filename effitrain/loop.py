@@ -345,7 +345,8 @@ def epoch_batches(run: Run, progress: TrainingProgress) -> Iterable[dict[str, An
 
     Data order depends only on (seed, epoch), so the skipped batches are the same ones.
     """
-    run.train_loader.set_epoch(progress.epoch)
+    # Accelerate's prepared loader (untyped: mypy sees the DataLoader) seeds its order here.
+    run.train_loader.set_epoch(progress.epoch)  # type: ignore[attr-defined]
     if progress.step_in_epoch:
         skip = progress.step_in_epoch * run.config.grad_accum
         return run.accelerator.skip_first_batches(run.train_loader, skip)
@@ -388,7 +389,7 @@ def log_line(run: Run, progress: TrainingProgress, timer: Stopwatch) -> StepLog:
         total_steps=run.plan.total_steps,
         epoch=progress.epoch + 1,
         loss=loss_sum / max(batches, 1),
-        lr=run.lr_scheduler.get_last_lr()[0],
+        lr=float(run.lr_scheduler.get_last_lr()[0]),
         samples_per_second=samples / elapsed if elapsed > 0 else 0.0,
         eta_seconds=remaining * timer.recent_mean(run.config.log_every),
         tokens_per_second=progress.window_tokens / elapsed if elapsed > 0 else 0.0,

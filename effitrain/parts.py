@@ -57,12 +57,21 @@ class RunParts:
 class Loss(Protocol):
     """How a task computes a micro-batch's loss."""
 
-    token_weighted: bool
-    """Whether the loss is a sum that the loop weighs by the step's labelled tokens."""
-    name: str
-    """In the metrics JSON (``loss.implementation``)."""
-    chunked: bool
-    """Whether it computes the logits chunk by chunk, never all at once (the chunked loss)."""
+    # Read-only: a class attribute or a property will do.
+    @property
+    def token_weighted(self) -> bool:
+        """Whether the loss is a sum that the loop weighs by the step's labelled tokens."""
+        ...
+
+    @property
+    def name(self) -> str:
+        """In the metrics JSON (``loss.implementation``)."""
+        ...
+
+    @property
+    def chunked(self) -> bool:
+        """Whether it computes the logits chunk by chunk, never all at once (the chunked loss)."""
+        ...
 
     def __call__(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor: ...
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from effitrain.config import MEMORY_LEVERS, OptionGroup, option, option_field
 from effitrain.errors import EffitrainError, MissingPackage
@@ -35,6 +35,7 @@ from effitrain.levers.spec import Lever, Search
 if TYPE_CHECKING:
     import torch
     from accelerate import Accelerator
+    from peft import LoraModel, PeftModel
 
     from effitrain.config import TrainConfig
     from effitrain.distributed import Launch
@@ -272,7 +273,7 @@ def _why(given: list[str] | None) -> str:
     return "all linear layers" if given == [ALL_LINEAR] else "--lora-target-modules"
 
 
-def apply(model: torch.nn.Module, config: TrainConfig) -> Any:
+def apply(model: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
     """Wrap ``model`` in a peft LoRA model: adapters on the target modules, the head in full.
 
     Raises:
@@ -291,12 +292,14 @@ def apply(model: torch.nn.Module, config: TrainConfig) -> Any:
     from effitrain.models import head_modules, is_causal_lm
 
     head = head_modules(model)
-    targets = resolve_targets(model, LoRAOptions.of(config).lora_target_modules, head)
+    options = LoRAOptions.of(config)
+    targets = resolve_targets(model, options.lora_target_modules, head)
+    assert options.lora_rank is not None  # applied only where adapters_on
 
     lora_config = LoraConfig(
         task_type=TaskType.CAUSAL_LM if is_causal_lm(model) else TaskType.SEQ_CLS,
-        r=LoRAOptions.of(config).lora_rank,
-        lora_alpha=alpha(config),
+        r=options.lora_rank,
+        lora_alpha=alpha(config),  # type: ignore[arg-type]  # peft says int; it divides by r
         lora_dropout=dropout(config),
         target_modules=targets,
         modules_to_save=head or None,
@@ -329,12 +332,13 @@ def describe(model: torch.nn.Module, config: TrainConfig) -> str:
     from effitrain.memory.ledger import parameter_count, trainable_parameter_count
     from effitrain.models import head_modules
 
-    peft_model = model
+    peft_model = cast("PeftModel", model)  # apply_to_model wrapped it
     base = peft_model.get_base_model()
     head = head_modules(base)
     options = LoRAOptions.of(config)
     why = _why(options.lora_target_modules)  # checked by apply, on the model before peft
-    targeted = _leaf_names(list(peft_model.base_model.targeted_module_names))
+    tuner = cast("LoraModel", peft_model.base_model)  # peft types it as the model it wrapped
+    targeted = _leaf_names(list(tuner.targeted_module_names))
     total = parameter_count(peft_model)  # 4-bit: unpacked
     default = "" if options.lora_alpha is not None else " (2 x rank)"
     return (

@@ -13,7 +13,7 @@ belongs to the preference loss, which builds it once the run is prepared:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from effitrain.config import MEMORY_LEVERS, OptionGroup, option_field
 from effitrain.errors import EffitrainError
@@ -81,6 +81,24 @@ def copy_dtype(config: TrainConfig) -> str:
     return "bf16" if Bf16WeightsOptions.of(config).weights_dtype == "bf16" else "fp32"
 
 
+class ShownReference(Protocol):
+    """What the lever shows of a reference (``tasks.preference_reference.Provider``)."""
+
+    @property
+    def dtype(self) -> str | None: ...
+
+    def bytes(self) -> int: ...
+
+
+@runtime_checkable
+class HoldsReference(Protocol):
+    """The loss that holds the reference (``tasks.preference_loss.PreferenceLoss``, a layer
+    above the levers: named here by its shape)."""
+
+    @property
+    def reference(self) -> ShownReference | None: ...
+
+
 class Reference(Lever):
     name = "reference"
     options = ReferenceOptions
@@ -140,7 +158,9 @@ class Reference(Lever):
         }[how(config)]
 
     def metrics(self, run: RunParts) -> dict[str, Any]:
-        provider = run.loss.reference
+        loss = run.loss
+        assert isinstance(loss, HoldsReference) and loss.reference is not None  # DPO's loss
+        provider = loss.reference
         return {
             "reference": {
                 "how": how(run.config),

@@ -136,7 +136,7 @@ class Task:
     def loss_function(
         self,
         model: torch.nn.Module,
-        device: torch.device,
+        device: torch.device | None,
         sharded: str | None,
         options: LossOptions,
         *,

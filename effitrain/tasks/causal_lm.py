@@ -10,7 +10,7 @@ and the sums are divided by the token count. Perplexity is ``exp(loss)``.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import effitrain.models as models
 from effitrain.errors import EffitrainError
@@ -44,10 +44,13 @@ def evaluate_lm(run: RunParts) -> dict[str, Any]:
     sum chunk by chunk (:meth:`effitrain.tasks.lm_loss.LMLoss.sequence_sums`)."""
     import torch
 
-    model, accelerator = run.model, run.accelerator
+    from effitrain.tasks.lm_loss import LMLoss
+
+    model, accelerator, lm_loss = run.model, run.accelerator, run.loss
+    assert isinstance(lm_loss, LMLoss)  # a decoder task's
     loss_sums, token_counts = [], []
     for batch in run.eval_loader:
-        sums = run.loss.sequence_sums(model, batch)
+        sums = lm_loss.sequence_sums(model, batch)
         counts = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(dim=-1)
         sums, counts = accelerator.gather_for_metrics((sums, counts))
         loss_sums.append(sums.double().cpu())
@@ -87,10 +90,15 @@ def generate_sample(run: RunParts, prompt: str, max_new_tokens: int = SAMPLE_TOK
     import torch
 
     tokenizer = run.tokenizer
+    assert tokenizer is not None  # only an estimate has none, and it never evaluates
     model = run.accelerator.unwrap_model(run.model)
     if run.data.format in ("instruction", "messages"):
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        # Not tokenized: the rendered text (transformers types every return kind).
+        prompt = cast(
+            "str",
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            ),
         )
         encoded = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
     else:
@@ -105,7 +113,7 @@ def generate_sample(run: RunParts, prompt: str, max_new_tokens: int = SAMPLE_TOK
             pad_token_id=tokenizer.pad_token_id,
         )
     new = output[0, encoded["input_ids"].shape[1] :]
-    return tokenizer.decode(new, skip_special_tokens=True)
+    return cast("str", tokenizer.decode(new, skip_special_tokens=True))  # one sequence: one text
 
 
 class DecoderTask(Task):

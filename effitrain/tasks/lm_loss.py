@@ -199,7 +199,7 @@ def _linear_cross_entropy() -> Any:
 
     class LinearCrossEntropy(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, hidden, weight, bias, labels, softcap, size, per_token=False):  # type: ignore[no-untyped-def]
+        def forward(ctx, hidden, weight, bias, labels, softcap, size, per_token=False):
             pieces = (  # one chunk's logits at a time
                 _token_losses(h, weight, bias, t, softcap)
                 for h, t in zip(hidden.split(size), labels.split(size), strict=True)
@@ -217,7 +217,7 @@ def _linear_cross_entropy() -> Any:
             return total
 
         @staticmethod
-        def backward(ctx, grad_total):  # type: ignore[no-untyped-def]
+        def backward(ctx, grad_total):
             hidden, weight, bias, labels = ctx.saved_tensors
             kind, enabled, dtype = ctx.autocast
             grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None

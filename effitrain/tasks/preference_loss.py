@@ -393,7 +393,8 @@ def evaluate_preference(run: RunParts) -> dict[str, Any]:
     import torch
 
     model, accelerator, loss = run.model, run.accelerator, run.loss
-    gathered: list[list[torch.Tensor]] = []
+    assert isinstance(loss, PreferenceLoss)  # the preference task's
+    gathered: list[torch.Tensor] = []
     with torch.no_grad():
         for batch in run.eval_loader:
             terms = loss.terms(model, batch)
