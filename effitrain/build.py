@@ -191,6 +191,7 @@ def build_model(
         EffitrainError: the model cannot be loaded or cannot take a lever.
     """
     options = load_options(config, device, launch)
+    model: torch.nn.Module  # a transformers model until a lever wraps it (LoRA)
     if loaded:
         model = task.load_model(config, data, tokenizer, options)
         task.check_model(config, data, model)
@@ -209,7 +210,7 @@ def build_loss(
     task: Task,
     model: torch.nn.Module,
     launch: Launch,
-    device: torch.device | None,
+    device: torch.device,
 ) -> Loss:
     """The task's loss for the model (unwrapped, levers applied), on this launch and device."""
     sharded = launch.sharding.description if launch.sharding.sharded else None

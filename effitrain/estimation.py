@@ -51,8 +51,12 @@ from effitrain.tracking import Trackers
 if TYPE_CHECKING:
     import torch
     from torch.utils.data import DataLoader
+    from transformers import PreTrainedTokenizerBase
 
+    from effitrain.optim import OptimizerSpec
+    from effitrain.parts import Loss
     from effitrain.run import Run
+    from effitrain.tasks.base import Task
 
 STEPS = 2
 """Optimizer steps run; the last is measured (the first creates the optimizer state)."""
@@ -232,11 +236,11 @@ def estimate(config: TrainConfig, launch: Launch | None = None) -> Estimate:
 def _fake_run(
     config: TrainConfig,
     launch: Launch,
-    task: Any,
+    task: Task,
     data: Any,
-    tokenizer: Any,
-    model: Any,
-    loss: Any,
+    tokenizer: PreTrainedTokenizerBase | None,
+    model: torch.nn.Module,
+    loss: Loss,
     batch: dict[str, Any],
 ) -> Run:
     """The run as ``build.assemble`` makes a real one, on a CPU accelerator, with ``batch`` as
@@ -285,7 +289,11 @@ def _checked(config: TrainConfig, launch: Launch) -> list[str]:
 
 
 def _host_memory(
-    config: TrainConfig, model: Any, landed: host.LandedWeights, launch: Launch, step: int | None
+    config: TrainConfig,
+    model: torch.nn.Module,
+    landed: host.LandedWeights,
+    launch: Launch,
+    step: int | None,
 ) -> HostMemory:
     """The host memory of one machine (:mod:`effitrain.memory.host`): the checkpoint read as
     the run reads it (the facts from its safetensors headers; for a config alone, its parameter
@@ -330,7 +338,7 @@ def _run_steps(run: Run, device: torch.device | None) -> TrainingProgress:
     return progress
 
 
-def _optimizer_notes(spec: Any) -> list[str]:
+def _optimizer_notes(spec: OptimizerSpec) -> list[str]:
     """What the estimate of the optimizer's own step leaves out."""
     if spec.module != "torchao":
         return []
@@ -374,7 +382,9 @@ def _rank0_rows(rows: int, n: int) -> int:
     return min(rows, -(-rows // n))
 
 
-def fsdp2_layout(model: torch.nn.Module, optimizer: Any) -> dict[str, dict[str, int]]:
+def fsdp2_layout(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, dict[str, int]]:
     """How FSDP2 splits this run's tensors: per kind (``parameters``, ``gradients``,
     ``optimizer_state``), bytes by the size of the dim 0 they are split on (``"rows:<n>"``) and
     the bytes every rank holds whole (``"whole"``: the column factors of 2-D weights, scalars,

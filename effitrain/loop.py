@@ -37,6 +37,9 @@ from effitrain.results import StepLog
 from effitrain.signals import StopRequest, TrainingStopped
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    import torch
     from accelerate import Accelerator
 
     from effitrain.report.live import Reporter
@@ -145,7 +148,9 @@ class StepGuard:
         self.updates_in_backward = updates_in_backward
         """--optimizer-in-backward: the update has already happened when the check runs."""
 
-    def check(self, loss: Any, grad_norm: Any, progress: TrainingProgress) -> bool:
+    def check(
+        self, loss: torch.Tensor, grad_norm: torch.Tensor | None, progress: TrainingProgress
+    ) -> bool:
         """Whether every process agreed to stop after this step.
 
         ``progress.window_loss`` sums the losses since the last log line, so a non-finite loss
@@ -176,7 +181,7 @@ class StepGuard:
         return stop
 
     def _nonfinite_error(
-        self, loss: Any, grad_norm: Any, progress: TrainingProgress
+        self, loss: torch.Tensor, grad_norm: torch.Tensor | None, progress: TrainingProgress
     ) -> EffitrainError:
         loss_value = float(loss.detach())
         what = f"loss {loss_value}"
@@ -475,7 +480,7 @@ def check_measured_budget(
     )
 
 
-def _report_saved(reporter: Reporter, path: Any, progress: TrainingProgress) -> None:
+def _report_saved(reporter: Reporter, path: Path | None, progress: TrainingProgress) -> None:
     if path is not None:
         reporter.checkpoint_saved(str(path), progress.global_step)
 

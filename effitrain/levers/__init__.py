@@ -161,7 +161,7 @@ def load_options(config: TrainConfig, options: LoadOptions) -> LoadOptions:
 
 def apply_to_model(
     model: torch.nn.Module, config: TrainConfig, device: torch.device | None = None
-) -> Any:
+) -> torch.nn.Module:
     """Turn on the levers that change the model, in registry order; returns the model to train
     (LoRA wraps it). ``device``: where the run trains (4-bit weights are quantized there; on
     the meta device, an estimate's, they are not quantized yet).

@@ -41,7 +41,7 @@ class GradientCheckpointing(Lever):
 
     def apply_to_model(
         self, model: torch.nn.Module, config: TrainConfig, device: torch.device | None
-    ) -> Any:
+    ) -> torch.nn.Module:
         enable(model)
         return model
 

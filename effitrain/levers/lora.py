@@ -163,7 +163,7 @@ class LoRA(Lever):
 
     def apply_to_model(
         self, model: torch.nn.Module, config: TrainConfig, device: torch.device | None
-    ) -> Any:
+    ) -> torch.nn.Module:
         # peft wraps the model as it is then (dtype included: adapters over bf16 base weights
         # are created in fp32, peft's autocast_adapter_dtype).
         return apply(model, config)
@@ -229,7 +229,9 @@ def linear_candidates(model: torch.nn.Module, head: list[str]) -> list[str]:
     )
 
 
-def resolve_targets(model: torch.nn.Module, given: list[str] | None, head: list[str]) -> Any:
+def resolve_targets(
+    model: torch.nn.Module, given: list[str] | None, head: list[str]
+) -> str | list[str]:
     """``target_modules`` for peft (``_why`` says why, for the banner).
 
     Raises:
@@ -317,7 +319,7 @@ def apply(model: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
         ) from exc
 
 
-def original_parameters(model: torch.nn.Module) -> list[Any]:
+def original_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The parameters of the model as it was before peft: without the adapters (``lora_``)
     and without the trained copies of the head (``modules_to_save``; the originals stay)."""
     return [

@@ -131,7 +131,7 @@ class QLoRA(Lever):
 
     def apply_to_model(
         self, model: torch.nn.Module, config: TrainConfig, device: torch.device | None
-    ) -> Any:
+    ) -> torch.nn.Module:
         if getattr(model, "is_loaded_in_4bit", False):  # quantized while it was read
             no_cpu_repacking(model)
             return model

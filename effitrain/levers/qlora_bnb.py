@@ -104,7 +104,7 @@ def replace_linear_layers(
     config: TrainConfig,
     new_weight: Callable[[Any, torch.Tensor], Any] | None = None,
     replacing: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
-) -> Any:
+) -> torch.nn.Module:
     """Swap the Linear layers (outside :func:`kept_modules`) for bitsandbytes' ``Linear4bit``,
     each holding its original weight, not yet quantized (:func:`quantize_weights` does that on
     the run's device). Works on the meta device too (``effitrain estimate``). ``new_weight(layer,
@@ -160,7 +160,7 @@ def quantize_weights(model: torch.nn.Module, device: torch.device | None) -> Non
 
 def quantize_model(
     model: torch.nn.Module, config: TrainConfig, device: torch.device | None = None
-) -> Any:
+) -> torch.nn.Module:
     """:func:`replace_linear_layers`, then :func:`quantize_weights` on ``device`` (default: where
     the model is). Nothing is quantized on the meta device: ``effitrain estimate`` quantizes
     once it has fake tensors. The model is then marked as transformers marks one it quantized

@@ -169,7 +169,7 @@ class Lever:
 
     def apply_to_model(
         self, model: torch.nn.Module, config: TrainConfig, device: torch.device | None
-    ) -> Any:
+    ) -> torch.nn.Module:
         """Turn it on in the loaded model (on the meta device for an estimate); return the
         model to train (a lever may wrap it). ``device``: where the run trains."""
         return model

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     import torch
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from effitrain.config import TrainConfig
     from effitrain.levers.spec import LossOptions
@@ -103,14 +103,14 @@ class Task:
         data: Any,
         tokenizer: PreTrainedTokenizerBase | None,
         options: LoadOptions,
-    ) -> torch.nn.Module:
+    ) -> PreTrainedModel:
         """The model to train: a preset (random init) or pretrained weights, read as
         ``options`` say (the levers' :class:`~effitrain.models.LoadOptions`)."""
         raise NotImplementedError
 
     def model_from_config(
         self, config: TrainConfig, data: Any, tokenizer: PreTrainedTokenizerBase | None
-    ) -> torch.nn.Module:
+    ) -> PreTrainedModel:
         """The same model built from its config alone, no weights read (``effitrain estimate``
         calls it on the meta device). ``data`` may be None where the model needs none."""
         raise NotImplementedError
@@ -120,7 +120,7 @@ class Task:
         its labels); a task whose shapes come from the model alone needs none."""
         return True
 
-    def check_model(self, config: TrainConfig, data: Any, model: torch.nn.Module) -> None:
+    def check_model(self, config: TrainConfig, data: Any, model: PreTrainedModel) -> None:
         """Fit the data options to the loaded model (may change ``data``, add notes)."""
 
     def dataloaders(
@@ -136,7 +136,7 @@ class Task:
     def loss_function(
         self,
         model: torch.nn.Module,
-        device: torch.device | None,
+        device: torch.device,
         sharded: str | None,
         options: LossOptions,
         *,

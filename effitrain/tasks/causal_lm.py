@@ -25,7 +25,9 @@ from effitrain.tasks.lm_data import (
 )
 
 if TYPE_CHECKING:
+    import torch
     from torch.utils.data import DataLoader
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from effitrain.config import TrainConfig
     from effitrain.levers.spec import LossOptions
@@ -124,17 +126,24 @@ class DecoderTask(Task):
 
     def load_model(
         self, config: TrainConfig, data: Any, tokenizer: Any, options: models.LoadOptions
-    ) -> Any:
+    ) -> PreTrainedModel:
         return models.load_causal_lm(config.model, tokenizer, options, data.notes)
 
-    def model_from_config(self, config: TrainConfig, data: Any, tokenizer: Any) -> Any:
+    def model_from_config(
+        self, config: TrainConfig, data: Any, tokenizer: PreTrainedTokenizerBase | None
+    ) -> PreTrainedModel:
         return models.model_from_config(config.model, tokenizer, causal_lm=True)
 
     def estimate_reads_data(self, config: TrainConfig) -> bool:
         return False  # no labels to size a head from: the shapes come from the model
 
     @staticmethod
-    def loss_choice(model: Any, device: Any, sharded: str | None, options: LossOptions) -> Choice:
+    def loss_choice(
+        model: torch.nn.Module,
+        device: torch.device,
+        sharded: str | None,
+        options: LossOptions,
+    ) -> Choice:
         """The chunked loss's implementation (``--chunked-loss``, via the levers' ``options``)."""
         from effitrain.tasks.lm_loss import choose
 
@@ -157,18 +166,18 @@ class CausalLMTask(DecoderTask):
     def load_data(self, config: TrainConfig) -> LMData:
         return load_lm_data(config)
 
-    def check_model(self, config: TrainConfig, data: LMData, model: Any) -> None:
+    def check_model(self, config: TrainConfig, data: LMData, model: PreTrainedModel) -> None:
         check_packing(data, model.config.model_type, config)
 
     def dataloaders(
         self, config: TrainConfig, data: LMData, tokenizer: Any, pad_to_multiple_of: int | None
-    ) -> tuple[DataLoader, DataLoader]:
+    ) -> tuple[DataLoader[Any], DataLoader[Any]]:
         return build_lm_dataloaders(data, tokenizer, config, pad_to_multiple_of)
 
     def loss_function(
         self,
-        model: Any,
-        device: Any,
+        model: torch.nn.Module,
+        device: torch.device,
         sharded: str | None,
         options: LossOptions,
         *,
@@ -192,6 +201,10 @@ class CausalLMTask(DecoderTask):
         )
 
     def fake_batch(
-        self, tokenizer: Any, batch_size: int, length: int, packed: bool = False
+        self,
+        tokenizer: PreTrainedTokenizerBase | None,
+        batch_size: int,
+        length: int,
+        packed: bool = False,
     ) -> dict[str, Any]:
         return fake_lm_batch(tokenizer, batch_size, length, packed)

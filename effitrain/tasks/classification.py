@@ -24,8 +24,9 @@ from effitrain.tasks.sources import (
 
 if TYPE_CHECKING:
     import datasets
+    import torch
     from torch.utils.data import DataLoader
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from effitrain.config import TrainConfig
     from effitrain.parts import RunParts
@@ -294,10 +295,12 @@ class ClassificationTask(Task):
 
     def load_model(
         self, config: TrainConfig, data: LoadedData, tokenizer: Any, options: models.LoadOptions
-    ) -> Any:
+    ) -> PreTrainedModel:
         return models.load_model(config.model, data.label_names, tokenizer, options, data.notes)
 
-    def model_from_config(self, config: TrainConfig, data: LoadedData, tokenizer: Any) -> Any:
+    def model_from_config(
+        self, config: TrainConfig, data: LoadedData, tokenizer: Any
+    ) -> PreTrainedModel:
         return models.model_from_config(
             config.model, tokenizer, causal_lm=False, label_names=data.label_names
         )
@@ -308,7 +311,7 @@ class ClassificationTask(Task):
         data: LoadedData,
         tokenizer: Any,
         pad_to_multiple_of: int | None,
-    ) -> tuple[DataLoader, DataLoader]:
+    ) -> tuple[DataLoader[Any], DataLoader[Any]]:
         return build_dataloaders(data, tokenizer, config, pad_to_multiple_of)
 
     def evaluate(self, run: RunParts) -> dict[str, Any]:
@@ -320,7 +323,7 @@ class ClassificationTask(Task):
 
     def fake_batch(
         self, tokenizer: Any, batch_size: int, length: int, packed: bool = False
-    ) -> dict[str, Any]:
+    ) -> dict[str, torch.Tensor]:
         import torch
 
         batch = super().fake_batch(tokenizer, batch_size, length)

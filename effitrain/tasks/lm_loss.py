@@ -45,6 +45,7 @@ from effitrain.tasks.lm_data import IGNORE_INDEX
 
 if TYPE_CHECKING:
     import torch
+    from accelerate import Accelerator
 
 KERNELS = {"liger": "liger-kernel", "cce": "cut-cross-entropy"}
 """The CUDA implementations, by the package that provides each."""
@@ -81,7 +82,9 @@ class Choice:
         )
 
 
-def choose(wanted: str, model: Any, device: Any, sharded: str | None) -> Choice:
+def choose(
+    wanted: str, model: torch.nn.Module, device: torch.device, sharded: str | None
+) -> Choice:
     """The implementation for ``wanted`` (``--chunked-loss``: auto, torch, liger, cce or off)
     on this model, device and launch (``sharded``: FSDP's or DeepSpeed's description, None when
     parameters are whole).
@@ -393,7 +396,7 @@ class LMLoss(ChosenLoss):
     def to_dict(self) -> dict[str, Any]:
         return {"implementation": self.name, "weighting": "tokens", "why": self.choice.why}
 
-    def window_metrics(self, accelerator: Any) -> dict[str, float]:
+    def window_metrics(self, accelerator: Accelerator) -> dict[str, float]:
         """None: the loss is all the log line says."""
         return {}
 

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     import torch
+    from accelerate import Accelerator
 
     from effitrain.config import TrainConfig
     from effitrain.parts import RunParts
@@ -369,7 +370,7 @@ class PreferenceLoss(ChosenLoss):
             nll_tokens=nll_mask.sum(dim=-1),
         )
 
-    def window_metrics(self, accelerator: Any) -> dict[str, float]:
+    def window_metrics(self, accelerator: Accelerator) -> dict[str, float]:
         """The rewards since the last call, averaged over the window's pairs on all processes
         (a collective under several processes, one host sync); empties the window."""
         import torch
