@@ -1,12 +1,14 @@
 """What every layer reads of a built run: :class:`RunParts`, its prepared components, and
 :class:`Loss`, how a task's loss looks to the run.
 
-One type, two layers of it: the levers (their moments, metrics, checkpoint checks), the tasks
-(evaluation, a loss's moments) and the loop all read the same components, so they are one frozen
-dataclass here, low in the layer order (docs/architecture.md) where levers and tasks may import
-it. :class:`effitrain.run.Run` extends it with what only the loop reads (the task, the plan, the
-hyperparameters, the trackers): a run is its parts, and a lever or a task is handed the run
-itself, typed as the parts it may read.
+Why one type, extended rather than nested: the levers (their moments, metrics, checkpoint
+checks), the tasks (evaluation, a loss's moments) and the loop all read the same components. The
+levers and the tasks sit below ``effitrain.run`` in docs/architecture.md's layers, so the
+components are one frozen dataclass here, below both; :class:`effitrain.run.Run` extends it with
+what only the loop reads (the task, the plan, the hyperparameters, the trackers). A run *is* its
+parts: the loop reads ``run.model`` as before, and a lever or a task is handed the run itself,
+typed as the parts it may read. The loss's protocol lives here too: the parts hold one, and its
+moments take the parts.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class RunParts:
     """Prepared by Accelerate (its ``.optimizer`` is the one the registry built)."""
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler
     train_loader: DataLoader[Any]
+    """Prepared by Accelerate (an estimate's: a list of fake batches standing in)."""
     eval_loader: DataLoader[Any]
     lever_contexts: dict[str, AbstractContextManager[Any]]
     """What each lever runs each micro-batch's forward and backward in, by lever name."""
