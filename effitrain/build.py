@@ -32,11 +32,13 @@ from effitrain.tracking import Trackers
 if TYPE_CHECKING:
     import torch
     from accelerate import Accelerator
+    from torch.utils.data import DataLoader
     from transformers import PreTrainedTokenizerBase
 
     from effitrain.optim import Hyperparameters, OptimizerSpec
+    from effitrain.parts import Loss
     from effitrain.report.live import Reporter
-    from effitrain.tasks.base import Loss, Task
+    from effitrain.tasks.base import Task
 
 
 def checked_config(
@@ -189,6 +191,7 @@ def build_model(
         EffitrainError: the model cannot be loaded or cannot take a lever.
     """
     options = load_options(config, device, launch)
+    model: torch.nn.Module  # a transformers model until a lever wraps it (LoRA)
     if loaded:
         model = task.load_model(config, data, tokenizer, options)
         task.check_model(config, data, model)
@@ -207,7 +210,7 @@ def build_loss(
     task: Task,
     model: torch.nn.Module,
     launch: Launch,
-    device: torch.device | None,
+    device: torch.device,
 ) -> Loss:
     """The task's loss for the model (unwrapped, levers applied), on this launch and device."""
     sharded = launch.sharding.description if launch.sharding.sharded else None
@@ -257,8 +260,8 @@ def assemble(
     tokenizer: PreTrainedTokenizerBase | None,
     model: torch.nn.Module,
     loss: Loss,
-    train_loader: Any,
-    eval_loader: Any,
+    train_loader: DataLoader[Any],
+    eval_loader: DataLoader[Any],
     plan: Plan,
     trackers: Trackers,
     estimating: bool = False,

@@ -30,7 +30,7 @@ import dataclasses
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import effitrain.build as build
 import effitrain.levers as levers
@@ -50,8 +50,13 @@ from effitrain.tracking import Trackers
 
 if TYPE_CHECKING:
     import torch
+    from torch.utils.data import DataLoader
+    from transformers import PreTrainedTokenizerBase
 
+    from effitrain.optim import OptimizerSpec
+    from effitrain.parts import Loss
     from effitrain.run import Run
+    from effitrain.tasks.base import Task
 
 STEPS = 2
 """Optimizer steps run; the last is measured (the first creates the optimizer state)."""
@@ -65,7 +70,7 @@ def _fake_mode() -> Any:
         """Fake tensors that answer ``.item()`` with 1 (True for bool): optimizers read step
         counts and norms back; their state's shapes never depend on those values."""
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is torch.ops.aten._local_scalar_dense.default:
                 dtype = args[0].dtype
                 if dtype == torch.bool:
@@ -231,11 +236,11 @@ def estimate(config: TrainConfig, launch: Launch | None = None) -> Estimate:
 def _fake_run(
     config: TrainConfig,
     launch: Launch,
-    task: Any,
+    task: Task,
     data: Any,
-    tokenizer: Any,
-    model: Any,
-    loss: Any,
+    tokenizer: PreTrainedTokenizerBase | None,
+    model: torch.nn.Module,
+    loss: Loss,
     batch: dict[str, Any],
 ) -> Run:
     """The run as ``build.assemble`` makes a real one, on a CPU accelerator, with ``batch`` as
@@ -249,8 +254,9 @@ def _fake_run(
         tokenizer=tokenizer,
         model=model,
         loss=loss,
-        train_loader=_FakeLoader([batch] * (config.grad_accum * STEPS)),
-        eval_loader=_FakeLoader(),
+        # The loop only iterates the training data; nothing reads the evaluation's.
+        train_loader=cast("DataLoader[Any]", _FakeLoader([batch] * (config.grad_accum * STEPS))),
+        eval_loader=cast("DataLoader[Any]", _FakeLoader()),
         plan=Plan(steps_per_epoch=STEPS, total_steps=STEPS, epochs=1, warmup_steps=0),
         trackers=Trackers(None, config),
         estimating=True,
@@ -283,7 +289,11 @@ def _checked(config: TrainConfig, launch: Launch) -> list[str]:
 
 
 def _host_memory(
-    config: TrainConfig, model: Any, landed: host.LandedWeights, launch: Launch, step: int | None
+    config: TrainConfig,
+    model: torch.nn.Module,
+    landed: host.LandedWeights,
+    launch: Launch,
+    step: int | None,
 ) -> HostMemory:
     """The host memory of one machine (:mod:`effitrain.memory.host`): the checkpoint read as
     the run reads it (the facts from its safetensors headers; for a config alone, its parameter
@@ -328,7 +338,7 @@ def _run_steps(run: Run, device: torch.device | None) -> TrainingProgress:
     return progress
 
 
-def _optimizer_notes(spec: Any) -> list[str]:
+def _optimizer_notes(spec: OptimizerSpec) -> list[str]:
     """What the estimate of the optimizer's own step leaves out."""
     if spec.module != "torchao":
         return []
@@ -372,7 +382,9 @@ def _rank0_rows(rows: int, n: int) -> int:
     return min(rows, -(-rows // n))
 
 
-def fsdp2_layout(model: torch.nn.Module, optimizer: Any) -> dict[str, dict[str, int]]:
+def fsdp2_layout(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, dict[str, int]]:
     """How FSDP2 splits this run's tensors: per kind (``parameters``, ``gradients``,
     ``optimizer_state``), bytes by the size of the dim 0 they are split on (``"rows:<n>"``) and
     the bytes every rank holds whole (``"whole"``: the column factors of 2-D weights, scalars,

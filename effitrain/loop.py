@@ -37,6 +37,9 @@ from effitrain.results import StepLog
 from effitrain.signals import StopRequest, TrainingStopped
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    import torch
     from accelerate import Accelerator
 
     from effitrain.report.live import Reporter
@@ -145,7 +148,9 @@ class StepGuard:
         self.updates_in_backward = updates_in_backward
         """--optimizer-in-backward: the update has already happened when the check runs."""
 
-    def check(self, loss: Any, grad_norm: Any, progress: TrainingProgress) -> bool:
+    def check(
+        self, loss: torch.Tensor, grad_norm: torch.Tensor | None, progress: TrainingProgress
+    ) -> bool:
         """Whether every process agreed to stop after this step.
 
         ``progress.window_loss`` sums the losses since the last log line, so a non-finite loss
@@ -176,7 +181,7 @@ class StepGuard:
         return stop
 
     def _nonfinite_error(
-        self, loss: Any, grad_norm: Any, progress: TrainingProgress
+        self, loss: torch.Tensor, grad_norm: torch.Tensor | None, progress: TrainingProgress
     ) -> EffitrainError:
         loss_value = float(loss.detach())
         what = f"loss {loss_value}"
@@ -345,7 +350,8 @@ def epoch_batches(run: Run, progress: TrainingProgress) -> Iterable[dict[str, An
 
     Data order depends only on (seed, epoch), so the skipped batches are the same ones.
     """
-    run.train_loader.set_epoch(progress.epoch)
+    # Accelerate's prepared loader (untyped: mypy sees the DataLoader) seeds its order here.
+    run.train_loader.set_epoch(progress.epoch)  # type: ignore[attr-defined]
     if progress.step_in_epoch:
         skip = progress.step_in_epoch * run.config.grad_accum
         return run.accelerator.skip_first_batches(run.train_loader, skip)
@@ -388,7 +394,7 @@ def log_line(run: Run, progress: TrainingProgress, timer: Stopwatch) -> StepLog:
         total_steps=run.plan.total_steps,
         epoch=progress.epoch + 1,
         loss=loss_sum / max(batches, 1),
-        lr=run.lr_scheduler.get_last_lr()[0],
+        lr=float(run.lr_scheduler.get_last_lr()[0]),
         samples_per_second=samples / elapsed if elapsed > 0 else 0.0,
         eta_seconds=remaining * timer.recent_mean(run.config.log_every),
         tokens_per_second=progress.window_tokens / elapsed if elapsed > 0 else 0.0,
@@ -474,7 +480,7 @@ def check_measured_budget(
     )
 
 
-def _report_saved(reporter: Reporter, path: Any, progress: TrainingProgress) -> None:
+def _report_saved(reporter: Reporter, path: Path | None, progress: TrainingProgress) -> None:
     if path is not None:
         reporter.checkpoint_saved(str(path), progress.global_step)
 

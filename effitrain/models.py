@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from effitrain.errors import EffitrainError, first_line
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 # name -> (description, DistilBertConfig overrides on top of the demo's tiny config).
@@ -739,7 +740,7 @@ def is_causal_lm(model: Any) -> bool:
     return type(base_model(model)).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
-def head_modules(model: PreTrainedModel) -> list[str]:
+def head_modules(model: torch.nn.Module) -> list[str]:
     """The classification head: the top-level modules with parameters outside the base model,
     and the base model's ``pooler`` where the head reads it (BERT: ``bert.pooler``). A causal
     LM has none that trains in full: its ``lm_head`` is pretrained (often the embeddings)."""

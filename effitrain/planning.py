@@ -274,7 +274,7 @@ def _verify(
     past that until one verified fits or none is left (each row: the option, its cost, its
     peak, and the estimate that verified it, if one did: only those are answers)."""
     while True:
-        ranked = []
+        ranked: list[tuple[Option, StepCost | None, int, Estimate | None]] = []
         for index, screened in enumerate(fitting):
             if index in verified:
                 result = verified[index]
@@ -622,6 +622,7 @@ class _Search:
             depth = seen.get("layers")
             if depth is None:  # the model has no layer count to cut: estimated whole
                 return points[0]
+        assert depth is not None  # each pass returned where it was None
         self._start_workers(config, (time.monotonic() - started) * depth / 2)
         return _extend(points[0], points[1], depth)
 

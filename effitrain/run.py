@@ -1,25 +1,21 @@
 """A built run: :class:`Run`, every component the loop needs, made in one pass by
 :func:`effitrain.build.build_run` (and, on fake tensors, by ``effitrain estimate``), and its
-:class:`Plan`, how long it trains."""
+:class:`Plan`, how long it trains. A run is its :class:`~effitrain.parts.RunParts` (what the
+levers and the tasks read) and what only the loop reads."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from effitrain.errors import EffitrainError
+from effitrain.parts import RunParts
 
 if TYPE_CHECKING:
-    import torch
-    from accelerate import Accelerator
-    from torch.utils.data import DataLoader
-    from transformers import PreTrainedTokenizerBase
-
     from effitrain.config import TrainConfig
-    from effitrain.distributed import Launch
     from effitrain.optim import Hyperparameters, OptimizerSpec
-    from effitrain.tasks.base import Loss, Task
+    from effitrain.tasks.base import Task
     from effitrain.tracking import Trackers
 
 
@@ -69,27 +65,11 @@ class Plan:
 
 
 @dataclass(frozen=True)
-class Run:
-    """The prepared components of one run, each resolved once."""
+class Run(RunParts):
+    """The prepared components of one run, each resolved once: its parts, and what only the
+    loop reads."""
 
-    config: TrainConfig
-    accelerator: Accelerator
-    launch: Launch
-    """How the run is launched (processes, sharding, device)."""
     task: Task
-    data: Any
-    """The task's raw data (``classification.LoadedData`` or ``lm_data.LMData``; None for an
-    estimate of a causal LM, whose shapes need no data)."""
-    tokenizer: PreTrainedTokenizerBase | None
-    model: torch.nn.Module
-    """Prepared by Accelerate (``accelerator.unwrap_model`` gives the model itself)."""
-    loss: Loss
-    """How a micro-batch's loss is computed (the task's)."""
-    optimizer: torch.optim.Optimizer
-    """Prepared by Accelerate (its ``.optimizer`` is the one the registry built)."""
-    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
-    train_loader: DataLoader
-    eval_loader: DataLoader
     plan: Plan
     hyperparameters: Hyperparameters
     """The lr and schedule used: the options', else the optimizer's defaults."""
@@ -98,8 +78,6 @@ class Run:
     max_grad_norm: float
     """The clipping threshold used (0: none)."""
     trackers: Trackers
-    lever_contexts: dict[str, Any]
-    """What each lever runs each micro-batch's forward and backward in, by lever name."""
     weights: str = "read"
     """How this process got the model's weights (``effitrain.distributed.RankMemory.weights``):
     ``read``, or ``from rank 0`` where the launch sent them."""

@@ -39,7 +39,7 @@ from effitrain.levers.optimizer_in_backward import OptimizerInBackward
 from effitrain.levers.optimizer_offload import OptimizerOffload
 from effitrain.levers.qlora import QLoRA
 from effitrain.levers.reference import Reference
-from effitrain.levers.spec import BuiltRun, Lever, LossOptions, OptimizerBuilder
+from effitrain.levers.spec import Lever, LossOptions, OptimizerBuilder
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from effitrain.memory.step import StepMemory
     from effitrain.models import LoadOptions
     from effitrain.optim import OptimizerSpec
+    from effitrain.parts import RunParts
     from effitrain.report.live import Reporter
     from effitrain.results import MemoryRow
 
@@ -87,7 +88,7 @@ register(
     Reference(),
 )
 
-__all__ = ["LEVERS", "BuiltRun", "Lever", "get_lever", "register"]
+__all__ = ["LEVERS", "Lever", "get_lever", "register"]
 
 
 def get_lever(name: str) -> Lever:
@@ -160,7 +161,7 @@ def load_options(config: TrainConfig, options: LoadOptions) -> LoadOptions:
 
 def apply_to_model(
     model: torch.nn.Module, config: TrainConfig, device: torch.device | None = None
-) -> Any:
+) -> torch.nn.Module:
     """Turn on the levers that change the model, in registry order; returns the model to train
     (LoRA wraps it). ``device``: where the run trains (4-bit weights are quantized there; on
     the meta device, an estimate's, they are not quantized yet).
@@ -226,7 +227,7 @@ def trains_adapters(config: TrainConfig) -> bool:
     return any(lever.trains_adapters for lever in active(config))
 
 
-def after_prepare(run: BuiltRun) -> None:
+def after_prepare(run: RunParts) -> None:
     for lever in active(run.config):
         lever.after_prepare(run)
 
@@ -243,7 +244,7 @@ def step_contexts(
     return contexts
 
 
-def step_cost(run: BuiltRun, micro_batches: int) -> dict[str, int]:
+def step_cost(run: RunParts, micro_batches: int) -> dict[str, int]:
     """The levers' parts of an optimizer step's cost (``Lever.step_cost``), summed by field."""
     cost: dict[str, int] = {}
     for lever in active(run.config):
@@ -252,7 +253,7 @@ def step_cost(run: BuiltRun, micro_batches: int) -> dict[str, int]:
     return cost
 
 
-def finish_steps(run: BuiltRun) -> None:
+def finish_steps(run: RunParts) -> None:
     for lever in active(run.config):
         lever.finish_steps(run)
 
@@ -270,7 +271,7 @@ def fake_tensor(config: TrainConfig, original: Any, empty: Any) -> Any | None:
 # -- what is shown ---------------------------------------------------------------------------
 
 
-def in_use(run: BuiltRun) -> list[str]:
+def in_use(run: RunParts) -> list[str]:
     """The names of the levers in use in a built run (the metrics JSON's ``levers``)."""
     return [lever.name for lever in LEVERS.values() if lever.in_use(run)]
 
@@ -281,7 +282,7 @@ def banner_lines(config: TrainConfig, model: torch.nn.Module) -> list[str]:
     return [line for line in lines if line]
 
 
-def metrics(run: BuiltRun) -> dict[str, Any]:
+def metrics(run: RunParts) -> dict[str, Any]:
     """The levers' fields of the metrics JSON, measured."""
     fields: dict[str, Any] = {}
     for lever in active(run.config):
@@ -315,11 +316,11 @@ def strict_load(config: TrainConfig) -> bool:
     return all(lever.strict_load for lever in active(config))
 
 
-def check_checkpoint(run: BuiltRun, checkpoint: Path) -> None:
+def check_checkpoint(run: RunParts, checkpoint: Path) -> None:
     for lever in active(run.config):
         lever.check_checkpoint(run, checkpoint)
 
 
-def after_final_save(run: BuiltRun, reporter: Reporter) -> None:
+def after_final_save(run: RunParts, reporter: Reporter) -> None:
     for lever in active(run.config):
         lever.after_final_save(run, reporter)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from effitrain.config import MEMORY_LEVERS, OptionGroup, option_field
 from effitrain.errors import EffitrainError
 from effitrain.levers.gradient_checkpointing import GradientCheckpointingOptions
-from effitrain.levers.spec import BuiltRun, Lever, Search
+from effitrain.levers.spec import Lever, Search
 from effitrain.results import MemoryRow
 
 if TYPE_CHECKING:
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from effitrain.config import TrainConfig
     from effitrain.distributed import Launch
     from effitrain.memory.step import StepMemory
+    from effitrain.parts import RunParts
 
 MIN_OFFLOAD_BYTES = 1024
 """trl's default: smaller saved tensors stay on the GPU."""
@@ -117,7 +118,8 @@ def fake_offload(model: torch.nn.Module, counter: HostBytes) -> Iterator[None]:
     import torch
 
     parameters = {p.untyped_storage()._cdata for p in model.parameters()}
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    output_embeddings = getattr(model, "get_output_embeddings", None)
+    head = output_embeddings() if output_embeddings is not None else None
     in_head = [False]
     # Storages moved, by address, while a tensor of theirs lives: a freed storage's address can
     # be reused by a new tensor, which must not pass for one already moved.
@@ -217,8 +219,14 @@ class ActivationOffload(Lever):
         context = offload_context(model, counter)
         return OffloadContext(lambda: context, counter)
 
-    def step_cost(self, run: BuiltRun, micro_batches: int) -> dict[str, int]:
-        moved = run.lever_contexts[self.name].host_bytes.moved
+    def host_bytes(self, run: RunParts) -> HostBytes:
+        """What its step context counted in ``run``."""
+        context = run.lever_contexts[self.name]
+        assert isinstance(context, OffloadContext)  # made by step_context
+        return context.host_bytes
+
+    def step_cost(self, run: RunParts, micro_batches: int) -> dict[str, int]:
+        moved = self.host_bytes(run).moved
         return {"offload_bytes_per_step": moved * micro_batches}
 
     def banner(self, config: TrainConfig, model: torch.nn.Module) -> str:
@@ -233,8 +241,8 @@ class ActivationOffload(Lever):
             + ")"
         )
 
-    def metrics(self, run: BuiltRun) -> dict[str, Any]:
-        return {"activation_offload_host_bytes": run.lever_contexts[self.name].host_bytes.peak}
+    def metrics(self, run: RunParts) -> dict[str, Any]:
+        return {"activation_offload_host_bytes": self.host_bytes(run).peak}
 
     def memory_rows(self, metrics: dict[str, Any], step: StepMemory | None) -> list[MemoryRow]:
         host = metrics.get("activation_offload_host_bytes")

@@ -9,11 +9,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from effitrain.config import DECODER_TASKS, MEMORY_LEVERS, OptionGroup, option_field
-from effitrain.levers.spec import BuiltRun, Lever, Search
+from effitrain.levers.spec import Lever, Search
 
 if TYPE_CHECKING:
     from effitrain.config import TrainConfig
     from effitrain.levers.spec import LossOptions
+    from effitrain.parts import RunParts
 
 
 CHUNKED_LOSS = ("auto", "torch", "liger", "cce", "off")
@@ -46,7 +47,7 @@ class ChunkedLoss(Lever):
     def is_on(self, config: TrainConfig) -> bool:
         return ChunkedLossOptions.of(config).chunked_loss != "off"
 
-    def in_use(self, run: BuiltRun) -> bool:
+    def in_use(self, run: RunParts) -> bool:
         return run.loss.chunked  # auto keeps the full logits where it must
 
     def loss_options(self, config: TrainConfig, options: LossOptions) -> LossOptions:

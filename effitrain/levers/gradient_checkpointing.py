@@ -4,7 +4,7 @@ keeping them, with the model's own (transformers') non-reentrant activation chec
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from effitrain.config import MEMORY_LEVERS, OptionGroup, option_field
 from effitrain.errors import EffitrainError
@@ -12,6 +12,7 @@ from effitrain.levers.spec import Lever, Search
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedModel
 
     from effitrain.config import TrainConfig
 
@@ -40,7 +41,7 @@ class GradientCheckpointing(Lever):
 
     def apply_to_model(
         self, model: torch.nn.Module, config: TrainConfig, device: torch.device | None
-    ) -> Any:
+    ) -> torch.nn.Module:
         enable(model)
         return model
 
@@ -74,7 +75,8 @@ def enable(model: torch.nn.Module) -> None:
         )
     # The recompute runs inside effitrain.cost.Recompute, so that its FLOPs are told apart.
     kwargs = {"use_reentrant": False, "context_fn": _recompute_contexts}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    pretrained = cast("PreTrainedModel", model)  # the task's: no lever before it wraps it
+    if hasattr(pretrained, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+        pretrained.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        pretrained.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

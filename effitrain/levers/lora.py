@@ -26,18 +26,20 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from effitrain.config import MEMORY_LEVERS, OptionGroup, option, option_field
 from effitrain.errors import EffitrainError, MissingPackage
-from effitrain.levers.spec import BuiltRun, Lever, Search
+from effitrain.levers.spec import Lever, Search
 
 if TYPE_CHECKING:
     import torch
     from accelerate import Accelerator
+    from peft import LoraModel, PeftModel
 
     from effitrain.config import TrainConfig
     from effitrain.distributed import Launch
+    from effitrain.parts import RunParts
     from effitrain.report.live import Reporter
 
 INSTALL = "pip install 'effitrain[lora]'"
@@ -161,7 +163,7 @@ class LoRA(Lever):
 
     def apply_to_model(
         self, model: torch.nn.Module, config: TrainConfig, device: torch.device | None
-    ) -> Any:
+    ) -> torch.nn.Module:
         # peft wraps the model as it is then (dtype included: adapters over bf16 base weights
         # are created in fp32, peft's autocast_adapter_dtype).
         return apply(model, config)
@@ -169,7 +171,7 @@ class LoRA(Lever):
     def banner(self, config: TrainConfig, model: torch.nn.Module) -> str:
         return describe(model, config)
 
-    def after_final_save(self, run: BuiltRun, reporter: Reporter) -> None:
+    def after_final_save(self, run: RunParts, reporter: Reporter) -> None:
         """``final-merged/`` with --lora-merge: after the summary, because merging changes the
         model in place (its parameters no longer are the ones that trained)."""
         config = run.config
@@ -227,7 +229,9 @@ def linear_candidates(model: torch.nn.Module, head: list[str]) -> list[str]:
     )
 
 
-def resolve_targets(model: torch.nn.Module, given: list[str] | None, head: list[str]) -> Any:
+def resolve_targets(
+    model: torch.nn.Module, given: list[str] | None, head: list[str]
+) -> str | list[str]:
     """``target_modules`` for peft (``_why`` says why, for the banner).
 
     Raises:
@@ -271,7 +275,7 @@ def _why(given: list[str] | None) -> str:
     return "all linear layers" if given == [ALL_LINEAR] else "--lora-target-modules"
 
 
-def apply(model: torch.nn.Module, config: TrainConfig) -> Any:
+def apply(model: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
     """Wrap ``model`` in a peft LoRA model: adapters on the target modules, the head in full.
 
     Raises:
@@ -290,12 +294,14 @@ def apply(model: torch.nn.Module, config: TrainConfig) -> Any:
     from effitrain.models import head_modules, is_causal_lm
 
     head = head_modules(model)
-    targets = resolve_targets(model, LoRAOptions.of(config).lora_target_modules, head)
+    options = LoRAOptions.of(config)
+    targets = resolve_targets(model, options.lora_target_modules, head)
+    assert options.lora_rank is not None  # applied only where adapters_on
 
     lora_config = LoraConfig(
         task_type=TaskType.CAUSAL_LM if is_causal_lm(model) else TaskType.SEQ_CLS,
-        r=LoRAOptions.of(config).lora_rank,
-        lora_alpha=alpha(config),
+        r=options.lora_rank,
+        lora_alpha=alpha(config),  # type: ignore[arg-type]  # peft says int; it divides by r
         lora_dropout=dropout(config),
         target_modules=targets,
         modules_to_save=head or None,
@@ -313,7 +319,7 @@ def apply(model: torch.nn.Module, config: TrainConfig) -> Any:
         ) from exc
 
 
-def original_parameters(model: torch.nn.Module) -> list[Any]:
+def original_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The parameters of the model as it was before peft: without the adapters (``lora_``)
     and without the trained copies of the head (``modules_to_save``; the originals stay)."""
     return [
@@ -328,12 +334,13 @@ def describe(model: torch.nn.Module, config: TrainConfig) -> str:
     from effitrain.memory.ledger import parameter_count, trainable_parameter_count
     from effitrain.models import head_modules
 
-    peft_model = model
+    peft_model = cast("PeftModel", model)  # apply_to_model wrapped it
     base = peft_model.get_base_model()
     head = head_modules(base)
     options = LoRAOptions.of(config)
     why = _why(options.lora_target_modules)  # checked by apply, on the model before peft
-    targeted = _leaf_names(list(peft_model.base_model.targeted_module_names))
+    tuner = cast("LoraModel", peft_model.base_model)  # peft types it as the model it wrapped
+    targeted = _leaf_names(list(tuner.targeted_module_names))
     total = parameter_count(peft_model)  # 4-bit: unpacked
     default = "" if options.lora_alpha is not None else " (2 x rank)"
     return (

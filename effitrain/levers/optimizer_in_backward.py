@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from effitrain.config import MEMORY_LEVERS, OptionGroup, option_field
 from effitrain.errors import EffitrainError
-from effitrain.levers.spec import BuiltRun, Lever, OptimizerBuilder, Search
+from effitrain.levers.spec import Lever, OptimizerBuilder, Search
 from effitrain.memory.ledger import unwrap_prepared
 
 if TYPE_CHECKING:
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
     from effitrain.config import TrainConfig
     from effitrain.distributed import Launch
+    from effitrain.parts import RunParts
 
 
 @dataclass
@@ -87,7 +88,7 @@ class OptimizerInBackward(Lever):
 
         return build
 
-    def after_prepare(self, run: BuiltRun) -> None:
+    def after_prepare(self, run: RunParts) -> None:
         from effitrain.optim.in_backward import InBackwardOptimizer
 
         optimizer = unwrap_prepared(run.optimizer)

@@ -13,7 +13,7 @@ from effitrain.levers.optimizer_in_backward import (
     OptimizerInBackwardOptions,
     refuse_unless_per_parameter,
 )
-from effitrain.levers.spec import BuiltRun, Lever, OptimizerBuilder, Search
+from effitrain.levers.spec import Lever, OptimizerBuilder, Search
 from effitrain.memory.ledger import unwrap_prepared
 from effitrain.results import MemoryRow
 
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from effitrain.config import TrainConfig
     from effitrain.distributed import Launch
     from effitrain.memory.step import StepMemory
+    from effitrain.parts import RunParts
 
 
 OPTIMIZER_OFFLOAD = ("off", "state", "state+grads")
@@ -133,14 +134,14 @@ class OptimizerOffload(Lever):
 
         return build
 
-    def finish_steps(self, run: BuiltRun) -> None:
+    def finish_steps(self, run: RunParts) -> None:
         from effitrain.optim.offload import EstimatedOffload
 
         optimizer = unwrap_prepared(run.optimizer)
         if isinstance(optimizer, EstimatedOffload):
             optimizer.step_host_optimizers()
 
-    def step_cost(self, run: BuiltRun, micro_batches: int) -> dict[str, int]:
+    def step_cost(self, run: RunParts, micro_batches: int) -> dict[str, int]:
         from effitrain.optim.offload import offloaded_parameters
 
         offloaded = offloaded_parameters(run.optimizer)
@@ -158,7 +159,7 @@ class OptimizerOffload(Lever):
             f"(torchao's CPUOffloadOptimizer{grads}); no clipping"
         )
 
-    def metrics(self, run: BuiltRun) -> dict[str, Any]:
+    def metrics(self, run: RunParts) -> dict[str, Any]:
         from effitrain.optim.offload import offload_ledger
 
         return {"optimizer_offload": offload_ledger(run.optimizer)}

@@ -42,7 +42,7 @@ from effitrain.levers.qlora_bnb import (
     shardable_codes,
     storage,
 )
-from effitrain.levers.spec import BuiltRun, Lever, Search
+from effitrain.levers.spec import Lever, Search
 from effitrain.results import MemoryRow
 
 if TYPE_CHECKING:
@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from effitrain.distributed import Launch
     from effitrain.memory.step import StepMemory
     from effitrain.models import LoadOptions
+    from effitrain.parts import RunParts
 
 
 @dataclass
@@ -117,7 +118,7 @@ class QLoRA(Lever):
         if launch.sharding.kind == "fsdp2":
             shardable_codes(model)
 
-    def after_prepare(self, run: BuiltRun) -> None:
+    def after_prepare(self, run: RunParts) -> None:
         if run.launch.sharding.kind == "fsdp2":
             mark_sharded_weights(run.accelerator.unwrap_model(run.model))
 
@@ -130,7 +131,7 @@ class QLoRA(Lever):
 
     def apply_to_model(
         self, model: torch.nn.Module, config: TrainConfig, device: torch.device | None
-    ) -> Any:
+    ) -> torch.nn.Module:
         if getattr(model, "is_loaded_in_4bit", False):  # quantized while it was read
             no_cpu_repacking(model)
             return model
@@ -139,7 +140,7 @@ class QLoRA(Lever):
     def banner(self, config: TrainConfig, model: torch.nn.Module) -> str:
         return describe(model, config)
 
-    def metrics(self, run: BuiltRun) -> dict[str, Any]:
+    def metrics(self, run: RunParts) -> dict[str, Any]:
         return {"quantized_weights": storage(run.model).to_dict()}
 
     def memory_rows(self, metrics: dict[str, Any], step: StepMemory | None) -> list[MemoryRow]:
@@ -163,7 +164,7 @@ class QLoRA(Lever):
 
         return quantized_like(original, empty) if is_4bit(original) else None
 
-    def check_checkpoint(self, run: BuiltRun, checkpoint: Path) -> None:
+    def check_checkpoint(self, run: RunParts, checkpoint: Path) -> None:
         from effitrain.checkpoint.quantized import (
             check_checkpoint_base,
             check_sharded_checkpoint_base,

@@ -23,15 +23,17 @@ import importlib.util
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from effitrain.errors import MissingPackage
 from effitrain.levers.bf16_weights import Bf16WeightsOptions
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
     from contextlib import AbstractContextManager
 
     import torch
+    from transformers import PreTrainedModel
 
     from effitrain.config import TrainConfig
 
@@ -75,13 +77,24 @@ def compute_dtype(config: TrainConfig) -> str:
     return "bfloat16" if bf16 else "float32"
 
 
+def linear_4bit_layers(model: torch.nn.Module) -> Iterator[tuple[str, Any]]:
+    """``model``'s bitsandbytes ``Linear4bit`` layers, by name (Any: bitsandbytes ships no
+    types)."""
+    import bitsandbytes as bnb
+
+    for name, module in model.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            yield name, module
+
+
 def kept_modules(model: torch.nn.Module) -> list[str]:
     """The modules that keep their weights: the output layer (and what is tied to it) and the
     classification head, which trains in full (LoRA's ``modules_to_save``)."""
     from effitrain.models import head_modules
 
     kept = list(head_modules(model))
-    output = model.get_output_embeddings()
+    # A transformers model: QLoRA quantizes it before any lever wraps it.
+    output = cast("PreTrainedModel", model).get_output_embeddings()
     kept += [name for name, module in model.named_modules() if module is output and output]
     return kept
 
@@ -91,14 +104,13 @@ def replace_linear_layers(
     config: TrainConfig,
     new_weight: Callable[[Any, torch.Tensor], Any] | None = None,
     replacing: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
-) -> Any:
+) -> torch.nn.Module:
     """Swap the Linear layers (outside :func:`kept_modules`) for bitsandbytes' ``Linear4bit``,
     each holding its original weight, not yet quantized (:func:`quantize_weights` does that on
     the run's device). Works on the meta device too (``effitrain estimate``). ``new_weight(layer,
     weight)``: what the new layer holds instead (default: a ``Params4bit`` of the weight);
     ``replacing``: a context around the swap itself."""
     require_bitsandbytes()
-    import bitsandbytes as bnb
     from transformers.integrations.bitsandbytes import replace_with_bnb_linear
 
     originals = {
@@ -108,14 +120,13 @@ def replace_linear_layers(
     }
     with replacing():
         replace_with_bnb_linear(model, kept_modules(model), quantization_config(config))
-    for name, module in model.named_modules():
-        if isinstance(module, bnb.nn.Linear4bit):
-            weight, bias = originals[name]
-            if module.source_cls.__name__ == "Conv1D":  # GPT-2 stores [in, out]
-                weight = weight.t()
-            module.weight = (new_weight or _params_4bit)(module, weight)
-            if bias is not None:
-                module.bias = bias  # frozen by peft with the rest of the base
+    for name, module in linear_4bit_layers(model):
+        weight, bias = originals[name]
+        if module.source_cls.__name__ == "Conv1D":  # GPT-2 stores [in, out]
+            weight = weight.t()
+        module.weight = (new_weight or _params_4bit)(module, weight)
+        if bias is not None:
+            module.bias = bias  # frozen by peft with the rest of the base
     no_cpu_repacking(model)
     return model
 
@@ -134,27 +145,22 @@ def no_cpu_repacking(model: torch.nn.Module) -> None:
     """On a CPU with AVX512-BF16, bitsandbytes repacks a 4-bit weight in place for inference at
     the first forward without grad (evaluation): other numerics, lossy on the way back, and
     shapes it cannot repack (rows not a multiple of the block) fail. Turned off."""
-    import bitsandbytes as bnb
-
-    for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit):
-            module.support_avx512bf16_for_cpu = False
+    for _, module in linear_4bit_layers(model):
+        module.support_avx512bf16_for_cpu = False
 
 
 def quantize_weights(model: torch.nn.Module, device: torch.device | None) -> None:
     """Quantize every ``Linear4bit`` weight that is not yet quantized, on ``device``
     (``Params4bit.to`` runs bitsandbytes' ``quantize_4bit`` there; under ``effitrain
     estimate``'s fake tensors, its shape-only implementation)."""
-    import bitsandbytes as bnb
-
-    for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit) and not module.weight.bnb_quantized:
+    for _, module in linear_4bit_layers(model):
+        if not module.weight.bnb_quantized:
             module.weight = module.weight.to(device)
 
 
 def quantize_model(
     model: torch.nn.Module, config: TrainConfig, device: torch.device | None = None
-) -> Any:
+) -> torch.nn.Module:
     """:func:`replace_linear_layers`, then :func:`quantize_weights` on ``device`` (default: where
     the model is). Nothing is quantized on the meta device: ``effitrain estimate`` quantizes
     once it has fake tensors. The model is then marked as transformers marks one it quantized
@@ -165,7 +171,8 @@ def quantize_model(
     replace_linear_layers(model, config)
     if torch.device(device).type != "meta":
         quantize_weights(model, device)
-    model.is_loaded_in_4bit = True
+    # torch types Module.__setattr__ for tensors and modules; transformers reads this flag.
+    model.is_loaded_in_4bit = True  # type: ignore[assignment]
     return model
 
 
@@ -185,9 +192,7 @@ def shardable_codes(model: torch.nn.Module) -> None:
     import torch
 
     storage = getattr(torch, SHARDABLE_STORAGE)
-    for module in model.modules():
-        if not isinstance(module, bnb.nn.Linear4bit):
-            continue
+    for _, module in linear_4bit_layers(model):
         module.quant_storage = storage
         weight = module.weight
         if not weight.bnb_quantized or weight.dtype == storage:
@@ -212,13 +217,11 @@ def mark_sharded_weights(model: torch.nn.Module) -> None:
     ``QuantState`` left on its module (where bitsandbytes finds it again for each forward).
     Point the weight at it (:data:`effitrain.memory.ledger.SHARDED_QUANT_STATE`), so that the
     ledger counts it (whole, on every rank) and the banner and checks know the weight is 4-bit."""
-    import bitsandbytes as bnb
-
     from effitrain.memory.ledger import SHARDED_QUANT_STATE
 
-    for module in model.modules():
+    for _, module in linear_4bit_layers(model):
         state = getattr(module, "quant_state", None)
-        if isinstance(module, bnb.nn.Linear4bit) and state is not None:
+        if state is not None:
             setattr(module.weight, SHARDED_QUANT_STATE, state)
 
 
@@ -239,7 +242,8 @@ def quantized_like(param: Any, weight: Any) -> Any:
         quant_storage=param.quant_storage,
     )
     quantized = torch.nn.Parameter(packed, requires_grad=False)
-    quantized.quant_state = state
+    # torch's Tensor declares no free attributes; Linear4bit reads this one.
+    quantized.quant_state = state  # type: ignore[attr-defined]
     return quantized
 
 

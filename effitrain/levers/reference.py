@@ -13,13 +13,13 @@ belongs to the preference loss, which builds it once the run is prepared:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from effitrain.config import MEMORY_LEVERS, OptionGroup, option_field
 from effitrain.errors import EffitrainError
 from effitrain.levers.bf16_weights import Bf16WeightsOptions
 from effitrain.levers.lora import adapters_on
-from effitrain.levers.spec import BuiltRun, Lever
+from effitrain.levers.spec import Lever
 from effitrain.results import MemoryRow
 
 if TYPE_CHECKING:
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from effitrain.config import TrainConfig
     from effitrain.distributed import Launch
     from effitrain.memory.step import StepMemory
+    from effitrain.parts import RunParts
 
 TABLE_FILE = "reference_logps.safetensors"
 """The precomputed table's file in a checkpoint folder."""
@@ -78,6 +79,24 @@ def copy_dtype(config: TrainConfig) -> str:
     if given is not None:
         return given
     return "bf16" if Bf16WeightsOptions.of(config).weights_dtype == "bf16" else "fp32"
+
+
+class ShownReference(Protocol):
+    """What the lever shows of a reference (``tasks.preference_reference.Provider``)."""
+
+    @property
+    def dtype(self) -> str | None: ...
+
+    def bytes(self) -> int: ...
+
+
+@runtime_checkable
+class HoldsReference(Protocol):
+    """The loss that holds the reference (``tasks.preference_loss.PreferenceLoss``, a layer
+    above the levers: named here by its shape)."""
+
+    @property
+    def reference(self) -> ShownReference | None: ...
 
 
 class Reference(Lever):
@@ -138,8 +157,10 @@ class Reference(Lever):
             "copy": f"reference: a frozen {copy_dtype(config)} copy of the model, in the step",
         }[how(config)]
 
-    def metrics(self, run: BuiltRun) -> dict[str, Any]:
-        provider = run.loss.reference
+    def metrics(self, run: RunParts) -> dict[str, Any]:
+        loss = run.loss
+        assert isinstance(loss, HoldsReference) and loss.reference is not None  # DPO's loss
+        provider = loss.reference
         return {
             "reference": {
                 "how": how(run.config),
@@ -172,7 +193,7 @@ class Reference(Lever):
             "copy": [f"reference: the frozen {copy_dtype(config)} copy's weights are in the peak"],
         }[how(config)]
 
-    def check_checkpoint(self, run: BuiltRun, checkpoint: Path) -> None:
+    def check_checkpoint(self, run: RunParts, checkpoint: Path) -> None:
         if how(run.config) == "precompute" and not (checkpoint / TABLE_FILE).is_file():
             raise EffitrainError(
                 f"cannot resume from {checkpoint}: it holds no precomputed reference log-probs "

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal
 
 from effitrain.config import OptionGroup, option
 from effitrain.errors import EffitrainError
@@ -35,27 +35,13 @@ if TYPE_CHECKING:
     from effitrain.memory.step import StepMemory
     from effitrain.models import LoadOptions
     from effitrain.optim import OptimizerSpec, ParamGroups
+    from effitrain.parts import RunParts
     from effitrain.report.live import Reporter
     from effitrain.results import MemoryRow
 
 OptimizerBuilder = Callable[["ParamGroups", "OptimizerSpec", float], Any]
 """How a lever builds the optimizer around a spec's factory: ``(groups, spec, lr) ->
 optimizer`` (one optimizer per parameter in backward hooks, or an offloaded one)."""
-
-
-class BuiltRun(Protocol):
-    """What a lever reads of a built run (:class:`effitrain.run.Run` is one)."""
-
-    config: TrainConfig
-    accelerator: Any
-    model: torch.nn.Module
-    optimizer: Any
-    loss: Any
-    lever_contexts: dict[str, Any]
-    tokenizer: Any
-    data: Any
-    train_loader: Any
-    eval_loader: Any
 
 
 @dataclass(frozen=True)
@@ -141,7 +127,7 @@ class Lever:
         """Whether the options turn it on."""
         raise NotImplementedError
 
-    def in_use(self, run: BuiltRun) -> bool:
+    def in_use(self, run: RunParts) -> bool:
         """Whether it is on in the built run (a lever chosen at build time may turn out off)."""
         return self.is_on(run.config)
 
@@ -183,7 +169,7 @@ class Lever:
 
     def apply_to_model(
         self, model: torch.nn.Module, config: TrainConfig, device: torch.device | None
-    ) -> Any:
+    ) -> torch.nn.Module:
         """Turn it on in the loaded model (on the meta device for an estimate); return the
         model to train (a lever may wrap it). ``device``: where the run trains."""
         return model
@@ -211,7 +197,7 @@ class Lever:
         ``estimating``: for fake tensors, where the real one cannot run."""
         return None
 
-    def after_prepare(self, run: BuiltRun) -> None:
+    def after_prepare(self, run: RunParts) -> None:
         """Once Accelerate prepared the model and optimizer."""
 
     def step_context(
@@ -221,14 +207,14 @@ class Lever:
         what it returns is kept as ``run.lever_contexts[name]``."""
         return None
 
-    def step_cost(self, run: BuiltRun, micro_batches: int) -> dict[str, int]:
+    def step_cost(self, run: RunParts, micro_batches: int) -> dict[str, int]:
         """What it adds to the cost of an optimizer step of ``micro_batches`` micro-batches that
         no operator shows (host<->device copies, a step on the host), once the step ran: fields
         of :class:`effitrain.cost.StepCost` (``offload_bytes_per_step``,
         ``host_step_elements``)."""
         return {}
 
-    def finish_steps(self, run: BuiltRun) -> None:
+    def finish_steps(self, run: RunParts) -> None:
         """After the last measured step, before memory is summed up (an estimate's stand-in
         completes what it left out of the step)."""
 
@@ -238,7 +224,7 @@ class Lever:
         """Its banner line (``model``: unwrapped, levers applied)."""
         return None
 
-    def metrics(self, run: BuiltRun) -> dict[str, Any]:
+    def metrics(self, run: RunParts) -> dict[str, Any]:
         """Its fields of the metrics JSON (and of an estimate's), measured."""
         return {}
 
@@ -259,12 +245,12 @@ class Lever:
 
     # -- checkpoints -----------------------------------------------------------------------------
 
-    def check_checkpoint(self, run: BuiltRun, checkpoint: Path) -> None:
+    def check_checkpoint(self, run: RunParts, checkpoint: Path) -> None:
         """Before resuming from ``checkpoint``: what only this lever can check.
 
         Raises:
             EffitrainError: the checkpoint cannot continue this run.
         """
 
-    def after_final_save(self, run: BuiltRun, reporter: Reporter) -> None:
+    def after_final_save(self, run: RunParts, reporter: Reporter) -> None:
         """After the final model was saved and the results summed up (every process)."""

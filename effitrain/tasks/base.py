@@ -5,17 +5,21 @@ uses for them). Everything else (optimizers, levers, the loop, memory) is the sa
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pathlib import Path
 
+    import torch
+    from accelerate import Accelerator
     from torch.utils.data import DataLoader
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from effitrain.config import TrainConfig
     from effitrain.levers.spec import LossOptions
     from effitrain.models import LoadOptions
     from effitrain.optim import LrDivisor
+    from effitrain.parts import Loss, RunParts
     from effitrain.report.live import Reporter
 
 SEQUENCE_CLASSIFICATION, CAUSAL_LM = "sequence-classification", "causal-lm"
@@ -28,83 +32,23 @@ PREFERENCE_OPTIONS = ("preference_loss", "beta", "label_smoothing", "simpo_gamma
 """Config fields that only causal-LM training takes (a lever's: its spec's ``task``)."""
 
 
-class Prepared(Protocol):
-    """What evaluation and a loss read of a built run (:class:`effitrain.run.Run` is one)."""
-
-    config: TrainConfig
-    accelerator: Any
-    model: Any
-    train_loader: Any
-    eval_loader: Any
-    data: Any
-    tokenizer: Any
-    loss: Any
-
-
-class Loss(Protocol):
-    """How a task computes a micro-batch's loss."""
-
-    token_weighted: bool
-    """Whether the loss is a sum that the loop weighs by the step's labelled tokens."""
-    name: str
-    """In the metrics JSON (``loss.implementation``)."""
-    chunked: bool
-    """Whether it computes the logits chunk by chunk, never all at once (the chunked loss)."""
-
-    def __call__(self, model: Any, batch: dict[str, Any]) -> Any: ...
-
-    def describe(self) -> list[str]: ...
-
-    def to_dict(self) -> dict[str, Any]: ...
-
-    def window_metrics(self, accelerator: Any) -> dict[str, float]:
-        """Its own means since the last log line, on all processes (a preference loss's
-        rewards; a collective under several processes); empties its window. Most have none."""
-        ...
-
-    def after_prepare(self, run: Prepared) -> None:
-        """Once Accelerate prepared the run, before any resume: build what the loss holds
-        besides the model (DPO's reference: the model as it starts is copied here)."""
-        ...
-
-    def before_training(self, run: Prepared, reporter: Reporter) -> None:
-        """After the build and any resume, before the first step of ``fit``: work that a
-        checkpoint keeps the result of (DPO's precomputed reference pass); ``reporter`` says
-        what it does. Not called by ``effitrain estimate``."""
-        ...
-
-    def step_tensors(self) -> list[Any]:
-        """Modules and tensors it holds through every step (a frozen reference copy): the step
-        probe tracks them, so that they are in the measured peak."""
-        ...
-
-    def save_extra(self, run: Prepared, folder: Path) -> None:
-        """Write what it keeps in a checkpoint folder besides Accelerate's state (every
-        process calls it)."""
-        ...
-
-    def load_extra(self, run: Prepared, folder: Path) -> None:
-        """Read back what :meth:`save_extra` wrote."""
-        ...
-
-
 class LossMoments:
-    """A loss's moments of the run besides computing the loss (:class:`Loss` says what each is
-    for), each doing nothing: what a loss that holds nothing besides the model does at them."""
+    """A loss's moments of the run besides computing the loss (:class:`effitrain.parts.Loss`
+    says what each is for), each doing nothing: what a loss that holds nothing besides the model does at them."""
 
-    def after_prepare(self, run: Prepared) -> None:
+    def after_prepare(self, run: RunParts) -> None:
         pass
 
-    def before_training(self, run: Prepared, reporter: Reporter) -> None:
+    def before_training(self, run: RunParts, reporter: Reporter) -> None:
         pass
 
-    def step_tensors(self) -> list[Any]:
+    def step_tensors(self) -> list[torch.nn.Module | torch.Tensor]:
         return []
 
-    def save_extra(self, run: Prepared, folder: Path) -> None:
+    def save_extra(self, run: RunParts, folder: Path) -> None:
         pass
 
-    def load_extra(self, run: Prepared, folder: Path) -> None:
+    def load_extra(self, run: RunParts, folder: Path) -> None:
         pass
 
 
@@ -119,8 +63,9 @@ class ModelLoss(LossMoments):
     chunked = False
     """Whether it computes the logits chunk by chunk, never all at once (the chunked loss)."""
 
-    def __call__(self, model: Any, batch: dict[str, Any]) -> Any:
-        return model(**batch).loss
+    def __call__(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        loss: torch.Tensor = model(**batch).loss
+        return loss
 
     def describe(self) -> list[str]:
         """The banner's lines about the loss (none: nothing to say)."""
@@ -129,7 +74,7 @@ class ModelLoss(LossMoments):
     def to_dict(self) -> dict[str, Any]:
         return {"implementation": self.name, "weighting": "micro-batch mean"}
 
-    def window_metrics(self, accelerator: Any) -> dict[str, float]:
+    def window_metrics(self, accelerator: Accelerator) -> dict[str, float]:
         """None: the loss is all the log line says."""
         return {}
 
@@ -153,13 +98,19 @@ class Task:
         raise NotImplementedError
 
     def load_model(
-        self, config: TrainConfig, data: Any, tokenizer: Any, options: LoadOptions
-    ) -> Any:
+        self,
+        config: TrainConfig,
+        data: Any,
+        tokenizer: PreTrainedTokenizerBase | None,
+        options: LoadOptions,
+    ) -> PreTrainedModel:
         """The model to train: a preset (random init) or pretrained weights, read as
         ``options`` say (the levers' :class:`~effitrain.models.LoadOptions`)."""
         raise NotImplementedError
 
-    def model_from_config(self, config: TrainConfig, data: Any, tokenizer: Any) -> Any:
+    def model_from_config(
+        self, config: TrainConfig, data: Any, tokenizer: PreTrainedTokenizerBase | None
+    ) -> PreTrainedModel:
         """The same model built from its config alone, no weights read (``effitrain estimate``
         calls it on the meta device). ``data`` may be None where the model needs none."""
         raise NotImplementedError
@@ -169,19 +120,23 @@ class Task:
         its labels); a task whose shapes come from the model alone needs none."""
         return True
 
-    def check_model(self, config: TrainConfig, data: Any, model: Any) -> None:
+    def check_model(self, config: TrainConfig, data: Any, model: PreTrainedModel) -> None:
         """Fit the data options to the loaded model (may change ``data``, add notes)."""
 
     def dataloaders(
-        self, config: TrainConfig, data: Any, tokenizer: Any, pad_to_multiple_of: int | None
-    ) -> tuple[DataLoader, DataLoader]:
+        self,
+        config: TrainConfig,
+        data: Any,
+        tokenizer: PreTrainedTokenizerBase | None,
+        pad_to_multiple_of: int | None,
+    ) -> tuple[DataLoader[Any], DataLoader[Any]]:
         """Tokenized, shuffled training and ordered evaluation loaders."""
         raise NotImplementedError
 
     def loss_function(
         self,
-        model: Any,
-        device: Any,
+        model: torch.nn.Module,
+        device: torch.device,
         sharded: str | None,
         options: LossOptions,
         *,
@@ -194,17 +149,21 @@ class Task:
         own loss, a mean over the micro-batch."""
         return ModelLoss()
 
-    def evaluate(self, run: Prepared) -> dict[str, Any]:
+    def evaluate(self, run: RunParts) -> dict[str, Any]:
         """Metrics over the whole validation set, each example counted once on all processes."""
         raise NotImplementedError
 
-    def data_line(self, data: Any, train_loader: Any) -> str:
+    def data_line(self, data: Any, train_loader: DataLoader[Any]) -> str:
         """The banner's words for what the data became (columns, labels, packing …)."""
         raise NotImplementedError
 
     def fake_batch(
-        self, tokenizer: Any, batch_size: int, length: int, packed: bool = False
-    ) -> dict[str, Any]:
+        self,
+        tokenizer: PreTrainedTokenizerBase | None,
+        batch_size: int,
+        length: int,
+        packed: bool = False,
+    ) -> dict[str, torch.Tensor]:
         """A full batch as the collator makes it, every example ``length`` tokens long
         (``effitrain estimate``; ``packed``: the run packs its examples, for a task that
         does). With no tokenizer (a model known by its config alone), token ids and an

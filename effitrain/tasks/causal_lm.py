@@ -10,11 +10,11 @@ and the sums are divided by the token count. Perplexity is ``exp(loss)``.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import effitrain.models as models
 from effitrain.errors import EffitrainError
-from effitrain.tasks.base import CAUSAL_LM, Prepared, Task
+from effitrain.tasks.base import CAUSAL_LM, Task
 from effitrain.tasks.lm_data import (
     IGNORE_INDEX,
     LMData,
@@ -25,17 +25,20 @@ from effitrain.tasks.lm_data import (
 )
 
 if TYPE_CHECKING:
+    import torch
     from torch.utils.data import DataLoader
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from effitrain.config import TrainConfig
     from effitrain.levers.spec import LossOptions
+    from effitrain.parts import RunParts
     from effitrain.tasks.lm_loss import Choice, LMLoss
 
 SAMPLE_TOKENS = 40
 """Tokens a ``--sample-prompt`` continuation runs to (greedy, stops earlier at eos)."""
 
 
-def evaluate_lm(run: Prepared) -> dict[str, Any]:
+def evaluate_lm(run: RunParts) -> dict[str, Any]:
     """Validation loss and perplexity over every labelled token; with a sample prompt (given,
     or the built-in demo's), its greedy continuation under ``"sample"``.
 
@@ -43,10 +46,13 @@ def evaluate_lm(run: Prepared) -> dict[str, Any]:
     sum chunk by chunk (:meth:`effitrain.tasks.lm_loss.LMLoss.sequence_sums`)."""
     import torch
 
-    model, accelerator = run.model, run.accelerator
+    from effitrain.tasks.lm_loss import LMLoss
+
+    model, accelerator, lm_loss = run.model, run.accelerator, run.loss
+    assert isinstance(lm_loss, LMLoss)  # a decoder task's
     loss_sums, token_counts = [], []
     for batch in run.eval_loader:
-        sums = run.loss.sequence_sums(model, batch)
+        sums = lm_loss.sequence_sums(model, batch)
         counts = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(dim=-1)
         sums, counts = accelerator.gather_for_metrics((sums, counts))
         loss_sums.append(sums.double().cpu())
@@ -65,7 +71,7 @@ def evaluate_lm(run: Prepared) -> dict[str, Any]:
     return metrics
 
 
-def sample_prompt(run: Prepared) -> str | None:
+def sample_prompt(run: RunParts) -> str | None:
     """``--sample-prompt``, else the demo corpus's own prompt when training on it."""
     config = run.config
     if config.sample_prompt is not None:
@@ -77,7 +83,7 @@ def sample_prompt(run: Prepared) -> str | None:
     return None
 
 
-def generate_sample(run: Prepared, prompt: str, max_new_tokens: int = SAMPLE_TOKENS) -> str:
+def generate_sample(run: RunParts, prompt: str, max_new_tokens: int = SAMPLE_TOKENS) -> str:
     """The greedy continuation of ``prompt`` (the new text only). With instruction or chat
     data, the prompt is a user turn rendered by the chat template the data was rendered with.
 
@@ -86,10 +92,15 @@ def generate_sample(run: Prepared, prompt: str, max_new_tokens: int = SAMPLE_TOK
     import torch
 
     tokenizer = run.tokenizer
+    assert tokenizer is not None  # only an estimate has none, and it never evaluates
     model = run.accelerator.unwrap_model(run.model)
     if run.data.format in ("instruction", "messages"):
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        # Not tokenized: the rendered text (transformers types every return kind).
+        prompt = cast(
+            "str",
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            ),
         )
         encoded = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
     else:
@@ -104,7 +115,7 @@ def generate_sample(run: Prepared, prompt: str, max_new_tokens: int = SAMPLE_TOK
             pad_token_id=tokenizer.pad_token_id,
         )
     new = output[0, encoded["input_ids"].shape[1] :]
-    return tokenizer.decode(new, skip_special_tokens=True)
+    return cast("str", tokenizer.decode(new, skip_special_tokens=True))  # one sequence: one text
 
 
 class DecoderTask(Task):
@@ -115,17 +126,24 @@ class DecoderTask(Task):
 
     def load_model(
         self, config: TrainConfig, data: Any, tokenizer: Any, options: models.LoadOptions
-    ) -> Any:
+    ) -> PreTrainedModel:
         return models.load_causal_lm(config.model, tokenizer, options, data.notes)
 
-    def model_from_config(self, config: TrainConfig, data: Any, tokenizer: Any) -> Any:
+    def model_from_config(
+        self, config: TrainConfig, data: Any, tokenizer: PreTrainedTokenizerBase | None
+    ) -> PreTrainedModel:
         return models.model_from_config(config.model, tokenizer, causal_lm=True)
 
     def estimate_reads_data(self, config: TrainConfig) -> bool:
         return False  # no labels to size a head from: the shapes come from the model
 
     @staticmethod
-    def loss_choice(model: Any, device: Any, sharded: str | None, options: LossOptions) -> Choice:
+    def loss_choice(
+        model: torch.nn.Module,
+        device: torch.device,
+        sharded: str | None,
+        options: LossOptions,
+    ) -> Choice:
         """The chunked loss's implementation (``--chunked-loss``, via the levers' ``options``)."""
         from effitrain.tasks.lm_loss import choose
 
@@ -148,18 +166,18 @@ class CausalLMTask(DecoderTask):
     def load_data(self, config: TrainConfig) -> LMData:
         return load_lm_data(config)
 
-    def check_model(self, config: TrainConfig, data: LMData, model: Any) -> None:
+    def check_model(self, config: TrainConfig, data: LMData, model: PreTrainedModel) -> None:
         check_packing(data, model.config.model_type, config)
 
     def dataloaders(
         self, config: TrainConfig, data: LMData, tokenizer: Any, pad_to_multiple_of: int | None
-    ) -> tuple[DataLoader, DataLoader]:
+    ) -> tuple[DataLoader[Any], DataLoader[Any]]:
         return build_lm_dataloaders(data, tokenizer, config, pad_to_multiple_of)
 
     def loss_function(
         self,
-        model: Any,
-        device: Any,
+        model: torch.nn.Module,
+        device: torch.device,
         sharded: str | None,
         options: LossOptions,
         *,
@@ -169,7 +187,7 @@ class CausalLMTask(DecoderTask):
 
         return LMLoss(self.loss_choice(model, device, sharded, options), model)
 
-    def evaluate(self, run: Prepared) -> dict[str, Any]:
+    def evaluate(self, run: RunParts) -> dict[str, Any]:
         return evaluate_lm(run)
 
     def data_line(self, data: LMData, train_loader: Any) -> str:
@@ -183,6 +201,10 @@ class CausalLMTask(DecoderTask):
         )
 
     def fake_batch(
-        self, tokenizer: Any, batch_size: int, length: int, packed: bool = False
+        self,
+        tokenizer: PreTrainedTokenizerBase | None,
+        batch_size: int,
+        length: int,
+        packed: bool = False,
     ) -> dict[str, Any]:
         return fake_lm_batch(tokenizer, batch_size, length, packed)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import effitrain.models as models
 from effitrain.config import option
 from effitrain.errors import EffitrainError
-from effitrain.tasks.base import CAUSAL_LM_OPTIONS, SEQUENCE_CLASSIFICATION, Prepared, Task
+from effitrain.tasks.base import CAUSAL_LM_OPTIONS, SEQUENCE_CLASSIFICATION, Task
 from effitrain.tasks.sources import (
     LABEL_COLUMN_CANDIDATES,
     hold_out,
@@ -24,10 +24,12 @@ from effitrain.tasks.sources import (
 
 if TYPE_CHECKING:
     import datasets
+    import torch
     from torch.utils.data import DataLoader
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from effitrain.config import TrainConfig
+    from effitrain.parts import RunParts
 
 # Tried in order; the first whose columns all exist wins.
 TEXT_COLUMN_CANDIDATES: tuple[tuple[str, ...], ...] = (
@@ -242,7 +244,7 @@ def build_dataloaders(
     return loaders(train, validation, collator, config)
 
 
-def evaluate(run: Prepared) -> dict[str, Any]:
+def evaluate(run: RunParts) -> dict[str, Any]:
     """Loss, accuracy and F1 over the whole validation set, each example counted once.
 
     ``gather_for_metrics`` drops the samples that the last batch repeats to even out processes.
@@ -293,10 +295,12 @@ class ClassificationTask(Task):
 
     def load_model(
         self, config: TrainConfig, data: LoadedData, tokenizer: Any, options: models.LoadOptions
-    ) -> Any:
+    ) -> PreTrainedModel:
         return models.load_model(config.model, data.label_names, tokenizer, options, data.notes)
 
-    def model_from_config(self, config: TrainConfig, data: LoadedData, tokenizer: Any) -> Any:
+    def model_from_config(
+        self, config: TrainConfig, data: LoadedData, tokenizer: Any
+    ) -> PreTrainedModel:
         return models.model_from_config(
             config.model, tokenizer, causal_lm=False, label_names=data.label_names
         )
@@ -307,10 +311,10 @@ class ClassificationTask(Task):
         data: LoadedData,
         tokenizer: Any,
         pad_to_multiple_of: int | None,
-    ) -> tuple[DataLoader, DataLoader]:
+    ) -> tuple[DataLoader[Any], DataLoader[Any]]:
         return build_dataloaders(data, tokenizer, config, pad_to_multiple_of)
 
-    def evaluate(self, run: Prepared) -> dict[str, Any]:
+    def evaluate(self, run: RunParts) -> dict[str, Any]:
         return evaluate(run)
 
     def data_line(self, data: LoadedData, train_loader: Any) -> str:
@@ -319,7 +323,7 @@ class ClassificationTask(Task):
 
     def fake_batch(
         self, tokenizer: Any, batch_size: int, length: int, packed: bool = False
-    ) -> dict[str, Any]:
+    ) -> dict[str, torch.Tensor]:
         import torch
 
         batch = super().fake_batch(tokenizer, batch_size, length)

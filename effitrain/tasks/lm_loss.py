@@ -45,6 +45,7 @@ from effitrain.tasks.lm_data import IGNORE_INDEX
 
 if TYPE_CHECKING:
     import torch
+    from accelerate import Accelerator
 
 KERNELS = {"liger": "liger-kernel", "cce": "cut-cross-entropy"}
 """The CUDA implementations, by the package that provides each."""
@@ -81,7 +82,9 @@ class Choice:
         )
 
 
-def choose(wanted: str, model: Any, device: Any, sharded: str | None) -> Choice:
+def choose(
+    wanted: str, model: torch.nn.Module, device: torch.device, sharded: str | None
+) -> Choice:
     """The implementation for ``wanted`` (``--chunked-loss``: auto, torch, liger, cce or off)
     on this model, device and launch (``sharded``: FSDP's or DeepSpeed's description, None when
     parameters are whole).
@@ -199,7 +202,7 @@ def _linear_cross_entropy() -> Any:
 
     class LinearCrossEntropy(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, hidden, weight, bias, labels, softcap, size, per_token=False):  # type: ignore[no-untyped-def]
+        def forward(ctx, hidden, weight, bias, labels, softcap, size, per_token=False):
             pieces = (  # one chunk's logits at a time
                 _token_losses(h, weight, bias, t, softcap)
                 for h, t in zip(hidden.split(size), labels.split(size), strict=True)
@@ -217,7 +220,7 @@ def _linear_cross_entropy() -> Any:
             return total
 
         @staticmethod
-        def backward(ctx, grad_total):  # type: ignore[no-untyped-def]
+        def backward(ctx, grad_total):
             hidden, weight, bias, labels = ctx.saved_tensors
             kind, enabled, dtype = ctx.autocast
             grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
@@ -393,7 +396,7 @@ class LMLoss(ChosenLoss):
     def to_dict(self) -> dict[str, Any]:
         return {"implementation": self.name, "weighting": "tokens", "why": self.choice.why}
 
-    def window_metrics(self, accelerator: Any) -> dict[str, float]:
+    def window_metrics(self, accelerator: Accelerator) -> dict[str, float]:
         """None: the loss is all the log line says."""
         return {}
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from effitrain.config import default_for, option
 from effitrain.errors import EffitrainError
 from effitrain.optim import LrDivisor
-from effitrain.tasks.base import CAUSAL_LM_OPTIONS, PREFERENCE, Prepared
+from effitrain.tasks.base import CAUSAL_LM_OPTIONS, PREFERENCE
 from effitrain.tasks.causal_lm import DecoderTask
 from effitrain.tasks.preference_data import (
     FORMATS,
@@ -24,10 +24,13 @@ from effitrain.tasks.preference_data import (
 )
 
 if TYPE_CHECKING:
+    import torch
     from torch.utils.data import DataLoader
 
     from effitrain.config import TrainConfig
     from effitrain.levers.spec import LossOptions
+    from effitrain.parts import RunParts
+    from effitrain.tasks.preference_loss import PreferenceLoss
 
 REFUSED_OPTIONS = CAUSAL_LM_OPTIONS
 """Causal-LM options that preference pairs do not take: they are never packed, the loss is on
@@ -91,23 +94,23 @@ class PreferenceTask(DecoderTask):
         data: PreferenceData,
         tokenizer: Any,
         pad_to_multiple_of: int | None,
-    ) -> tuple[DataLoader, DataLoader]:
+    ) -> tuple[DataLoader[Any], DataLoader[Any]]:
         return build_preference_dataloaders(data, tokenizer, config, pad_to_multiple_of)
 
     def loss_function(
         self,
-        model: Any,
-        device: Any,
+        model: torch.nn.Module,
+        device: torch.device,
         sharded: str | None,
         options: LossOptions,
         *,
         config: TrainConfig,
-    ) -> Any:
+    ) -> PreferenceLoss:
         from effitrain.tasks.preference_loss import PreferenceLoss
 
         return PreferenceLoss(config, self.loss_choice(model, device, sharded, options), model)
 
-    def evaluate(self, run: Prepared) -> dict[str, Any]:
+    def evaluate(self, run: RunParts) -> dict[str, Any]:
         from effitrain.tasks.preference_loss import evaluate_preference
 
         return evaluate_preference(run)

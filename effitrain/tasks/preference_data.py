@@ -25,7 +25,7 @@ precomputed reference log-probs whatever the shuffling.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from effitrain.errors import EffitrainError
 from effitrain.models import capped_length
@@ -35,7 +35,7 @@ from effitrain.tasks.sources import hold_out, load_splits, loaders, train_and_va
 if TYPE_CHECKING:
     import datasets
     from torch.utils.data import DataLoader
-    from transformers import PreTrainedTokenizerBase
+    from transformers import BatchEncoding, PreTrainedTokenizerBase
 
     from effitrain.config import TrainConfig
 
@@ -207,9 +207,17 @@ def tokenize_pair(
     if fmt.endswith("conversational"):
 
         def ids(messages: list[dict[str, str]], generation_prompt: bool = False) -> list[int]:
-            return tokenizer.apply_chat_template(
-                messages, tokenize=True, return_dict=True, add_generation_prompt=generation_prompt
-            )["input_ids"]
+            # Tokenized into a dict: a BatchEncoding (transformers types every return kind).
+            encoded = cast(
+                "BatchEncoding",
+                tokenizer.apply_chat_template(
+                    messages,
+                    tokenize=True,
+                    return_dict=True,
+                    add_generation_prompt=generation_prompt,
+                ),
+            )
+            return list(encoded["input_ids"])
 
         prompt_ids = ids(prompt, generation_prompt=True)
         prompt_chosen, prompt_rejected = ids(prompt + chosen), ids(prompt + rejected)

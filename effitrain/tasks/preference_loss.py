@@ -45,10 +45,11 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     import torch
+    from accelerate import Accelerator
 
     from effitrain.config import TrainConfig
+    from effitrain.parts import RunParts
     from effitrain.report.live import Reporter
-    from effitrain.tasks.base import Prepared
     from effitrain.tasks.preference_reference import Provider
 
 PREFERENCE_LOSSES = ("dpo", "orpo", "simpo")
@@ -273,7 +274,7 @@ class PreferenceLoss(ChosenLoss):
         """Each sequence's summed answer log-probs, as the reference scores them."""
         return sequence_logps(self.choice, model, unwrapped, batch, average=False)
 
-    def after_prepare(self, run: Prepared) -> None:
+    def after_prepare(self, run: RunParts) -> None:
         """DPO: build the reference, as ``--reference`` says. The copy is made here, before any
         step or resume (the model is then as it starts); the precomputed table is allocated
         here and filled by :meth:`before_training` (or read back by :meth:`load_extra`)."""
@@ -282,18 +283,18 @@ class PreferenceLoss(ChosenLoss):
 
             self.reference = make_provider(run, self)
 
-    def before_training(self, run: Prepared, reporter: Reporter) -> None:
+    def before_training(self, run: RunParts, reporter: Reporter) -> None:
         if self.reference is not None:
             self.reference.before_training(run, reporter)
 
     def step_tensors(self) -> list[Any]:
         return self.reference.step_tensors() if self.reference is not None else []
 
-    def save_extra(self, run: Prepared, folder: Path) -> None:
+    def save_extra(self, run: RunParts, folder: Path) -> None:
         if self.reference is not None:
             self.reference.save(run, folder)
 
-    def load_extra(self, run: Prepared, folder: Path) -> None:
+    def load_extra(self, run: RunParts, folder: Path) -> None:
         if self.reference is not None:
             self.reference.load(run, folder)
 
@@ -369,7 +370,7 @@ class PreferenceLoss(ChosenLoss):
             nll_tokens=nll_mask.sum(dim=-1),
         )
 
-    def window_metrics(self, accelerator: Any) -> dict[str, float]:
+    def window_metrics(self, accelerator: Accelerator) -> dict[str, float]:
         """The rewards since the last call, averaged over the window's pairs on all processes
         (a collective under several processes, one host sync); empties the window."""
         import torch
@@ -386,14 +387,15 @@ class PreferenceLoss(ChosenLoss):
         return {name: value / pairs for name, value in zip(METRICS, sums, strict=True)}
 
 
-def evaluate_preference(run: Prepared) -> dict[str, Any]:
+def evaluate_preference(run: RunParts) -> dict[str, Any]:
     """Validation loss and rewards over every pair, each counted once on all processes: the
     loss as training computes it over the whole set (the mean over pairs, plus ORPO's token-mean
     NLL), and the rewards' means by TRL's names (``rewards/accuracies`` above all)."""
     import torch
 
     model, accelerator, loss = run.model, run.accelerator, run.loss
-    gathered: list[list[torch.Tensor]] = []
+    assert isinstance(loss, PreferenceLoss)  # the preference task's
+    gathered: list[torch.Tensor] = []
     with torch.no_grad():
         for batch in run.eval_loader:
             terms = loss.terms(model, batch)

@@ -41,8 +41,8 @@ if TYPE_CHECKING:
     import torch
 
     from effitrain.config import TrainConfig
+    from effitrain.parts import RunParts
     from effitrain.report.live import Reporter
-    from effitrain.tasks.base import Prepared
 
 FINGERPRINT_BATCH = 64
 """Examples per batch when the data's fingerprint is computed (no model: the collate only)."""
@@ -57,7 +57,7 @@ class Scorer(Protocol):
 # -- the providers ---------------------------------------------------------------------------
 
 
-def make_provider(run: Prepared, loss: Scorer) -> Provider:
+def make_provider(run: RunParts, loss: Scorer) -> Provider:
     """The run's reference provider, as ``--reference`` says (``loss``: the one it serves)."""
     used = how(run.config)
     unwrapped = run.accelerator.unwrap_model(run.model)
@@ -83,17 +83,17 @@ class Provider:
         """What it holds on the device besides the trained model."""
         raise NotImplementedError
 
-    def before_training(self, run: Prepared, reporter: Reporter) -> None:
+    def before_training(self, run: RunParts, reporter: Reporter) -> None:
         """After the build and any resume, before the first step."""
 
     def step_tensors(self) -> list[Any]:
         """Its modules and tensors that every step holds (for the step probe to count)."""
         return []
 
-    def save(self, run: Prepared, folder: Path) -> None:
+    def save(self, run: RunParts, folder: Path) -> None:
         """Keep what it computed in a checkpoint folder (every process calls it)."""
 
-    def load(self, run: Prepared, folder: Path) -> None:
+    def load(self, run: RunParts, folder: Path) -> None:
         """Read back what :meth:`save` kept."""
 
 
@@ -232,7 +232,7 @@ class Precomputed(Provider):
 
     dtype = "fp32"
 
-    def __init__(self, run: Prepared, loss: Scorer):
+    def __init__(self, run: RunParts, loss: Scorer):
         import torch
 
         self.loss = loss
@@ -247,7 +247,7 @@ class Precomputed(Provider):
     def bytes(self) -> int:
         return self.table.numel() * self.table.element_size()
 
-    def compute(self, run: Prepared) -> None:
+    def compute(self, run: RunParts) -> None:
         """One no-grad pass over the training and validation data in order, each process its
         share, gathered to every process."""
         import torch
@@ -265,7 +265,7 @@ class Precomputed(Provider):
         self.fingerprint = data_fingerprint(run)
         self.filled = True
 
-    def before_training(self, run: Prepared, reporter: Reporter) -> None:
+    def before_training(self, run: RunParts, reporter: Reporter) -> None:
         """Compute the table, unless a checkpoint gave it (:meth:`load`); say which."""
         import time
 
@@ -283,7 +283,7 @@ class Precomputed(Provider):
     def step_tensors(self) -> list[Any]:
         return [self.table]
 
-    def save(self, run: Prepared, folder: Path) -> None:
+    def save(self, run: RunParts, folder: Path) -> None:
         """The table, written by the main process (:data:`TABLE_FILE`)."""
         from safetensors.torch import save_file
 
@@ -298,7 +298,7 @@ class Precomputed(Provider):
     fingerprint = ""
     """The data's :func:`fingerprint`, once known."""
 
-    def load(self, run: Prepared, folder: Path) -> None:
+    def load(self, run: RunParts, folder: Path) -> None:
         """Read the table a checkpoint kept, refused where it was computed on other data.
 
         Raises:
@@ -328,16 +328,16 @@ class Precomputed(Provider):
         self.filled = True
 
 
-def _device(run: Prepared) -> Any:
+def _device(run: RunParts) -> Any:
     return run.accelerator.device
 
 
-def _loaders(run: Prepared) -> list[Any]:
+def _loaders(run: RunParts) -> list[Any]:
     """The training and validation loaders (ids 0..N-1, then N..N+M-1), where there are."""
     return [loader for loader in (run.train_loader, run.eval_loader) if loader is not None]
 
 
-def _ordered(loader: Any, run: Prepared, shard: bool) -> Any:
+def _ordered(loader: Any, run: RunParts, shard: bool) -> Any:
     """``loader``'s examples in their order (no shuffling), in batches of --batch-size; with
     ``shard``, each process its share, on its device (not registered with the Accelerator:
     its checkpoints save only the training loaders' states)."""
@@ -362,7 +362,7 @@ def _ordered(loader: Any, run: Prepared, shard: bool) -> Any:
     )
 
 
-def data_fingerprint(run: Prepared) -> str:
+def data_fingerprint(run: RunParts) -> str:
     """The data the table is keyed on: the example count and a hash of every pair's example
     id and token ids (chosen, then rejected, padding left out), in the example order; the same
     on every process and for any number of processes."""

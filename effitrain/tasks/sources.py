@@ -83,9 +83,9 @@ def load_local_file(
         ) or _root_message(exc)
         raise EffitrainError(f"cannot read '{path}' as {builder}: {reason}") from exc
     if builder == "json" and _rows_may_differ(loaded):
-        reason = _rows_differ(file)
-        if reason:
-            raise EffitrainError(f"cannot read '{path}': {reason}")
+        problem = _rows_differ(file)
+        if problem:
+            raise EffitrainError(f"cannot read '{path}': {problem}")
     return loaded
 
 
@@ -318,9 +318,9 @@ def load_folder(
         for split, dataset in loaded.items():
             if _rows_may_differ(dataset):
                 files = [Path(f) for f in data_files[str(split)]]
-                reason = _folder_json_error(path, files)
-                if reason:
-                    raise EffitrainError(f"cannot read dataset folder '{name}': {reason}")
+                problem = _folder_json_error(path, files)
+                if problem:
+                    raise EffitrainError(f"cannot read dataset folder '{name}': {problem}")
     return dict(loaded), notes
 
 
