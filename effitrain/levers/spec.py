@@ -1,14 +1,15 @@
 """What a memory lever is: one :class:`Lever` spec per lever, registered in
 :data:`effitrain.levers.LEVERS` as the optimizers are in ``effitrain.optim.OPTIMIZERS``.
 
-A spec says everything about its lever in one place: its options (the config fields it owns),
-its checks (alone, with the other levers, with the optimizer, with the task, with the launch),
+A lever is one module: its options (an ``OptionGroup`` of ``option_field`` fields, which
+registering it adds to the option table) and its spec, which says everything else about it in
+one place: its checks (alone, with the other levers, with the optimizer, with the task, with the launch),
 what it does at each moment of building and running (loading, the model, the loss, the
 optimizer, the step), what it adds to the banner, the metrics JSON and the memory table, what
-``effitrain estimate`` models in its place, what it keeps in a checkpoint, and what a planner may
-search over and what that costs. Its methods default to doing nothing: a lever overrides the
-moments it acts at. The registry's functions (:mod:`effitrain.levers`) call every lever that is
-on, in registry order.
+``effitrain estimate`` models in its place, what it checks of a checkpoint, and what a planner
+may search over (:class:`Search`). Its methods default to doing nothing: a lever overrides the
+moments it acts at (each has two implementers or says why it has one). The registry's
+functions (:mod:`effitrain.levers`) call every lever that is on, in registry order.
 
 A spec is one object for every run: what a lever keeps for one run (an offload's byte counter)
 is what its :meth:`Lever.step_context` returns, kept by the run (``Run.lever_contexts``).
@@ -128,7 +129,8 @@ class Lever:
         raise NotImplementedError
 
     def in_use(self, run: RunParts) -> bool:
-        """Whether it is on in the built run (a lever chosen at build time may turn out off)."""
+        """Whether it is on in the built run (a lever chosen at build time may turn out off).
+        One override (the chunked loss, whose ``auto`` keeps the full logits where it must)."""
         return self.is_on(run.config)
 
     def missing_install(self) -> str | None:
@@ -148,7 +150,8 @@ class Lever:
         """
 
     def check_task(self, config: TrainConfig, task: str) -> None:
-        """Refuse the lever under a task that cannot take it (:attr:`task`)."""
+        """Refuse the lever under a task that cannot take it (:attr:`task`). No lever overrides
+        it: :attr:`task` is the data it reads; a lever with a subtler rule would."""
         takes = (self.task,) if isinstance(self.task, str) else self.task
         if takes is not None and task not in takes:
             raise EffitrainError(
@@ -175,21 +178,28 @@ class Lever:
         return model
 
     def finish_model(self, model: torch.nn.Module, config: TrainConfig) -> None:
-        """After every lever applied to the model (e.g. what a wrapper added needs a dtype)."""
+        """After every lever applied to the model (e.g. what a wrapper added needs a dtype).
+        One implementer (bf16 weights: LoRA's head copies back to fp32), a moment of its own
+        because it must follow the wrapper whatever the registry's order."""
 
     def for_launch(self, model: torch.nn.Module, config: TrainConfig, launch: Launch) -> None:
         """What ``launch`` needs changed in the model (levers applied) before the optimizer is
-        built and Accelerate prepares it (FSDP2 shards floating-point parameters only)."""
+        built and Accelerate prepares it (FSDP2 shards floating-point parameters only). One
+        implementer (QLoRA's codes stored as bf16): the only lever whose tensors a launch
+        cannot take as they are."""
 
     # -- the loss, the optimizer, the step ------------------------------------------------------
 
     def loss_options(self, config: TrainConfig, options: LossOptions) -> LossOptions:
         """What it asks of the task's loss (``Task.loss_function``): ``options`` with its own
-        changes."""
+        changes. One implementer (the chunked loss): the only lever that changes how a task
+        computes its loss; the task, not the lever, owns that code."""
         return options
 
     def optimizer_spec(self, spec: OptimizerSpec, config: TrainConfig) -> OptimizerSpec:
-        """The optimizer spec to build in place of ``spec`` (a variant for bf16 weights)."""
+        """The optimizer spec to build in place of ``spec``. One implementer (bf16 weights'
+        Kahan or stochastic-rounding variant); apart from :meth:`optimizer_builder`, which
+        builds around whichever spec this leaves."""
         return spec
 
     def optimizer_builder(self, config: TrainConfig, estimating: bool) -> OptimizerBuilder | None:
@@ -204,7 +214,8 @@ class Lever:
         self, config: TrainConfig, model: torch.nn.Module, estimating: bool
     ) -> AbstractContextManager[Any] | None:
         """A context around each micro-batch's forward and backward (``model``: unwrapped);
-        what it returns is kept as ``run.lever_contexts[name]``."""
+        what it returns is kept as ``run.lever_contexts[name]``. One implementer (the
+        activation offload's saved-tensor hooks), the moment any hook on saved tensors needs."""
         return None
 
     def step_cost(self, run: RunParts, micro_batches: int) -> dict[str, int]:
@@ -216,7 +227,8 @@ class Lever:
 
     def finish_steps(self, run: RunParts) -> None:
         """After the last measured step, before memory is summed up (an estimate's stand-in
-        completes what it left out of the step)."""
+        completes what it left out of the step). One implementer (the optimizer offload's
+        host step, which fake tensors cannot run inside the step)."""
 
     # -- what is shown -------------------------------------------------------------------------
 
@@ -236,7 +248,8 @@ class Lever:
     def fake_tensor(self, original: Any, empty: Any) -> Any | None:
         """``effitrain estimate``: the fake tensor that stands for ``original`` (a meta
         parameter this lever made), given ``empty``, a fake tensor of its shape and dtype; None
-        where a plain one will do."""
+        where a plain one will do. One implementer (QLoRA's packed codes and quant state):
+        the only lever whose parameters are not plain tensors."""
         return None
 
     def estimate_notes(self, config: TrainConfig) -> list[str]:
@@ -253,4 +266,6 @@ class Lever:
         """
 
     def after_final_save(self, run: RunParts, reporter: Reporter) -> None:
-        """After the final model was saved and the results summed up (every process)."""
+        """After the final model was saved and the results summed up (every process). One
+        implementer (LoRA's merged copy, which changes the model in place: nothing may read it
+        after)."""
