@@ -3,9 +3,9 @@
 
 A lever is one module: its options (an ``OptionGroup`` of ``option_field`` fields, which
 registering it adds to the option table) and its spec, which says everything else about it in
-one place: its checks (alone, with the other levers, with the optimizer, with the task, with the launch),
-what it does at each moment of building and running (loading, the model, the loss, the
-optimizer, the step), what it adds to the banner, the metrics JSON and the memory table, what
+one place: its checks (alone, with the other levers, with the optimizer, with the task, with
+the launch), what it does at each moment of building and running (loading, the model, the
+loss, the optimizer, the step), what it adds to the banner, the metrics JSON and the memory table, what
 ``effitrain estimate`` models in its place, what it checks of a checkpoint, and what a planner
 may search over (:class:`Search`). Its methods default to doing nothing: a lever overrides the
 moments it acts at (each has two implementers or says why it has one). The registry's
