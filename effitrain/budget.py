@@ -18,7 +18,8 @@ from effitrain.distributed import Launch
 from effitrain.errors import EffitrainError
 from effitrain.estimation import estimate
 from effitrain.memory.ledger import format_bytes
-from effitrain.planning import device_peak, margin_bytes, plan
+from effitrain.plan_screens import device_peak
+from effitrain.planning import margin_bytes, plan
 
 QUICK_PLAN_BYTES = 2**29
 """A refused run gets the plan's best configuration where its parameters are at most this many

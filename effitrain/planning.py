@@ -10,7 +10,8 @@ decides which configurations to estimate, and how to estimate many of them quick
 - **Layers.** A decoder's layers are alike, so every part of a step (parameters, gradients,
   state, activations, the peak, the FLOPs) grows by the same amount per layer: each screened
   configuration is estimated with the model cut to one and to two layers (about a second each,
-  at any width) and extended to the model's depth along that line.
+  at any width) and extended to the model's depth along that line
+  (:mod:`effitrain.plan_screens`).
 - **Levers, one at a time, per optimizer.** From the user's configuration, the levers that
   declare a search (``Lever.search``) are added in its order (the cheapest in time first,
   :func:`_ladder`), each kept only where it lowers that optimizer's peak; every configuration
@@ -26,19 +27,17 @@ decides which configurations to estimate, and how to estimate many of them quick
 Those are screens, not results: the candidates that rank first are **verified** by a full
 estimate of the exact configuration, and the ranking uses the verified figures (a candidate
 that does not fit once verified is dropped) until the first :data:`VERIFIED` all are. Only
-verified candidates are answers.
+verified candidates are answers. Slow verifications run side by side in worker processes
+(:mod:`effitrain.plan_workers`).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
-import os
 import shlex
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, suppress
 from typing import Any
 
 import effitrain.levers as lever_registry
@@ -49,6 +48,8 @@ from effitrain.distributed import Launch
 from effitrain.errors import EffitrainError, MissingPackage
 from effitrain.estimation import SHARDED, estimate
 from effitrain.levers.spec import Lever, Search
+from effitrain.plan_screens import Screen, cut_to, device_peak, extend, screen_of
+from effitrain.plan_workers import Verifiers
 from effitrain.results import Estimate, PlanCandidate, PlanResult
 
 DEFAULT_OPTIMIZERS = ("adamw", "adamw-8bit", "adafactor")
@@ -60,16 +61,10 @@ VERIFIED = 3
 """Candidates verified by a full estimate: at least the first this many printed."""
 MAX_VERIFICATIONS = 8
 """Full estimates at most per plan (each takes seconds on a large model)."""
-PARALLEL_FROM_SECONDS = 3.0
-"""Verifications run in worker processes, side by side, where one is expected to take longer
-than this (the two-layer screen's time times half the depth): a worker's imports and first
-estimate take about as long, paid while the plan screens."""
 SHOWN = 10
 """Candidates kept in the result, best first."""
 ONE_BY_ONE = {"batch_size": 1, "grad_accum": 1}
 """The split every screen is estimated at."""
-LAYER_FIELDS = ("num_hidden_layers", "n_layers", "n_layer", "num_layers")
-"""Where a transformers config keeps its number of layers."""
 CUDA_CONTEXT = 512 * 2**20
 CUDA_CACHE_SHARE = 0.10
 
@@ -107,19 +102,6 @@ def _ladder() -> list[tuple[Lever, Search]]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Screen:
-    """A lever set's estimate at micro-batch 1 with its reference optimizer, at full depth."""
-
-    peak: int
-    static: int
-    """Parameters, gradients and optimizer state (per device): what the batch does not change."""
-    state: int
-    parameters: int
-    trainable: int
-    cost: StepCost | None
-
-
-@dataclasses.dataclass(frozen=True)
 class Option:
     """One screened candidate before verification."""
 
@@ -148,8 +130,9 @@ def plan(
     fastest first by modeled step time. ``given`` and ``config_file``: the options the user
     gave (each printed command starts with them, less those the plan sets). ``workers``:
     processes that verify side by side (None: one per core, up to :data:`VERIFIED`, where a
-    verification is slow, see :data:`PARALLEL_FROM_SECONDS`; 0: verified in this process),
-    each first calling ``worker_setup`` (a module-level function: the CLI's quieting).
+    verification is slow, see :data:`effitrain.plan_workers.PARALLEL_FROM_SECONDS`; 0: verified
+    in this process), each first calling ``worker_setup`` (a module-level function: the CLI's
+    quieting).
 
     Raises:
         EffitrainError: bad options, or nothing fits (the message names the smallest peak).
@@ -294,8 +277,8 @@ def _verify(
         # Workers side by side verify the next ones too where they would idle otherwise: a
         # candidate that drops out then costs no second round.
         spare = [fitting.index(row[0]) for row in ranked[VERIFIED:] if row[3] is None]
-        todo += spare[: -len(todo) % search.parallel]
-        todo = todo[: max(MAX_VERIFICATIONS - len(verified), search.parallel)]
+        todo += spare[: -len(todo) % search.verifiers.parallel]
+        todo = todo[: max(MAX_VERIFICATIONS - len(verified), search.verifiers.parallel)]
         for index, result in zip(todo, search.verify([fitting[i] for i in todo]), strict=True):
             verified[index] = result
 
@@ -331,25 +314,13 @@ class _Search:
         """Install line -> the options it would add -> the optimizers they were left out for."""
         self.task = task
         self.global_batch = config.batch_size * config.grad_accum
-        self.workers = workers
-        self.worker_setup = worker_setup
-        self._pool: Any = None
-        self._pool_size = 0
+        self.verifiers = Verifiers(launch, workers, worker_setup)
 
     def __enter__(self) -> _Search:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
-        if self._pool is None:
-            return
-        # Stopped (a signal, an error): end the workers now, not after their estimates.
-        workers = list(self._pool._processes.values()) if kind is not None else []
-        for process in workers:
-            process.terminate()
-        self._pool.shutdown(wait=not workers, cancel_futures=True)
-        for process in workers:
-            process.join()
-        self._pool = None
+        self.verifiers.end(stopped=kind is not None)
 
     # -- the candidates ------------------------------------------------------------------------
 
@@ -616,62 +587,20 @@ class _Search:
         depth = None
         for layers in (1, 2):
             started = time.monotonic()
-            with _cut_to(layers) as seen:
-                points.append(_screen_of(estimate(config, self.launch)))
+            with cut_to(layers) as seen:
+                points.append(screen_of(estimate(config, self.launch)))
                 self.runs += 1
             depth = seen.get("layers")
             if depth is None:  # the model has no layer count to cut: estimated whole
                 return points[0]
         assert depth is not None  # each pass returned where it was None
-        self._start_workers(config, (time.monotonic() - started) * depth / 2)
-        return _extend(points[0], points[1], depth)
-
-    def _start_workers(self, config: TrainConfig, verify_seconds: float) -> None:
-        """Start the verifying processes (once) where a verification looks slow; they import
-        and warm up while the plan goes on screening."""
-        if self._pool is not None or self.workers == 0:
-            return
-        count = self.workers
-        if count is None:
-            if verify_seconds < PARALLEL_FROM_SECONDS:
-                return
-            count = min(VERIFIED, _cores())
-        if count < 2:
-            return
-        from concurrent.futures import ProcessPoolExecutor
-        from multiprocessing import get_context
-
-        # spawn: a fork would copy this process's threads and locks mid-flight.
-        self._pool_size = count
-        self._pool = ProcessPoolExecutor(
-            count,
-            mp_context=get_context("spawn"),
-            initializer=_warm,
-            initargs=(config, self.launch, self.worker_setup),
-        )
-
-    @property
-    def parallel(self) -> int:
-        """How many verifications run at once."""
-        return self._pool_size if self._pool is not None else 1
+        self.verifiers.start(config, (time.monotonic() - started) * depth / 2, VERIFIED)
+        return extend(points[0], points[1], depth)
 
     def verify(self, options: list[Option]) -> list[Estimate | None]:
-        """Each option's full estimate (None where it cannot be estimated), in worker processes
-        where they were started (the same function: the same figures)."""
-        configs = [self._config(o.changes) for o in options]
-        if self._pool is not None and len(configs) > 1:
-            from concurrent.futures.process import BrokenProcessPool
-
-            with signals_held():  # submit spawns the workers
-                futures = [self._pool.submit(_verified, c, self.launch) for c in configs]
-            try:
-                outcomes = [f.result() for f in futures]
-            except BrokenProcessPool:  # a worker died (memory?): verify here instead
-                self._pool.shutdown(wait=False, cancel_futures=True)
-                self._pool = None
-                outcomes = [_verified(c, self.launch) for c in configs]
-        else:
-            outcomes = [_verified(c, self.launch) for c in configs]
+        """Each option's full estimate (None where it cannot be estimated), in the verifying
+        worker processes where they were started."""
+        outcomes = self.verifiers.estimates([self._config(o.changes) for o in options])
         results: list[Estimate | None] = []
         for outcome in outcomes:
             if isinstance(outcome, str):
@@ -685,157 +614,6 @@ class _Search:
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-def _verified(config: TrainConfig, launch: Launch) -> Estimate | str:
-    """A full estimate, or why it could not be made (one line: it crosses processes)."""
-    try:
-        return estimate(config, launch)
-    except EffitrainError as exc:
-        return str(exc)
-
-
-def _cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def _warm(config: TrainConfig, launch: Launch, setup: Callable[[], None] | None) -> None:
-    """A verifying worker's start: ending with the plan's process (:func:`_end_with_parent`),
-    ``setup``, its imports and a one-layer estimate (fake tensors keep a cache of shapes per
-    process)."""
-    _end_with_parent()
-    if setup is not None:
-        setup()
-    with suppress(Exception), _cut_to(1):
-        estimate(config, launch)
-
-
-_HELD: dict[str, Any] = {"depth": 0, "pending": None}
-
-
-@contextmanager
-def signals_held() -> Iterator[None]:
-    """A signal handler that calls :func:`held_signal` lets the block finish first, then takes
-    the signal: a signal inside ``ProcessPoolExecutor.submit``, which spawns the workers, would
-    leave a half-started worker (its start-up data unsent) to print a traceback."""
-    import signal
-
-    _HELD["depth"] += 1
-    try:
-        yield
-    finally:
-        _HELD["depth"] -= 1
-        pending, _HELD["pending"] = _HELD["pending"], None
-        if pending is not None and _HELD["depth"] == 0:
-            signal.raise_signal(pending)
-
-
-def held_signal(signum: int) -> bool:
-    """Whether ``signum`` waits for the end of a :func:`signals_held` block (kept until then)."""
-    if _HELD["depth"] == 0:
-        return False
-    _HELD["pending"] = signum
-    return True
-
-
-def _end_with_parent() -> None:
-    """End this worker when the plan's process ends, however it ends: a worker waits for work
-    on a queue that its parent's death does not close. Ctrl-C is the parent's to handle (it
-    ends its workers); the terminal sends it to the workers too."""
-    import signal
-    import threading
-    from multiprocessing import parent_process
-    from multiprocessing.connection import wait
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    parent = parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        wait([parent.sentinel])  # ready once the parent is gone
-        os._exit(1)
-
-    threading.Thread(target=watch, name="end-with-parent", daemon=True).start()
-
-
-def device_peak(result: Estimate) -> int:
-    """An estimate's peak tensor bytes per device (the whole run's where it has one device)."""
-    if result.per_device is not None and result.per_device.peak_tensor_bytes is not None:
-        return result.per_device.peak_tensor_bytes
-    return result.memory.peak_tensor_bytes or 0
-
-
-def _screen_of(result: Estimate) -> Screen:
-    memory = result.memory
-    per = result.per_device
-    if per is not None:
-        state = per.optimizer_state_bytes
-        static = per.parameter_bytes + per.gradient_bytes + state
-    else:
-        state = memory.optimizer_state.bytes
-        static = memory.parameter_bytes + memory.gradient_bytes + state
-    parameters = per.parameter_bytes if per is not None else memory.parameter_bytes
-    return Screen(
-        device_peak(result), static, state, parameters, memory.trainable_parameters, result.cost
-    )
-
-
-def _extend(one: Screen, two: Screen, depth: int) -> Screen:
-    """The line through the one- and two-layer figures, at ``depth`` layers."""
-
-    def at(a: int, b: int) -> int:
-        return max(int(a + (b - a) * (depth - 1)), 0)
-
-    cost = None
-    if one.cost is not None and two.cost is not None:
-        first, second = one.cost.to_dict(), two.cost.to_dict()
-        cost = StepCost(**{k: at(first[k], second[k]) for k in first})
-    return Screen(
-        peak=at(one.peak, two.peak),
-        static=at(one.static, two.static),
-        state=at(one.state, two.state),
-        parameters=at(one.parameters, two.parameters),
-        trainable=at(one.trainable, two.trainable),
-        cost=cost,
-    )
-
-
-@contextmanager
-def _cut_to(layers: int) -> Iterator[dict[str, int]]:
-    """Models built from a config inside it have at most ``layers`` layers; the dict it gives
-    gets the config's own count (``layers``) when one was cut."""
-    from unittest import mock
-
-    import transformers
-
-    seen: dict[str, int] = {}
-
-    def cutting(original: Any) -> Any:
-        def from_config(model_config: Any, *args: Any, **kwargs: Any) -> Any:
-            model_config = copy.deepcopy(model_config)
-            for name in LAYER_FIELDS:
-                count = getattr(model_config, name, None)
-                if isinstance(count, int) and count > 0:
-                    seen["layers"] = count
-                    setattr(model_config, name, min(count, layers))
-                    kinds = getattr(model_config, "layer_types", None)
-                    if isinstance(kinds, list):
-                        model_config.layer_types = kinds[:layers]
-                    break
-            return original(model_config, *args, **kwargs)
-
-        return from_config
-
-    with ExitStack() as stack:
-        for auto in (
-            transformers.AutoModelForCausalLM,
-            transformers.AutoModelForSequenceClassification,
-        ):
-            stack.enter_context(mock.patch.object(auto, "from_config", cutting(auto.from_config)))
-        yield seen
 
 
 def _scaled(

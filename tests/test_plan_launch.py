@@ -72,9 +72,9 @@ def test_sharding_on_cpu_processes_is_refused(train_cli):
 
 WORKERS_SCRIPT = """
 import sys
-import effitrain.planning as planning
-planning.PARALLEL_FROM_SECONDS = 0.0  # verifications in worker processes, at any size
-planning._cores = lambda: 2
+import effitrain.plan_workers as plan_workers
+plan_workers.PARALLEL_FROM_SECONDS = 0.0  # verifications in worker processes, at any size
+plan_workers._cores = lambda: 2
 from effitrain.cli import main
 main(sys.argv[1:])
 """
@@ -125,7 +125,7 @@ def test_a_signal_while_workers_spawn_waits_for_the_spawn():
     worker whose start-up data was never sent printed a traceback after the plan's line."""
     import signal
 
-    from effitrain.planning import held_signal, signals_held
+    from effitrain.plan_workers import held_signal, signals_held
 
     taken = []
 

@@ -141,7 +141,7 @@ class _Stopped(BaseException):
 def _stopped_by_signals() -> Iterator[None]:
     """Raise :class:`_Stopped` at SIGINT or SIGTERM: the search holds nothing worth keeping,
     and leaving its block ends its worker processes."""
-    from effitrain.planning import held_signal
+    from effitrain.plan_workers import held_signal
 
     def stop(signum: int, frame: FrameType | None) -> None:
         if not held_signal(signum):
