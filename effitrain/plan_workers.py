@@ -25,7 +25,9 @@ estimate take about as long, paid while the plan screens."""
 
 
 class Verifiers:
-    """The worker processes that verify one plan's candidates (none until :meth:`start`)."""
+    """The worker processes that verify one plan's candidates (none until :meth:`start`).
+    ``workers``: how many (None: one per core where a verification is slow; 0: none), each
+    first calling ``setup``."""
 
     def __init__(
         self, launch: Launch, workers: int | None, setup: Callable[[], None] | None
