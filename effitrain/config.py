@@ -86,6 +86,9 @@ class Option:
     """The values it takes (each item, for a list); none: any value of its type."""
     default_text: str | None = None
     """What --help shows as the default, where the value alone misleads."""
+    elsewhere: tuple[str, ...] = ()
+    """Its names in transformers' TrainingArguments and TRL's configs: a YAML key spelled so is
+    answered with this option's name."""
 
     def __post_init__(self) -> None:
         assert self.panel in HELP_PANELS, f"{self.name}: unknown help panel {self.panel!r}"
@@ -128,6 +131,7 @@ def option_field(
     metavar: str | None = None,
     choices: tuple[str, ...] = (),
     default_text: str | None = None,
+    elsewhere: tuple[str, ...] = (),
 ) -> Any:
     """A config field with its option: the keyword arguments of :class:`Option` but its name.
     ``help`` is the field's one-line doc and the option's help text. TrainConfig's own fields
@@ -139,6 +143,7 @@ def option_field(
         "metavar": metavar,
         "choices": choices,
         "default_text": default_text,
+        "elsewhere": elsewhere,
     }
     return field(default=default, metadata=option_fields)
 
@@ -166,6 +171,7 @@ class TrainConfig:
         "Built-in preset name, a hub id, or a local folder saved with save_pretrained.",
         panel=MODEL_AND_DATA,
         metavar="NAME|DIR",
+        elsewhere=("model_name_or_path",),
     )
     dataset: str = option_field(
         "demo",
@@ -205,6 +211,7 @@ class TrainConfig:
         128,
         "Truncate inputs to this many tokens (causal-lm: the length of packed blocks).",
         panel=MODEL_AND_DATA,
+        elsewhere=("max_seq_length",),
     )
     packing: bool | None = option_field(
         None,
@@ -262,7 +269,11 @@ class TrainConfig:
 
     # --- optimizer and schedule ---
     optim: str = option_field(
-        "adamw", "Optimizer name from `effitrain optimizers`.", panel=OPTIMIZER, metavar="NAME"
+        "adamw",
+        "Optimizer name from `effitrain optimizers`.",
+        panel=OPTIMIZER,
+        metavar="NAME",
+        elsewhere=("optimizer",),
     )
     lr: float | None = option_field(
         None,
@@ -271,6 +282,7 @@ class TrainConfig:
         panel=OPTIMIZER,
         metavar="LR",
         default_text=PER_OPTIMIZER,
+        elsewhere=("learning_rate",),
     )
     weight_decay: float = option_field(
         0.01,
@@ -285,6 +297,7 @@ class TrainConfig:
         panel=OPTIMIZER,
         choices=SCHEDULERS,
         default_text=PER_OPTIMIZER,
+        elsewhere=("lr_scheduler_type",),
     )
     warmup_ratio: float | None = option_field(
         None,
@@ -312,16 +325,29 @@ class TrainConfig:
     )
 
     # --- loop ---
-    epochs: int = option_field(5, "Number of passes over the training set.", panel=LOOP)
+    epochs: int = option_field(
+        5, "Number of passes over the training set.", panel=LOOP, elsewhere=("num_train_epochs",)
+    )
     max_steps: int | None = option_field(
         None, "Stop after this many optimizer steps (overrides epochs).", panel=LOOP
     )
-    batch_size: int = option_field(16, "Training micro-batch size per process.", panel=LOOP)
+    batch_size: int = option_field(
+        16,
+        "Training micro-batch size per process.",
+        panel=LOOP,
+        elsewhere=("per_device_train_batch_size",),
+    )
     eval_batch_size: int | None = option_field(
-        None, "Evaluation batch size per process (default: 2 x batch size).", panel=LOOP
+        None,
+        "Evaluation batch size per process (default: 2 x batch size).",
+        panel=LOOP,
+        elsewhere=("per_device_eval_batch_size",),
     )
     grad_accum: int = option_field(
-        1, "Micro-batches per optimizer step (gradient accumulation).", panel=LOOP
+        1,
+        "Micro-batches per optimizer step (gradient accumulation).",
+        panel=LOOP,
+        elsewhere=("gradient_accumulation_steps",),
     )
     mixed_precision: str = option_field(
         "no", "Passed to Accelerator: no, fp16 or bf16.", panel=LOOP, choices=MIXED_PRECISION
@@ -651,26 +677,12 @@ def _coerce(key: str, value: Any, annotation: Any, source: str) -> Any:
     raise AssertionError(f"unhandled config type {annotation!r} for {key}")  # a bug, not user input
 
 
-ELSEWHERE_NAMES = {
-    "learning_rate": "lr",
-    "num_train_epochs": "epochs",
-    "per_device_train_batch_size": "batch_size",
-    "per_device_eval_batch_size": "eval_batch_size",
-    "gradient_accumulation_steps": "grad_accum",
-    "lr_scheduler_type": "scheduler",
-    "max_seq_length": "max_length",
-    "model_name_or_path": "model",
-    "optimizer": "optim",
-    "lora_r": "lora_rank",
-}
-"""Keys of transformers' TrainingArguments and TRL's configs, with their effitrain names."""
-
-
 def _close_key(key: str, names: list[str]) -> str | None:
     """The option an unknown key most likely meant (a typo of one, or another tool's name)."""
     import difflib
 
-    candidates = {**ELSEWHERE_NAMES, **{name: name for name in names}}
+    elsewhere = {alias: name for name, spec in OPTIONS.items() for alias in spec.elsewhere}
+    candidates = {**elsewhere, **{name: name for name in names}}
     found = difflib.get_close_matches(key, list(candidates), n=1)
     return candidates[found[0]] if found else None
 

@@ -244,11 +244,19 @@ def test_usage_errors_are_one_line(train_cli, args, line):
     assert "╭" not in train_cli(*args).stderr
 
 
-def test_yaml_unknown_key(train_cli, tmp_path):
+@pytest.mark.parametrize(
+    "key, option",
+    [("learning_rate", "lr"), ("lora_r", "lora_rank")],  # the config's own, a lever's
+)
+def test_yaml_key_of_another_tool_names_ours(train_cli, tmp_path, key, option):
+    """Each option declares its names in the Trainer's and TRL's configs (Option.elsewhere)."""
     path = tmp_path / "bad.yaml"
-    path.write_text("optim: adamw\nlearning_rate: 1e-3\n")
+    path.write_text(f"optim: adamw\n{key}: 1\n")
     assert_clean_error(
-        train_cli("train", "--config", str(path)), "unknown key 'learning_rate'", str(path)
+        train_cli("train", "--config", str(path)),
+        f"unknown key '{key}'",
+        str(path),
+        f"did you mean '{option}'?",
     )
 
 

@@ -79,6 +79,7 @@ class LoRAOptions(OptionGroup):
         None,
         "Train LoRA adapters of this rank (peft) instead of the whole model.",
         panel=MEMORY_LEVERS,
+        elsewhere=("lora_r",),
     )
     lora_alpha: float | None = option_field(
         None, "LoRA scaling alpha (default: 2 x rank).", panel=MEMORY_LEVERS, metavar="ALPHA"
