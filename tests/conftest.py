@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,42 @@ os.environ.update(OFFLINE)
 # The tests' models are tiny: a second intra-op thread buys nothing, and on a busy machine its
 # threads wait for a core at every operation. Set before torch is imported; subprocesses inherit it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+LONGEST_FIRST = (
+    "tests/test_plan.py",
+    "tests/test_fsdp2_optim.py",
+    "tests/test_distributed.py",
+    "tests/test_estimate.py",
+    "tests/test_compare.py",
+    "tests/test_fsdp2_lora.py",
+    "tests/test_plan_launch.py",
+    "tests/test_lever_plugin.py",
+    "tests/test_resume.py",
+)
+"""The files that take longest, longest first (the suite's ``--durations``). Under ``-n 2 --dist
+loadfile`` xdist hands out whole files, by default those with the most tests first: a long file
+of few tests (launches, a subprocess) came last, and one worker waited for the other."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "dist", "no") == "loadfile":
+        config.option.loadscopereorder = False  # the order below instead
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In an xdist worker: :data:`LONGEST_FIRST`, then the files with the most tests (the order
+    the workers collect is the order ``loadfile`` hands the files out in, see above)."""
+    if not hasattr(config, "workerinput"):
+        return
+    counts = Counter(item.nodeid.split("::")[0] for item in items)
+
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        file = item.nodeid.split("::")[0]
+        longest = LONGEST_FIRST.index(file) if file in LONGEST_FIRST else len(LONGEST_FIRST)
+        return longest, -counts[file]
+
+    items.sort(key=rank)  # stable: each file's tests stay together, in their order
 
 
 def run_cli(

@@ -7,11 +7,14 @@ that the runs pay one launch's start-up (two processes importing torch) between 
 
 ``runs.json`` lists ``{"name", "args", "copy"}``: each run is the CLI with ``args``, after the
 main process copied the folder ``copy[0]`` to ``copy[1]`` (a checkpoint to resume from) where
-given. Between runs Accelerate's process-wide state is reset, as ``tests.conftest`` does between
-in-process runs; the process group stays. Each rank writes ``<name>.rank<R>.json`` (the exit
-code), ``.stdout`` and ``.stderr`` (what the run printed) beside ``runs.json``, and the files
-each run opens are recorded under its name (:mod:`tests.read_spy`). ``fsdp2_cpu_launch`` lets
-Accelerate choose FSDP on CPU processes (it changes nothing when FSDP is not asked for).
+given. A ``{"name", "script", "env"}`` entry runs a Python file instead, as ``python script``
+would, with ``env`` added to the environment (checks of torch itself that need the launch's
+processes; last, where the script ends the process group). Between runs Accelerate's
+process-wide state is reset, as ``tests.conftest`` does between in-process runs; the process
+group stays. Each rank writes ``<name>.rank<R>.json`` (the exit code), ``.stdout`` and
+``.stderr`` (what the run printed) beside ``runs.json``, and the files each run opens are
+recorded under its name (:mod:`tests.read_spy`). ``fsdp2_cpu_launch`` lets Accelerate choose
+FSDP on CPU processes (it changes nothing when FSDP is not asked for).
 
 :func:`launch_runs` is the test side: it writes ``runs.json``, launches, and reads back.
 """
@@ -29,17 +32,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-def run(args: list[str]) -> int:
-    """``effitrain ARGS`` in this process; its exit code (1 for a crash, traceback printed)."""
+def run(entry: dict) -> int:
+    """The entry's ``effitrain ARGS`` (or its script) in this process; its exit code (1 for a
+    crash, traceback printed)."""
+    import runpy
+
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
     from effitrain.cli import main
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-    sys.argv = ["effitrain", *args]
+    os.environ.update(entry.get("env", {}))
+    sys.argv = [entry["script"]] if "script" in entry else ["effitrain", *entry["args"]]
     try:
-        main()
+        if "script" in entry:
+            runpy.run_path(entry["script"], run_name="__main__")
+        else:
+            main()
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else 1
     except Exception:  # noqa: BLE001  (the next runs still run; the test reads this one's stderr)
@@ -87,9 +97,9 @@ class Launched:
 
 
 def launch_runs(out: Path, runs: list[dict], **launch_options) -> Launched:
-    """Run ``runs`` (``{"name", "args", "copy"?}``) in one launch (two processes unless
-    ``processes=1`` says one) with their files under ``out``; ``launch_options`` go to
-    :func:`tests.test_distributed.launch`."""
+    """Run ``runs`` (``{"name", "args", "copy"?}`` or ``{"name", "script", "env"}``) in one
+    launch (two processes unless ``processes=1`` says one) with their files under ``out``;
+    ``launch_options`` go to :func:`tests.test_distributed.launch`."""
     from tests.test_distributed import launch
 
     (out / "runs.json").write_text(json.dumps(runs))
@@ -120,5 +130,5 @@ if __name__ == "__main__":
             contextlib.redirect_stdout(out),
             contextlib.redirect_stderr(err),
         ):
-            code = run(entry["args"])
+            code = run(entry)
         Path(f"{stem}.json").write_text(json.dumps(code))

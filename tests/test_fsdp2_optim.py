@@ -3,8 +3,8 @@
 One process: the sharded step, forced on plain tensors, is the library's step op for op
 (bit-identical). Two processes over gloo (``fsdp2_factored.py``, real torch FSDP2): equal to one
 process on the same global batch, each rank's state counted by the ledger, and checkpoints that
-resume bit for bit. The same launch checks the facts behind the FSDP refusals
-(``fsdp_facts.py``).
+resume bit for bit. The same script checks the facts behind the FSDP refusals
+(``fsdp_facts.py``); it runs last in the two-process launch of :func:`fsdp2_runs`.
 """
 
 from __future__ import annotations
@@ -114,33 +114,11 @@ def test_which_state_fsdp2_replicates():
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def fsdp_facts_dir(tmp_path_factory) -> Path:
-    """One launch of two CPU processes with torch's FSDP1 and FSDP2 over gloo
-    (``fsdp2_factored.py``, which runs ``fsdp_facts.py``'s checks too): the folder of each
-    rank's JSON facts, and ``launch.json``: the exit code and output tail, for a failing test."""
-    from tests.test_distributed import launch
-
-    out = tmp_path_factory.mktemp("fsdp-facts")
-    proc = launch(
-        script=Path(__file__).with_name("fsdp2_factored.py"),
-        extra_env={"FSDP_FACTS_DIR": str(out)},
-        timeout=300,
-    )
-    (out / "launch.json").write_text(
-        json.dumps(
-            {"returncode": proc.returncode, "tail": proc.stdout[-3000:] + proc.stderr[-3000:]}
-        )
-    )
-    return out
-
-
 @pytest.mark.slow
-def test_fsdp_facts_behind_the_rules(fsdp_facts_dir):
+def test_fsdp_facts_behind_the_rules(fsdp2_runs):
     """Real FSDP1/FSDP2 on two CPU processes: the behaviour the refusals and notes describe."""
-    launched = json.loads((fsdp_facts_dir / "launch.json").read_text())
-    assert launched["returncode"] == 0, launched["tail"]
-    facts = [json.loads(p.read_text()) for p in sorted(fsdp_facts_dir.glob("rank-*.json"))]
+    fsdp2_runs.two.assert_ran("fsdp-facts")
+    facts = [json.loads(p.read_text()) for p in sorted(fsdp2_runs.facts.glob("rank-*.json"))]
     assert len(facts) == 2  # one file per rank
     for rank_facts in facts:
         # FSDP2: the DTensor-incompatible optimizers crash, AdamW trains.
@@ -170,10 +148,10 @@ def test_fsdp_facts_behind_the_rules(fsdp_facts_dir):
 
 
 @pytest.mark.slow
-def test_two_fsdp2_processes_equal_one_and_resume_exactly(fsdp_facts_dir):
-    launched = json.loads((fsdp_facts_dir / "launch.json").read_text())
-    assert launched["returncode"] == 0, launched["tail"]
-    ranks = [json.loads(p.read_text()) for p in sorted(fsdp_facts_dir.glob("factored-rank-*.json"))]
+def test_two_fsdp2_processes_equal_one_and_resume_exactly(fsdp2_runs):
+    fsdp2_runs.two.assert_ran("fsdp-facts")
+    facts_dir = fsdp2_runs.facts
+    ranks = [json.loads(p.read_text()) for p in sorted(facts_dir.glob("factored-rank-*.json"))]
     assert len(ranks) == 2
     for name in FACTORED_OPTIMIZERS:
         facts = [rank["optimizers"][name] for rank in ranks]
@@ -231,7 +209,9 @@ def fsdp2_runs(tmp_path_factory, no_dropout_model_dir):
     - one process: ``one`` (adamw, 8 x 2 accumulated, saving at step 2);
     - two processes: ``straight`` (adafactor, saving at step 2) and ``resumed`` (a copy of its
       checkpoint), ``two`` (adamw, 8 per process), ``one-to-two`` (``one``'s checkpoint, with
-      ``one``'s command) and ``plain-under-fsdp``;
+      ``one``'s command), ``plain-under-fsdp``, and last ``fsdp-facts``: torch's FSDP1 and FSDP2
+      without effitrain's CLI (``fsdp2_factored.py``, which runs ``fsdp_facts.py``'s checks
+      too), each rank's JSON facts in ``facts``;
     - one process: ``two-to-one`` (``two``'s checkpoint, with ``two``'s command).
     """
     from types import SimpleNamespace
@@ -267,10 +247,13 @@ def fsdp2_runs(tmp_path_factory, no_dropout_model_dir):
         train("two", adamw),
         resume("one-to-two", "one", adamw, "--grad-accum", "2"),
         resume("plain-under-fsdp", "plain", adamw, "--grad-accum", "2"),
-    ]
-    two = launch_runs(out, runs, config=config)
+        {"name": "fsdp-facts", "script": str(Path(__file__).with_name("fsdp2_factored.py")),
+         "env": {"FSDP_FACTS_DIR": str(out / "facts")}},
+    ]  # fmt: skip
+    (out / "facts").mkdir()
+    two = launch_runs(out, runs, config=config, timeout=400)
     back = launch_runs(out, [resume("two-to-one", "two", adamw)], config=config, processes=1)
-    return SimpleNamespace(out=out, adafactor=adafactor, two=two, back=back)
+    return SimpleNamespace(out=out, adafactor=adafactor, two=two, back=back, facts=out / "facts")
 
 
 @pytest.mark.slow

@@ -48,17 +48,25 @@ def test_a_multi_process_command_carries_its_launch(monkeypatch, strategy, devic
         assert variables == {"ACCELERATE_USE_CPU": "1"}
 
 
-@pytest.mark.slow
-def test_the_plan_prints_fsdp2_launch_flags(train_cli):
-    proc = train_cli("plan", *LM, "--batch-size", "1", *ONE, "--memory", "2GiB", "--json",
-                     "--num-processes", "2", "--sharding", "fsdp", "--device", "cuda")  # fmt: skip
+@pytest.fixture(scope="module")
+def fsdp2_command() -> str:
+    """The first command of a plan for two FSDP2 processes on GPUs (one plan for the tests
+    that read it)."""
+    from tests.conftest import train_in_process
+
+    proc = train_in_process("plan", *LM, "--batch-size", "2", *ONE, "--memory", "2GiB", "--json",
+                            "--num-processes", "2", "--sharding", "fsdp", "--device", "cuda")  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    command = json.loads(proc.stdout)["candidates"][0]["command"]
-    assert command.startswith(
+    return json.loads(proc.stdout)["candidates"][0]["command"]
+
+
+@pytest.mark.slow
+def test_the_plan_prints_fsdp2_launch_flags(fsdp2_command):
+    assert fsdp2_command.startswith(
         "accelerate launch --num_processes 2 --use_fsdp --fsdp_version 2 "
         "--fsdp_reshard_after_forward true --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP "
         "--fsdp_state_dict_type SHARDED_STATE_DICT -m effitrain train "
-    ), command
+    ), fsdp2_command
 
 
 def test_sharding_on_cpu_processes_is_refused(train_cli):
@@ -153,7 +161,7 @@ def _cmdline(process) -> list[str]:
 
 
 @pytest.mark.slow
-def test_the_fsdp2_command_shards_the_run(train_cli):
+def test_the_fsdp2_command_shards_the_run(fsdp2_command):
     """The printed FSDP2 command, its accelerate flags as printed, on two CPU processes
     (tests/fsdp2_cpu_launch.py in place of ``-m effitrain``: FSDP on gloo): the run is FSDP2's
     full shard (the command without them trained unsharded)."""
@@ -164,10 +172,7 @@ def test_the_fsdp2_command_shards_the_run(train_cli):
 
     from tests.conftest import OFFLINE
 
-    proc = train_cli("plan", *LM, "--batch-size", "2", *ONE, "--memory", "2GiB", "--json",
-                     "--num-processes", "2", "--sharding", "fsdp", "--device", "cuda")  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    words = shlex.split(json.loads(proc.stdout)["candidates"][0]["command"])
+    words = shlex.split(fsdp2_command)
     module = words.index("-m")
     assert words[module + 1 : module + 3] == ["effitrain", "train"]
     root = Path(__file__).parents[1]

@@ -114,10 +114,10 @@ def test_resume_refuses_another_base(qlora_run, tmp_path, train_cli):
     assert_clean_error(proc, "its 4-bit base weight", "differs from the one quantized from --model")
 
 
-@pytest.mark.slow  # 7 s: the fake-tensor step through bitsandbytes' shape-only kernels
-def test_estimate_equals_the_measured_run(qlora_run, cli):
+@pytest.mark.slow  # the fake-tensor step through bitsandbytes' shape-only kernels
+def test_estimate_equals_the_measured_run(qlora_run, train_cli):
     measured = qlora_run.metrics
-    proc = cli("estimate", *QLORA, *SHAPE[:4], "--json")
+    proc = train_cli("estimate", *QLORA, *SHAPE[:4], "--json")
     assert proc.returncode == 0, proc.stderr
     estimate = json.loads(proc.stdout)
     for key in ("parameter_bytes", "trainable_parameter_bytes", "gradient_bytes"):
