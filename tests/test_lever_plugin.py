@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from conftest import OFFLINE
 
 TOY_LEVER = """
@@ -83,6 +84,7 @@ def _with_toy_lever(commands: dict[str, list[str]], cwd) -> dict:
     return json.loads(proc.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow  # a new process: a short run, an estimate and a plan
 def test_a_lever_defined_outside_effitrain_is_everywhere_a_lever_is(tmp_path):
     (tmp_path / "toy.yaml").write_text("toy_checkpointing: true\nmax_steps: 2\n")
     metrics = tmp_path / "metrics.json"
