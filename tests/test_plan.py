@@ -89,19 +89,20 @@ def test_what_the_plan_prints_fits_when_run(train_cli, monkeypatch, tmp_path):
     ``--max-memory`` at that budget, it trains and measures peak tensors within it (2 x 64
     tokens at 6 MiB; other shapes: :func:`test_every_printed_candidate_trains_under_its_budget`).
     One plan for both claims: its search is the slow part."""
+    import effitrain.plan_workers as plan_workers
     import effitrain.planning as planning
     from effitrain.cli.compare import train_config
     from effitrain.estimation import estimate
 
     # Verifications in worker processes at any size, two of them, as on a machine whose
     # estimates take seconds; every verification round is recorded with its parallelism.
-    monkeypatch.setattr(planning, "PARALLEL_FROM_SECONDS", 0.0)
-    monkeypatch.setattr(planning, "_cores", lambda: 2)
+    monkeypatch.setattr(plan_workers, "PARALLEL_FROM_SECONDS", 0.0)
+    monkeypatch.setattr(plan_workers, "_cores", lambda: 2)
     rounds: list[tuple[int, int]] = []
     verify = planning._Search.verify
 
     def recorded(search, options):
-        rounds.append((search.parallel, len(options)))
+        rounds.append((search.verifiers.parallel, len(options)))
         return verify(search, options)
 
     monkeypatch.setattr(planning._Search, "verify", recorded)
