@@ -6,6 +6,7 @@ prints, with no other file changed."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -77,7 +78,7 @@ def _with_toy_lever(commands: dict[str, list[str]], cwd) -> dict:
         capture_output=True,
         text=True,
         cwd=cwd,
-        env={**__import__("os").environ, **OFFLINE},
+        env={**os.environ, **OFFLINE},
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
