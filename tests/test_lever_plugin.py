@@ -104,7 +104,7 @@ def test_a_lever_defined_outside_effitrain_is_everywhere_a_lever_is(tmp_path):
             # Declared as costing no time, it is tried even where smaller micro-batches fit.
             "plan": [
                 "plan",
-                *("--task", "causal-lm", "--max-length", "512", "--memory", "64MiB"),
+                *("--task", "causal-lm", "--max-length", "256", "--memory", "64MiB"),
                 *("--optim", "adamw", "--full-parameter", "--json"),
             ],
         },
