@@ -5,9 +5,10 @@ One flat dataclass keeps the mapping between CLI options, YAML keys and code obv
 A YAML file only overrides defaults; explicit CLI options override the YAML file. Unknown keys and
 values of the wrong type are errors that name the key.
 
-Each field declares its option once, beside it (``_opt``): help, help panel, the off flag of an
-on/off setting, metavar, allowed values and the default --help shows. :data:`OPTIONS` holds them
-by field; the CLI builds its options from them, :meth:`TrainConfig.validate` checks the allowed
+Each field declares its option once, beside it (:func:`option_field`): help, help panel, the off
+flag of an on/off setting, metavar, allowed values, the default --help shows and its names in
+other tools. A lever declares its own options so, in its module; registering it adds them
+(:func:`add_options`). :data:`OPTIONS` holds them all by field; the CLI builds its options from them, :meth:`TrainConfig.validate` checks the allowed
 values, and :func:`to_arguments` spells values back as ``effitrain train`` arguments.
 
 A leaf: it imports nothing of effitrain but its error type, so that every other module may read

@@ -359,7 +359,7 @@ class _Search:
                 f"trains rank-{base[lever.fields[0]]} adapters: removes {lever.removes}"
             )
         for lever in lever_registry.active(self.config):
-            if not self._takes(lever):
+            if not lever.takes(self.task):
                 continue
             how = "given" if any(f in self.given for f in lever.fields) else "on by default"
             reasons.setdefault(lever.name, f"{how}: removes {lever.removes}")
@@ -428,11 +428,6 @@ class _Search:
             return None
         return None if spec.is_available() else " ".join(spec.install.split())
 
-    def _takes(self, lever: Lever) -> bool:
-        """Whether the plan's task takes ``lever`` (the chunked loss: a causal LM's)."""
-        takes = (lever.task,) if isinstance(lever.task, str) else lever.task
-        return takes is None or self.task in takes
-
     def _worth_trying(
         self, lever: Lever, search: Search, changes: dict[str, Any], screen: Screen | None
     ) -> bool:
@@ -459,7 +454,7 @@ class _Search:
 
     def _steps(self) -> Iterator[tuple[Lever, Search, dict[str, Any]]]:
         for lever, search in _ladder():
-            if lever.name in self.without or not self._takes(lever):
+            if lever.name in self.without or not lever.takes(self.task):
                 continue
             if lever.devices and self.launch.device_type not in lever.devices:
                 continue

@@ -19,7 +19,8 @@ reference                  ``--reference`` (preference,     DPO's second model (
 The registry's order is the order levers act in (quantize, then cast, then checkpointing, then
 LoRA's wrapper). The functions below are the moments a run (and ``effitrain estimate``, which
 builds the same run on fake tensors) calls the levers at; each calls every lever that is on.
-Adding a lever is one module here, one entry in :data:`LEVERS`, its docs and its tests.
+Adding a lever is one module here (its options and its spec), one line in the ``register``
+call below, its docs and its tests.
 
 Nothing heavy is imported here: the CLI checks options through this module.
 """

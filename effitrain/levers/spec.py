@@ -149,14 +149,21 @@ class Lever:
             EffitrainError: one line naming the options and what to use instead.
         """
 
+    def takes(self, task: str) -> bool:
+        """Whether ``task`` can take the lever (:attr:`task`): the run's check and the plan's
+        search ask the same."""
+        return self.task is None or task in self._tasks()
+
+    def _tasks(self) -> tuple[str, ...]:
+        return (self.task,) if isinstance(self.task, str) else self.task or ()
+
     def check_task(self, config: TrainConfig, task: str) -> None:
-        """Refuse the lever under a task that cannot take it (:attr:`task`). No lever overrides
-        it: :attr:`task` is the data it reads; a lever with a subtler rule would."""
-        takes = (self.task,) if isinstance(self.task, str) else self.task
-        if takes is not None and task not in takes:
+        """Refuse the lever under a task that cannot take it (:meth:`takes`). No lever
+        overrides it: :attr:`task` is the data it reads; a lever with a subtler rule would."""
+        if not self.takes(task):
             raise EffitrainError(
-                f"{option(self.fields[0])} needs --task {' or '.join(takes)} (this run is "
-                f"{task}); drop it"
+                f"{option(self.fields[0])} needs --task {' or '.join(self._tasks())} (this run "
+                f"is {task}); drop it"
             )
 
     def check_launch(self, config: TrainConfig, launch: Launch) -> None:
