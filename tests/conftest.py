@@ -223,6 +223,36 @@ def lm_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def long_lm_model_dir(tmp_path_factory) -> Path:
+    """The tiny-llama preset taking 32,768 positions (model and tokenizer), saved as a folder:
+    a causal LM for long-context tests (RoPE: only the configured maximum changes)."""
+    from effitrain.demo.lm import build_lm_tokenizer
+    from effitrain.models import load_causal_lm
+
+    folder = tmp_path_factory.mktemp("tiny-llama-long")
+    tokenizer = build_lm_tokenizer(model_max_length=32768)
+    model = load_causal_lm("tiny-llama", tokenizer)
+    model.config.max_position_embeddings = 32768
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def long_text_file(tmp_path_factory) -> Path:
+    """A .txt corpus of 40 documents of 500 to 3,000 words (blank-line separated): enough
+    tokens for packed blocks of 32k tokens, each holding several documents."""
+    import random
+
+    rng = random.Random(0)
+    words = "the cat sat on a mat while dogs ran over hills and rivers under skies".split()
+    path = tmp_path_factory.mktemp("long-text") / "long.txt"
+    documents = [" ".join(rng.choices(words, k=rng.randint(500, 3000))) for _ in range(40)]
+    path.write_text("\n\n".join(documents) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
 def saved_run(tmp_path_factory, data):
     """One finished 4-step adamw run on ``data``, saving at step 3 and at the end; shared
     read-only (copy ``out`` to change it). Fields: data, out, options, proc."""
