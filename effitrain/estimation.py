@@ -349,6 +349,21 @@ def _optimizer_notes(spec: OptimizerSpec) -> list[str]:
     ]
 
 
+LONGEST_TRIED = 2**24
+"""A length past any context trained today: where nothing caps a run's sequences, the plan's
+search for the longest stops here."""
+
+
+def sequence_cap(config: TrainConfig) -> int:
+    """The longest sequence a run of ``config`` takes (and its estimate): its tokenizer's
+    model_max_length, else the model's positions, at most :data:`LONGEST_TRIED`.
+
+    Raises:
+        EffitrainError: neither a tokenizer nor a model config can be read.
+    """
+    return _tokenizer_or_config(dataclasses.replace(config, max_length=LONGEST_TRIED), [])[1]
+
+
 def _tokenizer_or_config(config: TrainConfig, notes: list[str]) -> tuple[Any, int]:
     """The run's tokenizer and the longest sequence it makes; or, for a hub id or folder that
     has a config.json and no tokenizer, None and the longest sequence the model's positions
