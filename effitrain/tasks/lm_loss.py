@@ -31,10 +31,11 @@ tokens (short texts, padding, completion-only masks) the same weight as a full o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -408,12 +409,18 @@ class LMLoss(ChosenLoss):
         dropped = ("labels",) if self.documents else ("labels", document_attention.LENGTHS_KEY)
         return {k: v for k, v in batch.items() if k not in dropped}
 
+    def attending(self, inputs: dict[str, Any]) -> AbstractContextManager[None]:
+        """Around the model's forward: no mask built where the documents' lengths are given."""
+        given = document_attention.LENGTHS_KEY in inputs
+        return document_attention.documents_given() if given else contextlib.nullcontext()
+
     def __call__(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
         """The micro-batch's sum of token losses (fp32)."""
         inputs = self.model_inputs(batch)
         labels = shifted_labels(batch["labels"])
         if not self.choice.chunked:  # the model's logits are final: softcapped where it caps
-            logits = model(**inputs).logits
+            with self.attending(inputs):
+                logits = model(**inputs).logits
             return losses_from_logits(
                 logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), None
             ).sum()
@@ -423,7 +430,7 @@ class LMLoss(ChosenLoss):
                 self.choice, hidden, head.weight, head.bias, labels, self.softcap
             )
 
-        with loss_in_output_layer(self.unwrapped, loss_sum) as result:
+        with loss_in_output_layer(self.unwrapped, loss_sum) as result, self.attending(inputs):
             model(**inputs)
         return result.value
 
@@ -433,7 +440,7 @@ class LMLoss(ChosenLoss):
 
         inputs = self.model_inputs(batch)
         labels = shifted_labels(batch["labels"])
-        with torch.no_grad():
+        with torch.no_grad(), self.attending(inputs):
             if not self.choice.chunked:
                 return sequence_loss_sums(model(**inputs).logits, None, None, labels)
 
