@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import effitrain.build as build
 import effitrain.levers as levers
+import effitrain.levers.context_parallel as context_parallel
 from effitrain.config import TrainConfig
 from effitrain.distributed import Launch
 from effitrain.errors import EffitrainError
@@ -208,8 +209,10 @@ def estimate(config: TrainConfig, launch: Launch | None = None) -> Estimate:
         _materialize(model, device, config)
         landed = host.landed_weights(model)
         model_type = getattr(getattr(model, "config", None), "model_type", "")
+        # One rank's share of each sequence: --context-parallel's ranks each hold L/N tokens.
+        rank_length = context_parallel.rank_length(config, length)
         batch = task.fake_batch(
-            tokenizer, config.batch_size, length, packed=packs(config, model_type)
+            tokenizer, config.batch_size, rank_length, packed=packs(config, model_type)
         )
         run = _fake_run(config, launch, task, data, tokenizer, model, loss, batch)
         progress = _run_steps(run, device)

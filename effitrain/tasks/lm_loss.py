@@ -401,9 +401,11 @@ class LMLoss(ChosenLoss):
         return {}
 
     def __call__(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
-        """The micro-batch's sum of token losses (fp32)."""
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
-        labels = shifted_labels(batch["labels"])
+        """The micro-batch's sum of token losses (fp32); ``shift_labels``, where the batch has
+        them, are its labels already shifted (a context-parallel rank's share of them)."""
+        inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+        labels = batch.get("shift_labels")
+        labels = shifted_labels(batch["labels"]) if labels is None else labels
         if not self.choice.chunked:  # the model's logits are final: softcapped where it caps
             logits = model(**inputs).logits
             return losses_from_logits(
@@ -442,12 +444,17 @@ def step_scale(batches: Iterable[dict[str, Any]], accelerator: Any) -> torch.Ten
     token-mean loss: (processes x micro-batches per step) / labelled tokens on all processes.
 
     ``accelerator.backward`` divides by the accumulation steps and the processes' gradient
-    averaging by their number; both are undone here. One all-reduce, no host sync.
+    averaging by their number; both are undone here. One all-reduce, no host sync. Under
+    context parallelism the N ranks of a group read the same batches, each training on its
+    share of their tokens: the sum counts each token N times.
     """
     import torch
 
     tokens = torch.stack([labelled_tokens(b) for b in batches]).sum().to(torch.float32)
     if accelerator.num_processes > 1:
         tokens = accelerator.reduce(tokens, "sum")
+        parallelism = getattr(accelerator, "parallelism_config", None)
+        if parallelism is not None and parallelism.cp_enabled:
+            tokens = tokens / parallelism.cp_size
     factor = accelerator.num_processes * accelerator.gradient_accumulation_steps
     return factor / tokens.clamp(min=1)
