@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import effitrain.build as build
 import effitrain.levers as levers
+import effitrain.levers.context_parallel as context_parallel
 from effitrain.config import TrainConfig
 from effitrain.distributed import Launch
 from effitrain.errors import EffitrainError
@@ -202,8 +203,10 @@ def estimate(config: TrainConfig, launch: Launch | None = None) -> Estimate:
     model_type = getattr(getattr(model, "config", None), "model_type", "")
     # Collated outside the fake mode, as the run's collator does it: its host-side facts (where
     # each row's documents lie) come from the token tensors' values, which fakes do not have.
+    # One rank's share of each sequence: --context-parallel's ranks each hold L/N tokens.
+    rank_length = context_parallel.rank_length(config, length)
     collated = task.fake_batch(
-        tokenizer, config.batch_size, length, packed=packs(config, model_type)
+        tokenizer, config.batch_size, rank_length, packed=packs(config, model_type)
     )
     with ExitStack() as scope:
         scope.enter_context(_own_accelerate_state())
