@@ -214,6 +214,14 @@ class TrainConfig:
         panel=MODEL_AND_DATA,
         elsewhere=("max_seq_length",),
     )
+    beyond_positions: bool = option_field(
+        False,
+        "Let --max-length pass the model's positions (its max_position_embeddings, its "
+        "tokenizer's model_max_length), which cut sequences otherwise: rotary (RoPE) models "
+        "compute any position, but were not trained past theirs (the run teaches them). "
+        "Refused for a learned table of positions (GPT-2, BERT).",
+        panel=MODEL_AND_DATA,
+    )
     packing: bool | None = option_field(
         None,
         "causal-lm: concatenate examples into --max-length blocks (attention kept inside each "

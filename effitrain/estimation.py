@@ -379,22 +379,36 @@ def _tokenizer_or_config(config: TrainConfig, notes: list[str]) -> tuple[Any, in
     Raises:
         EffitrainError: neither a tokenizer nor a model config can be read.
     """
-    from effitrain.models import capped_length, load_model_config, load_tokenizer, max_positions
+    from effitrain.models import (
+        capped_length,
+        load_model_config,
+        load_tokenizer,
+        max_positions,
+        sequence_limit,
+    )
+
+    def limit(positions: int) -> int:
+        return sequence_limit(config.model, positions, config.max_length, config.beyond_positions)
 
     try:
         tokenizer = load_tokenizer(config.model)
     except EffitrainError:
         model_config = load_model_config(config.model)  # its one-line error where none either
     else:
-        return tokenizer, capped_length(config.max_length, tokenizer.model_max_length, notes)
+        return tokenizer, capped_length(config.max_length, limit(tokenizer.model_max_length), notes)
     positions = max_positions(model_config)
+    positions = limit(positions) if positions else None
     length = min(config.max_length, positions or config.max_length)
     vocabulary = getattr(model_config, "vocab_size", None)
     notes.append(
         f"no tokenizer found for '{config.model}': the batch is {config.batch_size} x {length} "
         "token ids made from its config.json"
         + (f" (vocabulary {vocabulary:,})" if vocabulary else "")
-        + (f", at most max_position_embeddings ({positions:,}) long" if positions else "")
+        + (
+            f", at most max_position_embeddings ({positions:,}) long"
+            if positions and not config.beyond_positions
+            else ""
+        )
     )
     return None, positions or config.max_length
 

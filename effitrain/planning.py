@@ -216,17 +216,24 @@ def _longest(
     Raises:
         EffitrainError: nothing fits even at the shortest length tried.
     """
-    from effitrain.estimation import sequence_cap
+    from effitrain.estimation import LONGEST_TRIED, sequence_cap
+    from effitrain.models import rotary_positions
     from effitrain.plan_lengths import SHORTEST, longest_fitting, round_down, step_at
 
     budget, launch = search.budget, search.launch
     room = budget - search.margin
-    cap = sequence_cap(search.config)
+    positions = cap = sequence_cap(search.config)
+    if cap < LONGEST_TRIED and rotary_positions(search.config.model):
+        cap = LONGEST_TRIED  # past the positions with --beyond-positions: see _longest_note
     with search:
         changes, reasons, full = search.every_lever(full_parameter)
 
+        def at(length: int) -> dict[str, Any]:
+            past = {"beyond_positions": True} if length > positions else {}
+            return {**changes, "max_length": length, **past}
+
         def peak(length: int) -> int:
-            screens = search.screens({**changes, "max_length": length})
+            screens = search.screens(at(length))
             return min([s.peak for s in screens.values()], default=2**63)
 
         found = longest_fitting(peak, room, cap)
@@ -239,7 +246,7 @@ def _longest(
                 f"margin, {_gib(smallest + search.margin - budget)} over"
             )
         screened = length
-        rows, verified = search.verified_at({**changes, "max_length": length}, reasons, full)
+        rows, verified = search.verified_at(at(length), reasons, full)
         for _ in range(STEP_DOWNS):
             if any(row[3] is not None for row in rows) or verified is None:
                 break
@@ -248,7 +255,7 @@ def _longest(
             length = min(round_down(lower), length - step_at(length - 1))
             if length < SHORTEST:
                 break
-            rows, verified = search.verified_at({**changes, "max_length": length}, reasons, full)
+            rows, verified = search.verified_at(at(length), reasons, full)
     answers = [row for row in rows if row[3] is not None]
     if not answers:
         raise EffitrainError(
@@ -257,7 +264,7 @@ def _longest(
         )
     best = _seconds(answers[0][1], launch) or 0.0
     unverified = [row for row in rows if row[3] is None]
-    notes = [_longest_note(length, screened, found, cap), *search.notes]
+    notes = [_longest_note(length, screened, found, positions), *search.notes]
     left_out = search.missing_note()
     return PlanResult(
         budget_bytes=budget,
@@ -283,12 +290,13 @@ def _per_token(peaks: dict[int, int], length: int) -> int:
     return max((peaks[length] - peaks[other]) // (length - other), 1)
 
 
-def _longest_note(length: int, screened: int, found: Found, cap: int) -> str:
+def _longest_note(length: int, screened: int, found: Found, positions: int) -> str:
     """How the longest length was found, and what bounds it (``screened``: the longest the
-    screens fit, where a full estimate stepped down from it)."""
+    screens fit, where a full estimate stepped down from it; ``positions``: the longest the
+    model takes without --beyond-positions)."""
     from effitrain.plan_lengths import COARSE_FROM, step_at
 
-    if length >= cap:
+    if length == positions and found.over is None:
         return (
             f"{length:,} tokens is the longest sequence the model takes (its positions, or its "
             "tokenizer's model_max_length): the budget may have room for more"
@@ -299,10 +307,17 @@ def _longest_note(length: int, screened: int, found: Found, cap: int) -> str:
         if found.over and length == screened
         else f"the screens fit {screened:,}, its full estimate did not"
     )
+    beyond = (
+        f"; {length:,} tokens is beyond the model's {positions:,} positions: they are rotary "
+        "(RoPE: computed for any index), but the model was not trained past them, so the "
+        "commands say --beyond-positions (the run teaches them)"
+        if length > positions
+        else ""
+    )
     return (
         f"the longest length was searched on the layer screens at {len(found.peaks)} lengths, "
         f"on multiples of {step_at(length):,} tokens ({where}): {bound}; every lever of the "
-        "search is on"
+        f"search is on{beyond}"
     )
 
 
@@ -515,12 +530,9 @@ class _Search:
     def every_lever(self, full_parameter: bool) -> tuple[dict[str, Any], dict[str, str], bool]:
         """The lever set of a longest-length search: adapters (unless ``full_parameter``, or
         left out), then each lever along :func:`_ladder` at its last search value where some
-        optimizer runs it with those before (what a missing package rules out is noted); one
-        that removes only gradients and state is left out where those are small
-        (:data:`SMALL_SHARE`, on a screen at the first length). Returns the set, why each lever
-        is in, and whether it trains every parameter."""
-        from effitrain.plan_lengths import START
-
+        optimizer runs it with those before (what a missing package rules out is noted). No
+        screen decides: at the longest length each lever's bytes are worth a few more tokens.
+        Returns the set, why each lever is in, and whether it trains every parameter."""
         lora, search = _adapter_lever()
         user_adapters = lora.is_on(self.config)
         if full_parameter and user_adapters:
@@ -531,18 +543,9 @@ class _Search:
         changes = {} if full or user_adapters else {lora.fields[0]: search.values[1]}
         reasons = self._reasons(changes)
         last = {lever.name: (lever, search, step) for lever, search, step in self._steps()}
-        later = []
         for lever, search, step in last.values():
-            if search.removes_only_update:
-                later.append((lever, search, step))
-            elif self._worth_trying(lever, search, changes, None):
+            if self._worth_trying(lever, search, changes, None):
                 changes = self._joined(changes, reasons, lever, step)
-        if later:
-            screens = self.screens({**changes, "max_length": START}).values()
-            screen = min(screens, key=lambda s: s.peak, default=None)
-            for lever, search, step in later:
-                if self._worth_trying(lever, search, changes, screen):
-                    changes = self._joined(changes, reasons, lever, step)
         return changes, reasons, full
 
     def _joined(

@@ -86,9 +86,10 @@ def test_longest_means_nothing_to_train_or_estimate(train_cli, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_longest_fits_and_one_step_more_does_not(long_lm_model_dir):
-    """On a tiny Llama taking 32,768 positions: the answer's length fits the budget by a full
-    estimate of its command and a length one step longer does not; its args and table say it."""
+def test_the_longest_fits_and_one_step_more_does_not():
+    """On tiny-llama: the answer's length fits the budget by a full estimate of its command and
+    a length one step longer does not; its args and table say it. It is past the model's
+    2,048 positions (rotary): the command says --beyond-positions, and a note why."""
     from rich.console import Console
 
     from effitrain.cli.compare import train_config
@@ -98,18 +99,19 @@ def test_the_longest_fits_and_one_step_more_does_not(long_lm_model_dir):
     from effitrain.planning import plan
     from effitrain.report.plan_table import print_plan
 
-    options = ["--task", "causal-lm", "--model", str(long_lm_model_dir), "--no-packing",
-               "--batch-size", "1"]  # fmt: skip
-    budget = 40 * 2**20
+    options = ["--task", "causal-lm", "--model", "tiny-llama", "--no-packing", "--batch-size", "1"]
+    budget = 160 * 2**20
     launch = Launch.described(1, "ddp", "cpu")
     result = plan(
         train_config(options), launch, budget, workers=0, full_parameter=True,
         optimizers=["adamw"], without=ONE[-1].split(","), longest=True,
     )  # fmt: skip
     length = result.longest
-    assert length is not None and result.candidates
+    assert length is not None and length > 2048 and result.candidates
     best = result.candidates[0]
     assert best.verified and best.args[best.args.index("--max-length") + 1] == str(length)
+    assert "--beyond-positions" in best.args
+    assert any("beyond the model's 2,048 positions" in note for note in result.notes)
     config = train_config([*options, *best.args])
     assert estimate(config, launch).memory.peak_tensor_bytes <= budget
     longer = train_config([*options, *best.args, "--max-length", str(length + step_at(length))])
@@ -118,6 +120,21 @@ def test_the_longest_fits_and_one_step_more_does_not(long_lm_model_dir):
     console = Console(record=True, width=200)
     print_plan(result, console)
     assert f"the longest sequence that fits: {length:,} tokens" in console.export_text()
+
+
+@pytest.mark.slow
+def test_beyond_positions_trains_past_them(train_cli, long_text_file, tmp_path):
+    """tiny-llama takes 2,048 positions: with --beyond-positions a run trains on 4,096-token
+    blocks (without, they are cut); a learned table of positions refuses it in one line."""
+    metrics = tmp_path / "metrics.json"
+    proc = train_cli("train", "--task", "causal-lm", "--model", "tiny-llama", "--train-file",
+                     str(long_text_file), "--max-length", "4096", "--beyond-positions",
+                     "--batch-size", "1", "--max-steps", "1", "--metrics-json", str(metrics))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(metrics.read_text())
+    assert result["tokens_per_second"] * result["seconds_per_step"] == pytest.approx(4096)
+    proc = train_cli("estimate", "--model", "tiny", "--beyond-positions")
+    assert_clean_error(proc, "--beyond-positions: tiny learns a table of positions")
 
 
 @pytest.mark.slow
