@@ -196,8 +196,7 @@ def test_shift_labels_are_taken_as_shifted():
     def forward(input_ids, **_):
         return type("Out", (), {"logits": head(embed(input_ids))})()
 
-    loss = LMLoss.__new__(LMLoss)
-    loss.choice, loss.unwrapped, loss.softcap = Choice("off"), model, None
+    loss = LMLoss(Choice("off"), model)
     plain = loss(forward, {"input_ids": ids, "labels": ids})
     shifted = loss(forward, {"input_ids": ids, "labels": ids, "shift_labels": shifted_labels(ids)})
     torch.testing.assert_close(plain, shifted)

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from effitrain.config import MEMORY_LEVERS, OptionGroup, option_field
 from effitrain.errors import EffitrainError
 from effitrain.levers.spec import Lever
+from effitrain.models import DOCUMENT_ATTENTION, DOCUMENT_LENGTHS
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -158,9 +159,8 @@ def sharded_batch(accelerator: Any, batch: dict[str, Any]) -> Iterator[None]:
     batch["shift_labels"] = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORED)
     batch["position_ids"] = torch.arange(ids.shape[1], device=ids.device).repeat(ids.shape[0], 1)
     batch.pop("attention_mask", None)
-    # The whole rows' documents (tasks.document_attention.LENGTHS_KEY): ring attention runs
-    # causal SDPA over the cut rows instead.
-    batch.pop("document_lengths", None)
+    # The whole rows' documents: ring attention runs causal SDPA over the cut rows instead.
+    batch.pop(DOCUMENT_LENGTHS, None)
     buffers = [ids, batch["shift_labels"], batch["position_ids"]]
     with accelerator.maybe_context_parallel(
         buffers=buffers, buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers)
@@ -265,7 +265,8 @@ class ContextParallel(Lever):
                 "or linear attention"
             )
         implementation = getattr(base.config, "_attn_implementation", None) or "sdpa"
-        if implementation != "sdpa":
+        # Document attention calls SDPA itself where the batch has no document lengths (cut).
+        if implementation not in ("sdpa", DOCUMENT_ATTENTION):
             raise EffitrainError(
                 f"--context-parallel {n} needs PyTorch's SDPA attention (ring attention takes its "
                 f"place); this model's is {implementation}"

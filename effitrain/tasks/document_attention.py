@@ -11,7 +11,7 @@ models hand on to their attention function, as they do FlashAttention's ``cu_seq
 :func:`document_attention` runs SDPA per document. The run's estimate calls the same collator,
 so it takes the same path at every length.
 
-The model's attention is registered under :data:`ATTENTION` with a mask function that builds
+The model's attention is registered under ``models.DOCUMENT_ATTENTION`` with a mask function that builds
 no mask inside :func:`documents_given` (the loss's forward) and SDPA's own mask elsewhere
 (generating a sample), so a call without document lengths is SDPA's.
 """
@@ -23,16 +23,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from effitrain.models import DOCUMENT_ATTENTION as ATTENTION
+from effitrain.models import DOCUMENT_LENGTHS as LENGTHS_KEY
+
 if TYPE_CHECKING:
     import torch
-
-ATTENTION = "effitrain_documents"
-"""The attention implementation's name in transformers' registries."""
-
-LENGTHS_KEY = "document_lengths"
-"""The batch key, and the model's keyword argument: per row, its documents' lengths in order
-(they add up to the row's length; padding is a document of its own, never attended from
-outside it)."""
 
 _GIVEN = contextvars.ContextVar("document_lengths_given", default=False)
 
