@@ -29,6 +29,10 @@ estimate of the exact configuration, and the ranking uses the verified figures (
 that does not fit once verified is dropped) until the first :data:`VERIFIED` all are. Only
 verified candidates are answers. Slow verifications run side by side in worker processes
 (:mod:`effitrain.plan_workers`).
+
+With ``longest`` the question is the longest sequence that fits instead: every lever of the
+search on, the lengths searched on the same screens (:mod:`effitrain.plan_lengths`), the
+length found verified by a full estimate (:func:`_longest`).
 """
 
 from __future__ import annotations
@@ -302,11 +306,12 @@ def _longest_note(length: int, screened: int, found: Found, positions: int) -> s
             "tokenizer's model_max_length): the budget may have room for more"
         )
     where = f"from {COARSE_FROM:,} up" if length >= COARSE_FROM else f"below {COARSE_FROM:,}"
-    bound = (
-        f"{found.over:,} does not fit"
-        if found.over and length == screened
-        else f"the screens fit {screened:,}, its full estimate did not"
-    )
+    if length < screened:
+        bound = f"the screens fit {screened:,}, its full estimate did not"
+    elif found.over:
+        bound = f"{found.over:,} does not fit"
+    else:
+        bound = "the search goes no further"
     beyond = (
         f"; {length:,} tokens is beyond the model's {positions:,} positions: they are rotary "
         "(RoPE: computed for any index), but the model was not trained past them, so the "
