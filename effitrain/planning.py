@@ -156,6 +156,8 @@ def plan(
     for name in names:
         get_spec(name)
     task = _task(config, launch)
+    if longest:
+        workers = 0  # one round of verification: warming workers would cost more than it saves
     search = _Search(
         config, launch, budget, names, without, given or {}, workers, worker_setup, task
     )
@@ -214,8 +216,8 @@ def _longest(
     The lengths are searched on the layer screens (:func:`effitrain.plan_lengths.
     longest_fitting`: the peak grows with the length), up to the longest sequence the run
     takes (:func:`effitrain.estimation.sequence_cap`). The length found is verified by a full
-    estimate of its fastest candidates (as many as run side by side); where none fits, the
-    length steps down by the verified excess over the screens' bytes per token.
+    estimate of its fastest candidate, in this process; where it does not fit, the length
+    steps down by the verified excess over the screens' bytes per token.
 
     Raises:
         EffitrainError: nothing fits even at the shortest length tried.
@@ -583,9 +585,10 @@ class _Search:
         self, changes: dict[str, Any], reasons: dict[str, str], full: bool
     ) -> tuple[list[tuple[Option, StepCost | None, int, Estimate | None]], int | None]:
         """One lever set's candidates (one per optimizer that runs it and split of the batch)
-        that the screens fit, fastest first, the first as many as run side by side verified
-        by a full estimate (rows as :func:`_verify` makes them; one verified not to fit is
-        dropped). Returns the rows and the smallest verified peak (None: none verified)."""
+        that the screens fit, fastest first, the first (as many as verify side by side)
+        verified by a full estimate (rows as :func:`_verify` makes them; one verified not to
+        fit is dropped). Returns the rows and the smallest verified peak (None: none
+        verified)."""
         options = []
         for name, screen in self.screens(changes).items():
             options += self._candidates(changes, reasons, full, screen, name)
