@@ -52,9 +52,7 @@ def long_data(tmp_path_factory) -> list[str]:
     ]
 
 
-def compare(
-    train_cli, tmp_path: Path, args: list[str], flops: bool = True
-) -> tuple[dict, dict]:
+def compare(train_cli, tmp_path: Path, args: list[str], flops: bool = True) -> tuple[dict, dict]:
     """``flops``: the step's FLOPs are equal too (not where the run's packed blocks hold other
     documents than the estimate's two: attention's FLOPs are per document)."""
     from effitrain.cli.compare import train_config

@@ -65,6 +65,8 @@ def document_attention(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     lengths = kwargs.pop(LENGTHS_KEY, None)
+    if lengths is not None and all(len(row) == 1 for row in lengths):
+        lengths, attention_mask = None, None  # whole rows: SDPA's causal kernel over the batch
     if lengths is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -85,7 +87,9 @@ def document_attention(
             )
             pieces.append(out)
             start += length
-        rows.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1))
+        # A new tensor for the output layer (SDPA keeps each piece for backward): a row of
+        # several documents holds one (length x hidden) more per layer than a whole row.
+        rows.append(torch.cat(pieces, dim=1))
     return (rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)), None
 
 
