@@ -21,13 +21,14 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from effitrain.models import DOCUMENT_ATTENTION as ATTENTION
 from effitrain.models import DOCUMENT_LENGTHS as LENGTHS_KEY
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedModel
 
 _GIVEN = contextvars.ContextVar("document_lengths_given", default=False)
 
@@ -111,7 +112,7 @@ def use(model: torch.nn.Module) -> bool:
         return False
     AttentionInterface.register(ATTENTION, document_attention)
     AttentionMaskInterface.register(ATTENTION, _mask)
-    model.set_attn_implementation(ATTENTION)
+    cast("PreTrainedModel", model).set_attn_implementation(ATTENTION)
     return True
 
 
