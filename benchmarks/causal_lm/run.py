@@ -195,6 +195,7 @@ def check_architecture(model_type: str) -> common.Row:
 
     from effitrain.tasks import document_attention
 
+    document_attention.MASKED_UP_TO = 0  # per document at this block's 16 tokens too
     options = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
                "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 64,
                "head_dim": 16, "max_position_embeddings": 64, "pad_token_id": 0}  # fmt: skip
