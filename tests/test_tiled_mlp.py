@@ -1,0 +1,216 @@
+"""``--tiled-mlp``: the tiled MLP is exact (loss and every gradient equal to the untiled run's)
+at several tile counts, with checkpointing, LoRA, bf16 weights and the chunked loss; each
+parameter's gradient is accumulated once per step; the estimate follows a tiled run; the
+options' refusals are one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from effitrain.config import TrainConfig
+from effitrain.errors import EffitrainError
+from tests.conftest import assert_clean_error
+
+
+def _model(weights_dtype: str = "fp32"):
+    """tiny-llama (2 layers, hidden 96, intermediate 288), the same weights at every call."""
+    import torch
+
+    from effitrain.models import load_causal_lm, load_tokenizer
+
+    torch.manual_seed(0)
+    model = load_causal_lm("tiny-llama", load_tokenizer("tiny-llama"))
+    return model.to(torch.bfloat16) if weights_dtype == "bf16" else model
+
+
+def _batch(length: int = 50, rows: int = 2):
+    import torch
+
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 200, (rows, length), generator=generator)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _step(config: TrainConfig, batch: dict, chunked: bool = False):
+    """One forward and backward of tiny-llama with ``config``'s levers: the loss and every
+    trained parameter's gradient, by name."""
+    import torch
+
+    import effitrain.levers as levers
+    from effitrain.tasks.lm_loss import Choice, LMLoss, labelled_tokens
+
+    model = levers.apply_to_model(_model(config.weights_dtype), config)
+    model.train()
+    torch.manual_seed(2)  # LoRA's dropout, where it is on, draws the same masks
+    if chunked:
+        loss = LMLoss(Choice("torch"), model)(model, batch) / labelled_tokens(batch)
+    else:
+        loss = model(**batch).loss
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert all(g is not None for g in grads.values())
+    return loss.detach(), grads
+
+
+def _assert_same(tiled, untiled, scaled: bool = False) -> None:
+    """Loss and gradients equal within assert_close's tolerances for their dtype (``scaled``:
+    the absolute one a rounding of the tensor's largest element, for sums of bf16 tiles)."""
+    import torch
+
+    torch.testing.assert_close(tiled[0], untiled[0])
+    assert tiled[1].keys() == untiled[1].keys()
+    for name, grad in untiled[1].items():
+        atol = {"atol": 2**-8 * grad.abs().max().item(), "rtol": 1.6e-2} if scaled else {}
+        torch.testing.assert_close(tiled[1][name], grad, **atol, msg=name)
+
+
+@pytest.mark.parametrize("tiles", [None, 1, 3, 7, 50])
+def test_tiled_equals_untiled(tiles):
+    """50 positions in 1, 3 (17+17+16), 7 or 50 tiles, or auto (ceil(50 / 96) = 1)."""
+    batch = _batch()
+    untiled = _step(TrainConfig(), batch)
+    _assert_same(_step(TrainConfig(tiled_mlp=True, mlp_tiles=tiles), batch), untiled)
+
+
+@pytest.mark.parametrize(
+    ("options", "chunked"),
+    [
+        ({"gradient_checkpointing": True}, False),
+        ({"lora_rank": 4, "lora_dropout": 0.0}, False),
+        ({"lora_rank": 4, "lora_dropout": 0.0, "gradient_checkpointing": True}, False),
+        ({}, True),
+    ],
+    ids=["checkpointing", "lora", "lora-checkpointing", "chunked-loss"],
+)
+def test_tiled_equals_untiled_with_levers(options, chunked):
+    batch = _batch()
+    untiled = _step(TrainConfig(**options), batch, chunked)
+    tiled = _step(TrainConfig(**options, tiled_mlp=True, mlp_tiles=3), batch, chunked)
+    _assert_same(tiled, untiled)
+
+
+def test_tiled_equals_untiled_in_bf16():
+    """bf16 weights: the loss within bf16's tolerance, a weight's gradient within a rounding
+    of its largest element (it is a sum of the tiles' gradients, each rounded to bf16, where
+    the untiled matmul rounds once: elements near 0 differ by more than their own rtol)."""
+    batch = _batch()
+    untiled = _step(TrainConfig(weights_dtype="bf16"), batch)
+    tiled = _step(TrainConfig(weights_dtype="bf16", tiled_mlp=True, mlp_tiles=3), batch)
+    _assert_same(tiled, untiled, scaled=True)
+
+
+def test_dropout_replays_in_backward_and_gradients_accumulate_once():
+    """With LoRA's dropout on, backward recomputes each tile with the masks its forward drew
+    (the gradients equal a plain run of the MLP tile by tile from the same seed), and each
+    trained parameter's gradient reaches it once per backward (DDP's reducer hooks count)."""
+    import torch
+
+    from effitrain.levers.tiled_mlp import _spans, mlp_modules
+
+    config = TrainConfig(lora_rank=4, lora_dropout=0.5, tiled_mlp=True, mlp_tiles=3)
+    import effitrain.levers as levers
+
+    model = levers.apply_to_model(_model(), config)
+    model.train()
+    mlp = mlp_modules(model)[0]
+    trained = [p for p in mlp.parameters() if p.requires_grad]
+    accumulated = {id(p): 0 for p in trained}
+    for p in trained:
+        p.register_post_accumulate_grad_hook(
+            lambda p: accumulated.__setitem__(id(p), 1 + accumulated[id(p)])
+        )
+    x = torch.randn(2, 10, 96, requires_grad=True)
+    torch.manual_seed(3)
+    mlp(x).square().sum().backward()
+    tiled = [x.grad, *(p.grad for p in trained)]
+    assert set(accumulated.values()) == {1}
+
+    x.grad = None
+    for p in trained:
+        p.grad = None
+    original = type(mlp).forward
+    torch.manual_seed(3)
+    parts = [original(mlp, x.narrow(1, start, width)) for start, width in _spans(10, 3)]
+    torch.cat(parts, dim=1).square().sum().backward()
+    for got, expected in zip(tiled, [x.grad, *(p.grad for p in trained)], strict=True):
+        torch.testing.assert_close(got, expected)
+
+
+def test_tile_counts():
+    from effitrain.levers.tiled_mlp import _spans, tile_count
+
+    assert tile_count(16384, 4096, None) == 4  # ALST's choice: ceil(length / hidden)
+    assert tile_count(16385, 4096, None) == 5
+    assert tile_count(100, 4096, None) == 1
+    assert tile_count(5, 96, 8) == 5  # at most one a position
+    assert _spans(10, 3) == [(0, 4), (4, 3), (7, 3)]
+
+
+def test_a_model_without_an_mlp_is_refused():
+    import torch
+
+    from effitrain.levers.tiled_mlp import tile
+
+    with pytest.raises(EffitrainError, match="no decoder-layer MLP"):
+        tile(torch.nn.Sequential(torch.nn.Linear(4, 4)), None)
+
+
+def test_train_with_tiled_mlp_runs_and_reports(train_cli, lm_model_dir, tmp_path):
+    metrics = tmp_path / "metrics.json"
+    proc = train_cli(
+        "train",
+        "--task",
+        "causal-lm",
+        "--model",
+        str(lm_model_dir),
+        "--tiled-mlp",
+        "--mlp-tiles",
+        "4",
+        "--max-steps",
+        "2",
+        "--metrics-json",
+        str(metrics),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "tiled MLP: 2 MLPs over 4 tiles" in proc.stdout
+    assert "tiled-mlp" in json.loads(metrics.read_text())["levers"]
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (
+            ["--task", "causal-lm", "--tiled-mlp", "--mlp-tiles", "0"],
+            "--mlp-tiles must be at least 1",
+        ),
+        (["--task", "causal-lm", "--tiled-mlp", "--mlp-tiles", "many"], "--mlp-tiles"),
+        (["--task", "causal-lm", "--mlp-tiles", "4"], "--mlp-tiles needs --tiled-mlp"),
+        (["--tiled-mlp"], "--tiled-mlp needs --task causal-lm or preference"),
+    ],
+)
+def test_bad_options_are_one_line(train_cli, args, fragment):
+    assert_clean_error(train_cli("train", "--max-steps", "1", *args), fragment)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "checkpointing", [[], ["--gradient-checkpointing"]], ids=["", "checkpointing"]
+)
+def test_estimate_equals_a_tiled_run(train_cli, tmp_path, checkpointing):
+    """The estimate runs the tiled Function on fake tensors: FLOPs (the recompute's apart),
+    gradients, activations and the peak equal the run's to the byte (as the chunked loss's
+    test compares the same shape without the lever, tests/test_lm_loss.py)."""
+    from tests.test_estimate import compare
+
+    args = [
+        "--task", "causal-lm", "--max-length", "64", "--batch-size", "4",
+        "--tiled-mlp", "--mlp-tiles", "4", *checkpointing,
+    ]  # fmt: skip
+    estimated, measured = compare(train_cli, tmp_path, args)
+    assert estimated["levers"] == measured["levers"]
+    assert "tiled-mlp" in measured["levers"]
+    assert estimated["peak_tensor_bytes"] == measured["peak_tensor_bytes"]
+    assert estimated["activation_bytes"] == measured["activation_bytes"]
+    assert measured["recompute_flops"] > 0
