@@ -33,9 +33,11 @@ def _batch(length: int = 50, rows: int = 2):
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def _step(config: TrainConfig, batch: dict, chunked: bool = False):
-    """One forward and backward of tiny-llama with ``config``'s levers: the loss and every
-    trained parameter's gradient, by name."""
+def _step(config: TrainConfig, batch: dict, chunked: bool = False, autocast: bool = False):
+    """One forward and backward of tiny-llama with ``config``'s levers (``autocast``: the
+    forward under bf16 autocast): the loss and every trained parameter's gradient, by name."""
+    import contextlib
+
     import torch
 
     import effitrain.levers as levers
@@ -44,10 +46,12 @@ def _step(config: TrainConfig, batch: dict, chunked: bool = False):
     model = levers.apply_to_model(_model(config.weights_dtype), config)
     model.train()
     torch.manual_seed(2)  # LoRA's dropout, where it is on, draws the same masks
-    if chunked:
-        loss = LMLoss(Choice("torch"), model)(model, batch) / labelled_tokens(batch)
-    else:
-        loss = model(**batch).loss
+    cast = torch.autocast("cpu", torch.bfloat16) if autocast else contextlib.nullcontext()
+    with cast:
+        if chunked:
+            loss = LMLoss(Choice("torch"), model)(model, batch) / labelled_tokens(batch)
+        else:
+            loss = model(**batch).loss
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     assert all(g is not None for g in grads.values())
@@ -98,6 +102,15 @@ def test_tiled_equals_untiled_in_bf16():
     batch = _batch()
     untiled = _step(TrainConfig(weights_dtype="bf16"), batch)
     tiled = _step(TrainConfig(weights_dtype="bf16", tiled_mlp=True, mlp_tiles=3), batch)
+    _assert_same(tiled, untiled, scaled=True)
+
+
+def test_tiled_equals_untiled_under_autocast():
+    """--mixed-precision bf16: the recompute in backward runs under the forward's autocast
+    (outside it, it would compute in fp32 and differ by more than bf16's rounding)."""
+    batch = _batch()
+    untiled = _step(TrainConfig(), batch, autocast=True)
+    tiled = _step(TrainConfig(tiled_mlp=True, mlp_tiles=3), batch, autocast=True)
     _assert_same(tiled, untiled, scaled=True)
 
 
