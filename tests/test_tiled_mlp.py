@@ -151,6 +151,25 @@ def test_dropout_replays_in_backward_and_gradients_accumulate_once():
         torch.testing.assert_close(got, expected)
 
 
+def test_a_deep_copy_runs_its_own_weights():
+    """DPO's reference copy is a deep copy of the model: its tiled MLPs run the copy's
+    weights, not the original's."""
+    import copy
+
+    import torch
+
+    from effitrain.levers.tiled_mlp import mlp_modules, tile
+
+    model = _model()
+    tile(model, 3)
+    copied = copy.deepcopy(model)
+    with torch.no_grad():
+        mlp_modules(copied)[0].down_proj.weight.zero_()
+    x = torch.randn(1, 10, 96)
+    assert mlp_modules(copied)[0](x).abs().max() == 0
+    assert mlp_modules(model)[0](x).abs().max() > 0
+
+
 def test_tile_counts():
     from effitrain.levers.tiled_mlp import _spans, tile_count
 

@@ -43,6 +43,8 @@ if TYPE_CHECKING:
     from effitrain.distributed import Launch
 
 MLPForward = Callable[["torch.Tensor"], "torch.Tensor"]
+UNTILED, TILES = "untiled_forward", "mlp_tiles"
+"""The attributes a tiled MLP keeps its own forward and its tile count (None: auto) in."""
 
 
 @dataclass
@@ -135,6 +137,8 @@ def tile(model: torch.nn.Module, tiles: int | None) -> None:
     Raises:
         EffitrainError: the model has no MLP to tile.
     """
+    import types
+
     mlps = mlp_modules(model)
     if not mlps:
         raise EffitrainError(
@@ -142,7 +146,11 @@ def tile(model: torch.nn.Module, tiles: int | None) -> None:
             "to tile; drop --tiled-mlp"
         )
     for mlp in mlps:
-        mlp.forward = _tiled(mlp, mlp.forward, tiles)
+        # Methods bound to the MLP, not closures over it: a deep copy of the model (DPO's
+        # reference copy) binds them to the copied MLP, which then runs its own weights.
+        setattr(mlp, UNTILED, mlp.forward)
+        setattr(mlp, TILES, tiles)
+        mlp.forward = types.MethodType(_tiled_forward, mlp)
 
 
 def tile_count(length: int, hidden_size: int, given: int | None) -> int:
@@ -163,24 +171,24 @@ def _spans(length: int, tiles: int) -> list[tuple[int, int]]:
     return spans
 
 
-def _tiled(mlp: torch.nn.Module, forward: MLPForward, tiles: int | None) -> MLPForward:
+def _tiled_forward(
+    mlp: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any
+) -> torch.Tensor:
     """``mlp``'s forward over tiles of the sequence (dimension 1 of its input)."""
     import torch
 
-    def tiled_forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if args or kwargs or hidden_states.dim() != 3:
-            raise EffitrainError(
-                f"--tiled-mlp: {type(mlp).__name__} takes more than the hidden states "
-                "(batch x length x hidden) and cannot be tiled; drop --tiled-mlp"
-            )
-        count = tile_count(hidden_states.shape[1], hidden_states.shape[-1], tiles)
-        if not torch.is_grad_enabled():  # evaluation: nothing to recompute
-            return _run_tiles(forward, hidden_states, count)
-        trained = [p for p in mlp.parameters() if p.requires_grad]
-        output: torch.Tensor = _function().apply(forward, count, hidden_states, *trained)
-        return output
-
-    return tiled_forward
+    if args or kwargs or hidden_states.dim() != 3:
+        raise EffitrainError(
+            f"--tiled-mlp: {type(mlp).__name__} takes more than the hidden states "
+            "(batch x length x hidden) and cannot be tiled; drop --tiled-mlp"
+        )
+    forward: MLPForward = getattr(mlp, UNTILED)
+    count = tile_count(hidden_states.shape[1], hidden_states.shape[-1], getattr(mlp, TILES))
+    if not torch.is_grad_enabled():  # evaluation: nothing to recompute
+        return _run_tiles(forward, hidden_states, count)
+    trained = [p for p in mlp.parameters() if p.requires_grad]
+    output: torch.Tensor = _function().apply(forward, count, hidden_states, *trained)
+    return output
 
 
 def _run_tiles(forward: MLPForward, hidden_states: torch.Tensor, tiles: int) -> torch.Tensor:
