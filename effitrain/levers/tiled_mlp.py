@@ -62,7 +62,6 @@ class TiledMLPOptions(OptionGroup):
         "Tiles of the sequence for --tiled-mlp (default: length / hidden size, rounded up).",
         panel=MEMORY_LEVERS,
         metavar="N",
-        default_text="auto",
     )
 
 
@@ -122,11 +121,11 @@ class TiledMLP(Lever):
 
 
 def mlp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder layers' MLPs: every module's ``mlp`` attribute that is a module."""
+    """The decoder layers' MLPs: every module's ``mlp`` attribute that is a module, once."""
     import torch
 
     found = (getattr(module, "mlp", None) for module in model.modules())
-    return [mlp for mlp in found if isinstance(mlp, torch.nn.Module)]
+    return list(dict.fromkeys(mlp for mlp in found if isinstance(mlp, torch.nn.Module)))
 
 
 def tile(model: torch.nn.Module, tiles: int | None) -> None:
