@@ -189,6 +189,7 @@ def test_a_model_without_an_mlp_is_refused():
         tile(torch.nn.Sequential(torch.nn.Linear(4, 4)), None)
 
 
+@pytest.mark.slow  # a 2-step run: about 4 s
 def test_train_with_tiled_mlp_runs_and_reports(train_cli, lm_model_dir, tmp_path):
     metrics = tmp_path / "metrics.json"
     proc = train_cli(
