@@ -120,11 +120,10 @@ def test_dropout_replays_in_backward_and_gradients_accumulate_once():
     trained parameter's gradient reaches it once per backward (DDP's reducer hooks count)."""
     import torch
 
+    import effitrain.levers as levers
     from effitrain.levers.tiled_mlp import _spans, mlp_modules
 
     config = TrainConfig(lora_rank=4, lora_dropout=0.5, tiled_mlp=True, mlp_tiles=3)
-    import effitrain.levers as levers
-
     model = levers.apply_to_model(_model(), config)
     model.train()
     mlp = mlp_modules(model)[0]
