@@ -179,6 +179,17 @@ def test_tile_counts():
     assert _spans(10, 3) == [(0, 4), (4, 3), (7, 3)]
 
 
+def test_sharded_launches_are_refused():
+    from effitrain.distributed import Launch
+    from effitrain.levers import check_launch
+
+    config = TrainConfig(task="causal-lm", model="tiny-llama", tiled_mlp=True)
+    check_launch(config, Launch.described(2, "ddp", "cpu"))
+    for strategy, name in (("fsdp", "FSDP2"), ("zero2", "DeepSpeed ZeRO-2")):
+        with pytest.raises(EffitrainError, match=f"--tiled-mlp is not supported under {name}"):
+            check_launch(config, Launch.described(2, strategy, "cpu"))
+
+
 def test_a_model_without_an_mlp_is_refused():
     import torch
 

@@ -90,12 +90,12 @@ class TiledMLP(Lever):
 
     def check_launch(self, config: TrainConfig, launch: Launch) -> None:
         if launch.sharding.sharded:
-            # Not run: a sharded layer's parameters are gathered around its forward and
-            # backward by hooks this Function's recompute has not been checked against.
+            # Not run: FSDP gathers a layer's parameters, and ZeRO reduces gradients, by hooks
+            # that this Function's recompute in backward has not been checked against.
             raise EffitrainError(
                 f"--tiled-mlp is not supported under {launch.sharding.description} (effitrain "
-                "has not checked its recompute against sharded parameters); drop --tiled-mlp, "
-                "or use one process or DDP"
+                "has not run its recompute where parameters or gradients are sharded); drop "
+                "--tiled-mlp, or use one process or DDP"
             )
 
     def apply_to_model(
