@@ -278,6 +278,7 @@ def test_two_ddp_processes_step_as_one(tmp_path, lm_model_dir, train_cli):
     two = [*args, "--batch-size", "2", "--grad-accum", "2", "--output-dir", str(tmp_path / "two")]
     launched = launch_runs(tmp_path, [{"name": "tiled", "args": two}], timeout=300)
     launched.assert_ran("tiled")
+    assert "DDP over 2 processes" in launched.stdout("tiled")
     one = train_cli(*args, "--batch-size", "8", "--output-dir", str(tmp_path / "one"))
     assert one.returncode == 0, one.stdout + one.stderr
     stepped, single = (
