@@ -193,7 +193,7 @@ def check_architecture(model_type: str) -> common.Row:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from effitrain.tasks import document_attention
+    import effitrain.tasks.document_attention as document_attention
 
     document_attention.MASKED_UP_TO = 0  # per document at this block's 16 tokens too
     options = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
