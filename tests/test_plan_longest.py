@@ -9,8 +9,18 @@ import pytest
 
 from tests.conftest import assert_clean_error
 
-ONE = ["--full-parameter", "--optim", "adamw", "--without",
-       "optimizer-in-backward,bf16-weights,gradient-checkpointing,load-in-4bit"]  # fmt: skip
+
+def _every_searched_lever() -> str:
+    import effitrain.levers as levers
+
+    return ",".join(
+        lever.name
+        for lever in levers.LEVERS.values()
+        if lever.search is not None and not lever.trains_adapters
+    )
+
+
+ONE = ["--full-parameter", "--optim", "adamw", "--without", _every_searched_lever()]
 """One lever set (the chunked loss, on by default), one optimizer: two estimates a length."""
 
 
