@@ -92,11 +92,20 @@ PREFERENCE = " ".join(
 )
 """Preference tuning on CUDA (never run there yet): each reference, LoRA and QLoRA (liger's
 fused log-probs where installed: the output layer is frozen), SimPO under bf16 autocast."""
+OFFLOADED_CHECKPOINTS = (
+    sys.executable, "-m", "benchmarks.offload.run", "--name", "gpu-long", "--device", "cuda",
+    "--rows", "checkpointing", "checkpointing+activation-offload",
+    "--max-length", "16384", "--steps", "3",
+)  # fmt: skip
+"""Offloaded checkpoints at a long length: checkpointing with and without the activation offload
+at 16k tokens, the CUDA peak and the host bytes beside the estimate's (its run ``gpu-long`` in
+benchmarks/offload/results.json)."""
 GPU_TESTS = ("tests/test_step_memory.py", "tests/test_memory.py", "tests/test_bf16.py")
 """The tests whose numbers differ on CUDA (step memory, the ledger, bf16 weights)."""
 CHECKS = [
     Step("fsdp2", alone=False, seconds=220, command=("bash", "-c", FSDP2 + " true")),
     Step("preference", alone=False, seconds=220, command=("bash", "-c", PREFERENCE + " true")),
+    Step("offload-long", alone=False, seconds=300, command=OFFLOADED_CHECKPOINTS),
     Step("gpu-tests", alone=False, seconds=220, command=(
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
         *(test for test in GPU_TESTS if (REPO / test).exists()),
