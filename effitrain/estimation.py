@@ -199,6 +199,10 @@ def estimate(config: TrainConfig, launch: Launch | None = None) -> Estimate:
     # As the tasks tokenize (classification.tokenize, lm_data.tokenize_lm): capped by the
     # tokenizer's model_max_length (without a tokenizer, by the model's positions).
     length = min(config.max_length, max_tokens)
+    model_type = getattr(getattr(model, "config", None), "model_type", "")
+    # Made outside the fake mode, as the run's collator makes it: its host-side facts (where
+    # each row's documents lie) come from the token tensors' values, which fakes do not have.
+    batch = task.fake_batch(tokenizer, config.batch_size, length, packed=packs(config, model_type))
     with ExitStack() as scope:
         scope.enter_context(_own_accelerate_state())
         scope.enter_context(_fake_mode())
@@ -207,10 +211,6 @@ def estimate(config: TrainConfig, launch: Launch | None = None) -> Estimate:
             scope.enter_context(_without_compiled_update())
         _materialize(model, device, config)
         landed = host.landed_weights(model)
-        model_type = getattr(getattr(model, "config", None), "model_type", "")
-        batch = task.fake_batch(
-            tokenizer, config.batch_size, length, packed=packs(config, model_type)
-        )
         run = _fake_run(config, launch, task, data, tokenizer, model, loss, batch)
         progress = _run_steps(run, device)
         levers.finish_steps(run)

@@ -266,10 +266,15 @@ def test_padded_batches(tmp_path, fresh_tok):
     data = load_lm_data(options)
     train_loader, eval_loader = build_lm_dataloaders(data, fresh_tok, options, 8)
     for batch in batches(train_loader) + batches(eval_loader):
-        assert set(batch) == {"input_ids", "attention_mask", "labels"}
+        assert set(batch) == {"input_ids", "attention_mask", "labels", "document_lengths"}
         assert all(
-            t.dtype.is_floating_point is False and t.dtype.itemsize == 8 for t in batch.values()
+            batch[k].dtype.is_floating_point is False and batch[k].dtype.itemsize == 8
+            for k in ("input_ids", "attention_mask", "labels")
         )
+        # each row: its tokens, then its padding (a document of its own)
+        for row, lengths in zip(batch["attention_mask"], batch["document_lengths"], strict=True):
+            tokens, width = int(row.sum()), len(row)
+            assert lengths == ((tokens,) if tokens == width else (tokens, width - tokens))
         assert batch["input_ids"].shape[1] % 8 == 0 and batch["input_ids"].shape[1] <= 16
         pad = batch["attention_mask"] == 0
         assert (batch["input_ids"][pad] == fresh_tok.pad_token_id).all()
@@ -440,11 +445,15 @@ def test_packed_batches(tmp_path, tok):
     rows = [(b, i) for b in batches(evaluation) for i in range(len(b["input_ids"]))]
     assert len(rows) == sum(len(tok(s)["input_ids"]) + 1 for s in SENTENCES * 3) // 24
     for batch in batches(train) + batches(evaluation):
-        assert set(batch) == {"input_ids", "labels", "position_ids"}
+        assert set(batch) == {"input_ids", "labels", "position_ids", "document_lengths"}
         assert batch["input_ids"].shape[1] == 24
         ids, labels, positions = batch["input_ids"], batch["labels"], batch["position_ids"]
         assert (positions[:, 0] == 0).all()
         starts = positions == 0
+        # the document lengths the attention runs over: from one position 0 to the next
+        for row, lengths in zip(starts, batch["document_lengths"], strict=True):
+            bounds = [*row.nonzero().flatten().tolist(), len(row)]
+            assert lengths == tuple(b - a for a, b in zip(bounds, bounds[1:]))
         # a document starts right after an eos, and only there
         after_eos = ids[:, :-1] == eos
         assert (starts[:, 1:] == after_eos).all()
@@ -496,16 +505,25 @@ def packed_block(tok, tmp_path_factory):
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2", "gpt2"])
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager", "documents"])
 def test_packed_logits_equal_documents_run_alone(tok, packed_block, architecture, attention):
+    """Documents: SDPA per document (``effitrain.tasks.document_attention``), told where the
+    documents lie by the batch's ``document_lengths``; no mask is built."""
     import torch
+
+    from effitrain.tasks import document_attention
 
     torch.manual_seed(0)
     model = _models(len(tok))[architecture].eval()
-    model.set_attn_implementation(attention)
+    extra = {}
+    if attention == "documents":
+        assert document_attention.use(model)
+        extra = {"document_lengths": packed_block["document_lengths"]}
+    else:
+        model.set_attn_implementation(attention)
     ids, positions = packed_block["input_ids"], packed_block["position_ids"]
     with torch.no_grad():
-        packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        packed = model(input_ids=ids, position_ids=positions, use_cache=False, **extra).logits
         documents = 0
         for row in range(ids.shape[0]):
             starts = [*(positions[row] == 0).nonzero().flatten().tolist(), ids.shape[1]]
@@ -517,6 +535,58 @@ def test_packed_logits_equal_documents_run_alone(tok, packed_block, architecture
         # With a cache (the default use_cache=True) transformers ignores the packing.
         cached = model(input_ids=ids, position_ids=positions).logits
         assert not torch.allclose(cached, packed, atol=1e-3)
+
+
+def test_document_attention_builds_no_mask_and_trains_as_the_mask_does(tok, packed_block):
+    """The same loss and gradients as transformers' per-document mask, for a packed block and a
+    padded batch; no tensor of (rows x length x length) is made on the way."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from effitrain.tasks import document_attention
+    from effitrain.tasks.lm_data import lm_collator
+
+    class Largest(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor):
+                self.shapes.append(tuple(out.shape))
+            return out
+
+    ids = packed_block["input_ids"]
+    padded = lm_collator(False, tok.pad_token_id, tok)(
+        [{"input_ids": row[: 48 - 7 * i].tolist(), "labels": row[: 48 - 7 * i].tolist()}
+         for i, row in enumerate(ids)]
+    )  # fmt: skip
+    assert any(len(lengths) == 2 for lengths in padded["document_lengths"])
+    for batch in (packed_block, padded):
+        inputs = {k: v for k, v in batch.items() if k not in ("labels", "document_lengths")}
+        results = []
+        for documents in (False, True):
+            torch.manual_seed(0)
+            model = _models(len(tok))["llama"]
+            if documents:
+                assert document_attention.use(model)
+                inputs = {**inputs, "document_lengths": batch["document_lengths"]}
+            with Largest() as seen:
+                logits = model(**inputs, use_cache=False).logits
+            labels = batch["labels"][:, 1:]
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].flatten(0, 1), labels.flatten(), ignore_index=-100
+            )
+            loss.backward()
+            length = ids.shape[1]
+            square = any(shape[-2:] == (length, length) for shape in seen.shapes)
+            assert square is not documents
+            results.append((loss, [p.grad for p in model.parameters()]))
+        (loss, grads), (doc_loss, doc_grads) = results
+        torch.testing.assert_close(doc_loss, loss)
+        for grad, doc_grad in zip(grads, doc_grads, strict=True):
+            torch.testing.assert_close(doc_grad, grad, atol=1e-6, rtol=1e-4)
 
 
 # --- errors ---

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import effitrain.models as models
 from effitrain.errors import EffitrainError
+from effitrain.tasks import document_attention
 from effitrain.tasks.base import CAUSAL_LM, Task
 from effitrain.tasks.lm_data import (
     IGNORE_INDEX,
@@ -165,6 +166,20 @@ class CausalLMTask(DecoderTask):
 
     def load_data(self, config: TrainConfig) -> LMData:
         return load_lm_data(config)
+
+    def load_model(
+        self, config: TrainConfig, data: Any, tokenizer: Any, options: models.LoadOptions
+    ) -> PreTrainedModel:
+        model = super().load_model(config, data, tokenizer, options)
+        document_attention.use(model)
+        return model
+
+    def model_from_config(
+        self, config: TrainConfig, data: Any, tokenizer: PreTrainedTokenizerBase | None
+    ) -> PreTrainedModel:
+        model = super().model_from_config(config, data, tokenizer)
+        document_attention.use(model)
+        return model
 
     def check_model(self, config: TrainConfig, data: LMData, model: PreTrainedModel) -> None:
         check_packing(data, model.config.model_type, config)

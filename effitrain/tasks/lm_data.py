@@ -15,11 +15,13 @@ checks that a packed block's logits equal each document's logits run alone.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from effitrain.errors import EffitrainError
 from effitrain.models import capped_length
+from effitrain.tasks.document_attention import WithDocumentLengths
 from effitrain.tasks.sources import (
     LABEL_COLUMN_CANDIDATES,
     LOCAL_FORMATS,
@@ -96,12 +98,9 @@ def fake_lm_batch(
 ) -> dict[str, Any]:
     """A training batch of ``batch_size`` examples of ``length`` tokens made by the run's own
     collators (``effitrain estimate``), shaped as real data reaches the model: a packed block
-    holds two documents (so the model builds its per-document mask, as for real blocks), and a
-    padded batch has one padding token (real ones have some: the model builds its padding mask).
-    Without a tokenizer (a model known by its config alone) padding is done as the collator
-    does it."""
-    import torch
-
+    holds two documents (real blocks hold several), and a padded batch of several rows has one
+    padding token (real ones have some; a single row is never padded). Without a tokenizer (a
+    model known by its config alone) padding is done as the collator does it."""
     pad = tokenizer.pad_token_id if tokenizer is not None else None
     pad = pad if pad is not None else 0
     ids = [pad] * length
@@ -109,18 +108,24 @@ def fake_lm_batch(
         half = length // 2
         positions = [*range(half), *range(length - half)]
         features = [{"input_ids": ids, "labels": ids, "position_ids": positions}] * batch_size
-        return PackedCollator(pad)(features)
-    lengths = [length] * (batch_size - 1) + [max(1, length - 1)]
+        return lm_collator(True, pad)(features)
+    short = length - 1 if batch_size > 1 and length > 1 else length
+    lengths = [length] * (batch_size - 1) + [short]
+    rows = [{"input_ids": ids[:n], "attention_mask": [1] * n, "labels": ids[:n]} for n in lengths]
     if tokenizer is not None and tokenizer.pad_token_id is not None:
-        from transformers import DataCollatorForSeq2Seq
+        return lm_collator(False, pad, tokenizer)(rows)
+    return WithDocumentLengths(functools.partial(_padded, pad))(rows)
 
-        collate = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX)
-        rows = [
-            {"input_ids": ids[:n], "attention_mask": [1] * n, "labels": ids[:n]} for n in lengths
-        ]
-        return dict(collate(rows))
-    mask = torch.tensor([[1] * n + [0] * (length - n) for n in lengths])
-    input_ids = torch.full((batch_size, length), pad, dtype=torch.long)
+
+def _padded(pad: int, rows: list[dict[str, list[int]]]) -> dict[str, Any]:
+    """Right-padded int64 tensors of ``rows``, as transformers' collator pads them."""
+    import torch
+
+    length = max(len(row["input_ids"]) for row in rows)
+    mask = torch.tensor(
+        [[1] * len(r["input_ids"]) + [0] * (length - len(r["input_ids"])) for r in rows]
+    )
+    input_ids = torch.full(mask.shape, pad, dtype=torch.long)
     return {
         "input_ids": input_ids,
         "attention_mask": mask,
@@ -626,19 +631,32 @@ def build_lm_dataloaders(
     model with ``use_cache=False``) or ``attention_mask`` when padded. A tokenizer without a pad
     token gets its eos token as pad token (pads are never trained on).
     """
-    from transformers import DataCollatorForSeq2Seq
-
     if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
         data.notes.append("the tokenizer has no pad token; using its eos token for padding")
     train, validation = tokenize_lm(data, tokenizer, config.max_length)
-    if data.packing:
-        collator: Any = PackedCollator(tokenizer.pad_token_id, pad_to_multiple_of)
-    else:
-        collator = DataCollatorForSeq2Seq(
+    collator = lm_collator(data.packing, tokenizer.pad_token_id, tokenizer, pad_to_multiple_of)
+    return loaders(train, validation, collator, config)
+
+
+def lm_collator(
+    packed: bool,
+    pad_token_id: int,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    pad_to_multiple_of: int | None = None,
+) -> WithDocumentLengths:
+    """The run's collator: packed blocks (:class:`PackedCollator`) or padded examples
+    (transformers' ``DataCollatorForSeq2Seq``, labels padded with -100), each batch with its
+    rows' document lengths (``effitrain.tasks.document_attention``)."""
+    from transformers import DataCollatorForSeq2Seq
+
+    if packed:
+        return WithDocumentLengths(PackedCollator(pad_token_id, pad_to_multiple_of))
+    return WithDocumentLengths(
+        DataCollatorForSeq2Seq(
             tokenizer,
             padding=True,
             pad_to_multiple_of=pad_to_multiple_of,
             label_pad_token_id=IGNORE_INDEX,
         )
-    return loaders(train, validation, collator, config)
+    )

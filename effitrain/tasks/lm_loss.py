@@ -40,6 +40,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from effitrain.errors import EffitrainError
+from effitrain.tasks import document_attention
 from effitrain.tasks.base import LossMoments
 from effitrain.tasks.lm_data import IGNORE_INDEX
 
@@ -385,6 +386,7 @@ class LMLoss(ChosenLoss):
         self.choice = choice
         self.unwrapped = unwrapped
         self.softcap = softcap_of(unwrapped)
+        self.documents = document_attention.in_use(unwrapped)
 
     def describe(self) -> list[str]:
         return [
@@ -400,9 +402,15 @@ class LMLoss(ChosenLoss):
         """None: the loss is all the log line says."""
         return {}
 
+    def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """What the model is called with: the batch less its labels, and less its document
+        lengths where the model's attention does not take them."""
+        dropped = ("labels",) if self.documents else ("labels", document_attention.LENGTHS_KEY)
+        return {k: v for k, v in batch.items() if k not in dropped}
+
     def __call__(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
         """The micro-batch's sum of token losses (fp32)."""
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        inputs = self.model_inputs(batch)
         labels = shifted_labels(batch["labels"])
         if not self.choice.chunked:  # the model's logits are final: softcapped where it caps
             logits = model(**inputs).logits
@@ -423,7 +431,7 @@ class LMLoss(ChosenLoss):
         """Each sequence's sum of token losses, never holding the batch's full fp32 logits."""
         import torch
 
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        inputs = self.model_inputs(batch)
         labels = shifted_labels(batch["labels"])
         with torch.no_grad():
             if not self.choice.chunked:
