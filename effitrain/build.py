@@ -12,11 +12,13 @@ Nothing here trains or prints: notes for the user go through the reporter that t
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import effitrain.checkpoint as checkpoint
 import effitrain.levers as levers
+import effitrain.levers.context_parallel as context_parallel
 import effitrain.optim as optim
 import effitrain.tasks as tasks
 from effitrain.config import TrainConfig
@@ -143,6 +145,8 @@ def build_accelerator(config: TrainConfig, cpu: bool | None = None) -> Accelerat
             gradient_accumulation_plugin=accumulation_plugin(config.grad_accum),
             # A seedable sampler makes data order depend only on (seed, epoch), on every rank.
             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+            # --context-parallel (a run's, not an estimate's): Accelerate's device mesh.
+            parallelism_config=context_parallel.parallelism_config(config) if cpu is None else None,
             **tracking,
         )
     except (ValueError, RuntimeError) as exc:
@@ -345,6 +349,10 @@ def build_run(config: TrainConfig, reporter: Reporter) -> Run:
     loss = build_loss(config, task, model, launch, accelerator.device)
     with accelerator.main_process_first():
         pad_to_multiple_of = 8 if config.mixed_precision != "no" else None
+        if context_parallel.size(config) > 1:  # 2N equal chunks of every sequence
+            pad_to_multiple_of = math.lcm(
+                pad_to_multiple_of or 1, 2 * context_parallel.size(config)
+            )
         train_loader, eval_loader = task.dataloaders(config, data, tokenizer, pad_to_multiple_of)
     for note in getattr(data, "notes", []):
         reporter.note(note)
@@ -396,7 +404,11 @@ def describe(run: Run) -> RunInfo:
         total_steps=plan.total_steps,
         epochs=plan.epochs,
         steps_per_epoch=plan.steps_per_epoch,
-        global_batch_size=config.batch_size * config.grad_accum * accelerator.num_processes,
+        # The ranks of a context-parallel group share their batches.
+        global_batch_size=config.batch_size
+        * config.grad_accum
+        * accelerator.num_processes
+        // context_parallel.size(config),
         device=str(accelerator.device),
         num_processes=accelerator.num_processes,
         mixed_precision=accelerator.mixed_precision,

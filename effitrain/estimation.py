@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import effitrain.build as build
 import effitrain.levers as levers
+import effitrain.levers.context_parallel as context_parallel
 from effitrain.config import TrainConfig
 from effitrain.distributed import Launch
 from effitrain.errors import EffitrainError
@@ -200,9 +201,13 @@ def estimate(config: TrainConfig, launch: Launch | None = None) -> Estimate:
     # tokenizer's model_max_length (without a tokenizer, by the model's positions).
     length = min(config.max_length, max_tokens)
     model_type = getattr(getattr(model, "config", None), "model_type", "")
-    # Made outside the fake mode, as the run's collator makes it: its host-side facts (where
+    # Collated outside the fake mode, as the run's collator does it: its host-side facts (where
     # each row's documents lie) come from the token tensors' values, which fakes do not have.
-    batch = task.fake_batch(tokenizer, config.batch_size, length, packed=packs(config, model_type))
+    # One rank's share of each sequence: --context-parallel's ranks each hold L/N tokens.
+    rank_length = context_parallel.rank_length(config, length)
+    collated = task.fake_batch(
+        tokenizer, config.batch_size, rank_length, packed=packs(config, model_type)
+    )
     with ExitStack() as scope:
         scope.enter_context(_own_accelerate_state())
         scope.enter_context(_fake_mode())
@@ -211,6 +216,8 @@ def estimate(config: TrainConfig, launch: Launch | None = None) -> Estimate:
             scope.enter_context(_without_compiled_update())
         _materialize(model, device, config)
         landed = host.landed_weights(model)
+        # Its tensors made again inside the mode: the step's memory holds them, as the run's.
+        batch = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in collated.items()}
         run = _fake_run(config, launch, task, data, tokenizer, model, loss, batch)
         progress = _run_steps(run, device)
         levers.finish_steps(run)

@@ -85,7 +85,7 @@ def train_step(
     stop = False
     with accelerator.accumulate(model):
         # The levers' contexts (--activation-offload: what forward saves waits in host memory).
-        with lever_contexts(run):
+        with lever_contexts(run, batch):
             loss = logged = run.loss(model, batch)  # the task's: model(**batch).loss by default
             if weights is not None:  # a sum over tokens: weighed by the step's tokens
                 loss, logged = loss * weights.backward, loss.detach() * weights.logged
@@ -105,10 +105,11 @@ def train_step(
     return StepOutcome(accelerator.sync_gradients, stop)
 
 
-def lever_contexts(run: Run) -> ExitStack:
-    """Every lever's context around a micro-batch's forward and backward, entered in order."""
+def lever_contexts(run: Run, batch: dict[str, Any]) -> ExitStack:
+    """Every lever's context around a micro-batch's forward and backward, entered in order,
+    then those made for ``batch`` (context parallelism's share of the sequence)."""
     stack = ExitStack()
-    for context in run.lever_contexts.values():
+    for context in [*run.lever_contexts.values(), *levers.batch_contexts(run, batch)]:
         stack.enter_context(context)
     return stack
 

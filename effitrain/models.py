@@ -204,6 +204,14 @@ def is_offline() -> bool:
     )
 
 
+DOCUMENT_ATTENTION = "effitrain_documents"
+"""The name a causal LM's attention takes in transformers' registries when it runs per document
+(``effitrain.tasks.document_attention``): SDPA, told where each row's documents lie."""
+
+DOCUMENT_LENGTHS = "document_lengths"
+"""The batch key, and the model's keyword argument, of each row's documents' lengths (host
+integers, in order, adding up to the row's length)."""
+
 HUB_PROBE_SECONDS = 2.0
 """How long the one request that tells whether the hub can be reached may take."""
 _unreachable_hub: str | None = None

@@ -245,7 +245,23 @@ def long_text_file(tmp_path_factory) -> Path:
     import random
 
     rng = random.Random(0)
-    words = "the cat sat on a mat while dogs ran over hills and rivers under skies".split()
+    words = [
+        "the",
+        "cat",
+        "sat",
+        "on",
+        "a",
+        "mat",
+        "while",
+        "dogs",
+        "ran",
+        "over",
+        "hills",
+        "and",
+        "rivers",
+        "under",
+        "skies",
+    ]
     path = tmp_path_factory.mktemp("long-text") / "long.txt"
     documents = [" ".join(rng.choices(words, k=rng.randint(500, 3000))) for _ in range(40)]
     path.write_text("\n\n".join(documents) + "\n")

@@ -776,6 +776,7 @@ def test_shipped_accelerate_configs_load():
         "single-gpu.yaml": ("NO", 1),
         "multi-gpu-ddp.yaml": ("MULTI_GPU", 8),
         "fsdp2-full-shard.yaml": ("FSDP", 8),
+        "fsdp2-context-parallel.yaml": ("FSDP", 8),
         "deepspeed-zero2.yaml": ("DEEPSPEED", 8),
         "deepspeed-zero3.yaml": ("DEEPSPEED", 8),
         "two-node-template.yaml": ("MULTI_GPU", 16),
@@ -789,6 +790,8 @@ def test_shipped_accelerate_configs_load():
         load_config_from_file(str(folder / "fsdp2-full-shard.yaml")).fsdp_config["fsdp_version"]
         == 2
     )
+    context = load_config_from_file(str(folder / "fsdp2-context-parallel.yaml"))
+    assert context.parallelism_config == {"parallelism_config_cp_size": 2}
     zero3 = load_config_from_file(str(folder / "deepspeed-zero3.yaml")).deepspeed_config
     assert zero3["zero_stage"] == 3 and zero3["offload_optimizer_device"] == "none"
 

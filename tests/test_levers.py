@@ -189,8 +189,9 @@ def test_every_lever_is_a_spec_owning_its_own_config_fields():
     assert not LEVERS["chunked-loss"].is_on(TrainConfig(chunked_loss="off"))
 
 
-CUDA_ONLY = {"activation-offload", "optimizer-offload"}
-"""The levers that this CPU machine refuses (test_offload tests their refusal)."""
+CUDA_ONLY = {"activation-offload", "optimizer-offload", "context-parallel"}
+"""The levers that this CPU machine refuses (test_offload and test_context_parallel test their
+refusal)."""
 
 CAUSAL_LM = ("--task", "causal-lm", "--chunked-loss", "off")
 """The tiny-llama preset without its default lever, so that the lever tested is alone."""

@@ -3,6 +3,8 @@ packing (and that packed blocks attend within each document only), padding, and 
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 from pathlib import Path
 
@@ -453,7 +455,7 @@ def test_packed_batches(tmp_path, tok):
         # the document lengths the attention runs over: from one position 0 to the next
         for row, lengths in zip(starts, batch["document_lengths"], strict=True):
             bounds = [*row.nonzero().flatten().tolist(), len(row)]
-            assert lengths == tuple(b - a for a, b in zip(bounds, bounds[1:]))
+            assert lengths == tuple(b - a for a, b in itertools.pairwise(bounds))
         # a document starts right after an eos, and only there
         after_eos = ids[:, :-1] == eos
         assert (starts[:, 1:] == after_eos).all()
@@ -522,8 +524,10 @@ def test_packed_logits_equal_documents_run_alone(tok, packed_block, architecture
     else:
         model.set_attn_implementation(attention)
     ids, positions = packed_block["input_ids"], packed_block["position_ids"]
+    given = document_attention.documents_given() if extra else contextlib.nullcontext()
     with torch.no_grad():
-        packed = model(input_ids=ids, position_ids=positions, use_cache=False, **extra).logits
+        with given:
+            packed = model(input_ids=ids, position_ids=positions, use_cache=False, **extra).logits
         documents = 0
         for row in range(ids.shape[0]):
             starts = [*(positions[row] == 0).nonzero().flatten().tolist(), ids.shape[1]]
@@ -572,7 +576,8 @@ def test_document_attention_builds_no_mask_and_trains_as_the_mask_does(tok, pack
             if documents:
                 assert document_attention.use(model)
                 inputs = {**inputs, "document_lengths": batch["document_lengths"]}
-            with Largest() as seen:
+            given = document_attention.documents_given() if documents else contextlib.nullcontext()
+            with Largest() as seen, given:
                 logits = model(**inputs, use_cache=False).logits
             labels = batch["labels"][:, 1:]
             loss = torch.nn.functional.cross_entropy(

@@ -76,6 +76,7 @@ VALUES: dict[str, tuple[object, dict[str, object]]] = {
     "optimizer_offload": ("state", {}),
     "reference": ("copy", PREFERENCE),
     "reference_dtype": ("bf16", {**PREFERENCE, "reference": "copy"}),
+    "context_parallel": (2, {**CAUSAL, "packing": False}),
     "lora_rank": (8, {}),
     "lora_alpha": (32.0, LORA),
     "lora_dropout": (0.1, LORA),

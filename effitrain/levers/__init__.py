@@ -14,6 +14,8 @@ optimizer-offload          ``--optimizer-offload state``    optimizer state from
                                                             ``state+grads``: gradients too)
 reference                  ``--reference`` (preference,     DPO's second model (adapters off,
                            dpo)                             precomputed log-probs, or a copy)
+context-parallel           ``--context-parallel N``         activations: 1/N of each sequence per
+                           (causal-lm, FSDP2, CUDA)         rank (ring attention)
 =========================  ===============================  =====================================
 
 The registry's order is the order levers act in (quantize, then cast, then checkpointing, then
@@ -34,6 +36,7 @@ from effitrain.errors import EffitrainError
 from effitrain.levers.activation_offload import ActivationOffload
 from effitrain.levers.bf16_weights import Bf16Weights
 from effitrain.levers.chunked_loss import ChunkedLoss
+from effitrain.levers.context_parallel import ContextParallel
 from effitrain.levers.gradient_checkpointing import GradientCheckpointing
 from effitrain.levers.lora import LoRA
 from effitrain.levers.optimizer_in_backward import OptimizerInBackward
@@ -87,6 +90,7 @@ register(
     OptimizerInBackward(),
     OptimizerOffload(),
     Reference(),
+    ContextParallel(),
 )
 
 __all__ = ["LEVERS", "Lever", "get_lever", "register"]
@@ -243,6 +247,12 @@ def step_contexts(
         if context is not None:
             contexts[lever.name] = context
     return contexts
+
+
+def batch_contexts(run: RunParts, batch: dict[str, Any]) -> list[Any]:
+    """The contexts around one micro-batch's forward and backward that need the batch."""
+    contexts = [lever.batch_context(run, batch) for lever in active(run.config)]
+    return [context for context in contexts if context is not None]
 
 
 def step_cost(run: RunParts, micro_batches: int) -> dict[str, int]:

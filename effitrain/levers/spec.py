@@ -225,6 +225,14 @@ class Lever:
         activation offload's saved-tensor hooks), the moment any hook on saved tensors needs."""
         return None
 
+    def batch_context(
+        self, run: RunParts, batch: dict[str, Any]
+    ) -> AbstractContextManager[Any] | None:
+        """A context around one micro-batch's forward and backward that needs the batch, made
+        anew for each, inside the :meth:`step_context` ones. One implementer (context
+        parallelism, which cuts the batch's tensors to this rank's share of the sequence)."""
+        return None
+
     def step_cost(self, run: RunParts, micro_batches: int) -> dict[str, int]:
         """What it adds to the cost of an optimizer step of ``micro_batches`` micro-batches that
         no operator shows (host<->device copies, a step on the host), once the step ran: fields

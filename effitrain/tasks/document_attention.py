@@ -11,47 +11,41 @@ models hand on to their attention function, as they do FlashAttention's ``cu_seq
 :func:`document_attention` runs SDPA per document. The run's estimate calls the same collator,
 so it takes the same path at every length.
 
-The model's attention is registered under :data:`ATTENTION` with a mask function that defers
-the mask (:class:`DeferredMask`): a call without ``document_lengths`` (generation, a sample)
-builds exactly the mask SDPA would have had, when its attention first needs it.
+The model's attention is registered under ``models.DOCUMENT_ATTENTION`` with a mask function that builds
+no mask inside :func:`documents_given` (the loss's forward) and SDPA's own mask elsewhere
+(generating a sample), so a call without document lengths is SDPA's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
+
+from effitrain.models import DOCUMENT_ATTENTION as ATTENTION
+from effitrain.models import DOCUMENT_LENGTHS as LENGTHS_KEY
 
 if TYPE_CHECKING:
     import torch
 
-ATTENTION = "effitrain_documents"
-"""The attention implementation's name in transformers' registries."""
-
-LENGTHS_KEY = "document_lengths"
-"""The batch key, and the model's keyword argument: per row, its documents' lengths in order
-(they add up to the row's length; padding is a document of its own, never attended from
-outside it)."""
+_GIVEN = contextvars.ContextVar("document_lengths_given", default=False)
 
 
-@dataclass(frozen=True)
-class DeferredMask:
-    """``sdpa_mask``'s arguments, kept rather than made: a 4D mask is (rows x length x length),
-    and document attention needs none. :meth:`materialize` makes it once, for a call that
-    needs it (no document lengths given)."""
-
-    arguments: dict[str, Any]
-
-    def materialize(self) -> torch.Tensor | None:
-        from transformers.masking_utils import sdpa_mask
-
-        cache = self.arguments.setdefault("_made", [])
-        if not cache:
-            cache.append(sdpa_mask(**{k: v for k, v in self.arguments.items() if k != "_made"}))
-        return cache[0]
+@contextmanager
+def documents_given() -> Iterator[None]:
+    """Around a forward whose call gives ``document_lengths``: the model builds no mask."""
+    token = _GIVEN.set(True)
+    try:
+        yield
+    finally:
+        _GIVEN.reset(token)
 
 
-def _deferred_mask(**arguments: Any) -> DeferredMask:
-    return DeferredMask(dict(arguments))
+def _mask(**arguments: Any) -> torch.Tensor | None:
+    from transformers.masking_utils import sdpa_mask
+
+    return None if _GIVEN.get() else sdpa_mask(**arguments)
 
 
 def document_attention(
@@ -59,7 +53,7 @@ def document_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: Any,
+    attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
     **kwargs: Any,
@@ -71,14 +65,14 @@ def document_attention(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     lengths = kwargs.pop(LENGTHS_KEY, None)
-    if lengths is None or not _per_document(query, key, lengths, kwargs):
-        mask = (
-            attention_mask.materialize()
-            if isinstance(attention_mask, DeferredMask)
-            else attention_mask
-        )
+    if lengths is None:
         return sdpa_attention_forward(
-            module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    if query.shape[2] != key.shape[2] or len(lengths) != query.shape[0]:
+        raise ValueError(  # a caller's mistake, never the run's: its batches come from one collator
+            f"document lengths for {len(lengths)} rows given to attention over "
+            f"{tuple(query.shape)} queries and {tuple(key.shape)} keys"
         )
     rows = []
     for row, row_lengths in enumerate(lengths):
@@ -95,24 +89,11 @@ def document_attention(
     return (rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)), None
 
 
-def _per_document(
-    query: torch.Tensor, key: torch.Tensor, lengths: Any, kwargs: dict[str, Any]
-) -> bool:
-    """Whether the call can run per document: a full causal pass over the rows the lengths
-    describe (no cache: as many keys as queries), and nothing that needs a mask's form (a
-    sliding window shorter than a document, a position bias, a soft cap)."""
-    if query.shape[2] != key.shape[2] or len(lengths) != query.shape[0]:
-        return False
-    if kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
-        return False
-    window = kwargs.get("sliding_window")
-    return window is None or max(max(row) for row in lengths) <= window
-
-
 def use(model: torch.nn.Module) -> bool:
     """Give ``model`` document attention where it runs SDPA through transformers' attention
-    interface (the architectures that take a registered attention function); False where it
-    keeps its own (the per-document mask then comes from ``position_ids``, as before)."""
+    interface over full causal layers (no sliding window, no soft-capped logits: per-document
+    SDPA has neither); False where it keeps its own (packed documents are then kept apart by
+    the mask transformers builds from ``position_ids``, as before)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -121,8 +102,11 @@ def use(model: torch.nn.Module) -> bool:
         return False
     if getattr(config, "_attn_implementation", None) not in ("sdpa", ATTENTION):
         return False
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    if set(layer_types) != {"full_attention"} or getattr(config, "attn_logit_softcapping", None):
+        return False
     AttentionInterface.register(ATTENTION, document_attention)
-    AttentionMaskInterface.register(ATTENTION, _deferred_mask)
+    AttentionMaskInterface.register(ATTENTION, _mask)
     model.set_attn_implementation(ATTENTION)
     return True
 

@@ -31,10 +31,11 @@ tokens (short texts, padding, completion-only masks) the same weight as a full o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -405,15 +406,25 @@ class LMLoss(ChosenLoss):
     def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
         """What the model is called with: the batch less its labels, and less its document
         lengths where the model's attention does not take them."""
-        dropped = ("labels",) if self.documents else ("labels", document_attention.LENGTHS_KEY)
+        dropped = {"labels", "shift_labels", document_attention.LENGTHS_KEY}
+        if self.documents:
+            dropped.discard(document_attention.LENGTHS_KEY)
         return {k: v for k, v in batch.items() if k not in dropped}
 
+    def attending(self, inputs: dict[str, Any]) -> AbstractContextManager[None]:
+        """Around the model's forward: no mask built where the documents' lengths are given."""
+        given = document_attention.LENGTHS_KEY in inputs
+        return document_attention.documents_given() if given else contextlib.nullcontext()
+
     def __call__(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
-        """The micro-batch's sum of token losses (fp32)."""
+        """The micro-batch's sum of token losses (fp32); ``shift_labels``, where the batch has
+        them, are its labels already shifted (a context-parallel rank's share of them)."""
         inputs = self.model_inputs(batch)
-        labels = shifted_labels(batch["labels"])
+        labels = batch.get("shift_labels")
+        labels = shifted_labels(batch["labels"]) if labels is None else labels
         if not self.choice.chunked:  # the model's logits are final: softcapped where it caps
-            logits = model(**inputs).logits
+            with self.attending(inputs):
+                logits = model(**inputs).logits
             return losses_from_logits(
                 logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), None
             ).sum()
@@ -423,7 +434,7 @@ class LMLoss(ChosenLoss):
                 self.choice, hidden, head.weight, head.bias, labels, self.softcap
             )
 
-        with loss_in_output_layer(self.unwrapped, loss_sum) as result:
+        with loss_in_output_layer(self.unwrapped, loss_sum) as result, self.attending(inputs):
             model(**inputs)
         return result.value
 
@@ -433,7 +444,7 @@ class LMLoss(ChosenLoss):
 
         inputs = self.model_inputs(batch)
         labels = shifted_labels(batch["labels"])
-        with torch.no_grad():
+        with torch.no_grad(), self.attending(inputs):
             if not self.choice.chunked:
                 return sequence_loss_sums(model(**inputs).logits, None, None, labels)
 
@@ -450,12 +461,17 @@ def step_scale(batches: Iterable[dict[str, Any]], accelerator: Any) -> torch.Ten
     token-mean loss: (processes x micro-batches per step) / labelled tokens on all processes.
 
     ``accelerator.backward`` divides by the accumulation steps and the processes' gradient
-    averaging by their number; both are undone here. One all-reduce, no host sync.
+    averaging by their number; both are undone here. One all-reduce, no host sync. Under
+    context parallelism the N ranks of a group read the same batches, each training on its
+    share of their tokens: the sum counts each token N times.
     """
     import torch
 
     tokens = torch.stack([labelled_tokens(b) for b in batches]).sum().to(torch.float32)
     if accelerator.num_processes > 1:
         tokens = accelerator.reduce(tokens, "sum")
+        parallelism = getattr(accelerator, "parallelism_config", None)
+        if parallelism is not None and parallelism.cp_enabled:
+            tokens = tokens / parallelism.cp_size
     factor = accelerator.num_processes * accelerator.gradient_accumulation_steps
     return factor / tokens.clamp(min=1)

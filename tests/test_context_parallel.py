@@ -1,0 +1,345 @@
+"""``--context-parallel N`` (effitrain.levers.context_parallel): its refusals in one line, the
+estimate's per-rank figure, and, on two CPU processes over gloo, the parts that run there: the
+batch cut to each rank's share and the token-mean loss and gradient across the ranks.
+
+PyTorch's ring attention does not run on the CPU (torch 2.13: SDPA's CPU kernel has no sharding
+rule), so no test trains end to end; ``python -m benchmarks.gpu`` does, on two GPUs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from effitrain.errors import EffitrainError
+from tests.conftest import assert_clean_error
+
+CP = ["--context-parallel", "2", "--no-packing", "--max-length", "64"]
+
+
+def _config(**overrides):
+    from effitrain.build import checked_config
+
+    return checked_config(None, {"model": "tiny-llama", "packing": False, **overrides})
+
+
+# --- refusals -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        ({"context_parallel": 0}, "--context-parallel must be 1 or more (got 0)"),
+        ({"context_parallel": 2, "packing": None}, "needs --no-packing: ring attention takes no"),
+        ({"context_parallel": 2, "packing": True}, "needs --no-packing"),
+        ({"context_parallel": 4, "max_length": 100}, "--max-length divisible by 8 (each rank"),
+        (
+            {"context_parallel": 2, "task": "preference", "packing": None},
+            "--context-parallel needs --task causal-lm",
+        ),
+    ],
+)
+def test_options_refused(overrides, fragment):
+    with pytest.raises(EffitrainError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        _config(**overrides)
+
+
+@pytest.mark.parametrize(
+    ("launch", "fragment"),
+    [
+        ((2, "fsdp", "cpu"), "needs CUDA: PyTorch's ring attention runs only CUDA's attention"),
+        ((2, "ddp", "cuda"), "needs FSDP2 (an accelerate config with distributed_type: FSDP"),
+        ((2, "zero3", "cuda"), "this run is DeepSpeed ZeRO-3 over 2 processes"),
+        ((3, "fsdp", "cuda"), "--context-parallel 2 must divide the number of processes (3)"),
+        ((1, "fsdp", "cuda"), "needs FSDP2"),
+    ],
+)
+def test_launches_refused(launch, fragment):
+    import effitrain.levers as levers
+    from effitrain.distributed import Launch
+
+    with pytest.raises(EffitrainError) as refused:
+        levers.check_launch(_config(context_parallel=2), Launch.described(*launch))
+    assert fragment in str(refused.value)
+    assert "\n" not in str(refused.value)
+
+
+def test_accelerate_config_cp_size(monkeypatch):
+    """An accelerate config's ``parallelism_config_cp_size`` turns it on; another value than
+    --context-parallel's is refused."""
+    from effitrain.levers import context_parallel
+
+    monkeypatch.setenv(context_parallel.ENVIRONMENT, "2")
+    assert context_parallel.size(_config()) == 2
+    with pytest.raises(EffitrainError, match="but the accelerate config's cp_size is 2"):
+        _config(context_parallel=4)
+
+
+def test_parallelism_config_of_a_launch(monkeypatch):
+    """Four FSDP2 processes on CUDA with --context-parallel 2: two CP ranks in each of two
+    data-parallel shards, as Accelerate's ParallelismConfig."""
+    import torch
+
+    from effitrain.levers import context_parallel
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    parallelism = context_parallel.parallelism_config(_config(context_parallel=2))
+    assert (parallelism.dp_replicate_size, parallelism.dp_shard_size) == (1, 2)
+    assert parallelism.cp_size == 2 and parallelism.cp_enabled
+    assert context_parallel.parallelism_config(_config()) is None
+
+
+def test_train_refuses_one_process_in_one_line(train_cli):
+    """One process (no FSDP2, no CUDA here) is refused before Accelerate starts."""
+    assert_clean_error(
+        train_cli("train", "--model", "tiny-llama", *CP, "--max-steps", "1"),
+        "--context-parallel 2 needs CUDA",
+    )
+
+
+@pytest.mark.parametrize(
+    ("supports", "implementation", "fragment"),
+    [
+        (False, "sdpa", "cannot take it: ring attention is full causal attention"),
+        (True, "eager", "needs PyTorch's SDPA attention (ring attention takes its place)"),
+    ],
+)
+def test_models_refused(supports, implementation, fragment):
+    from types import SimpleNamespace
+
+    from effitrain.levers.context_parallel import ContextParallel
+
+    config = SimpleNamespace(_attn_implementation=implementation)
+    model = SimpleNamespace(supports_context_parallel=supports, config=config)
+    with pytest.raises(EffitrainError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        ContextParallel().apply_to_model(model, _config(context_parallel=2), None)
+
+
+def test_left_padding_refused():
+    from types import SimpleNamespace
+
+    from effitrain.levers.context_parallel import ContextParallel
+
+    run = SimpleNamespace(config=_config(context_parallel=2), tokenizer=SimpleNamespace())
+    run.tokenizer.padding_side = "left"
+    with pytest.raises(EffitrainError, match="rows must be padded on the right"):
+        ContextParallel().after_prepare(run)
+
+
+# --- the estimate ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # two estimates: about 5 s
+def test_estimate_per_rank_is_one_rank_share():
+    """CP 2 at L holds the activations of one process at L/2 (the fake step runs on the rank's
+    share, not a division), the same FSDP2 shards of the model over the two ranks, and a peak
+    at least as high (ring attention's gathered keys and values)."""
+    from effitrain.distributed import Launch
+    from effitrain.estimation import estimate
+
+    launch = Launch.described(2, "fsdp", "cuda")
+    split = estimate(_config(context_parallel=2, max_length=128, batch_size=1), launch)
+    half = estimate(_config(max_length=64, batch_size=1), launch)
+    assert split.settings.max_length == 128
+    ours, theirs = split.per_device, half.per_device
+    assert ours is not None and theirs is not None
+    assert ours.activation_bytes == theirs.activation_bytes
+    for kind in ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes"):
+        assert getattr(ours, kind) == getattr(theirs, kind)
+    assert ours.peak_tensor_bytes >= theirs.peak_tensor_bytes
+    assert any("--context-parallel 2" in note for note in split.notes)
+
+
+def test_gathered_keys_and_values_are_in_the_peak():
+    """Around an attention, the other ranks' keys and values are held while it runs."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from effitrain.levers.context_parallel import GatheredKV
+
+    sizes = []
+
+    class Allocations(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.empty.memory_format:
+                sizes.append(tuple(args[0]))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = (torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3))
+    with GatheredKV(4), Allocations():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.sum().backward()
+    assert sizes.count((1, 2, 24, 4)) == 4  # keys and values, in forward and in backward
+    assert F.scaled_dot_product_attention is not None
+    expected = F.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), is_causal=True)
+    torch.testing.assert_close(out.detach(), expected)
+
+
+# --- the loss -------------------------------------------------------------------------------------
+
+
+def test_shift_labels_are_taken_as_shifted():
+    """A batch with ``shift_labels`` (a CP rank's, shifted before the cut) gives the loss of
+    the same batch with its ``labels``."""
+    import torch
+
+    from effitrain.tasks.lm_loss import Choice, LMLoss, shifted_labels
+
+    model = torch.nn.Module()
+    model.config = None
+    ids = torch.randint(0, 11, (2, 6))
+    embed, head = torch.nn.Embedding(11, 5), torch.nn.Linear(5, 11)
+
+    def forward(input_ids, **_):
+        return type("Out", (), {"logits": head(embed(input_ids))})()
+
+    loss = LMLoss(Choice("off"), model)
+    plain = loss(forward, {"input_ids": ids, "labels": ids})
+    shifted = loss(forward, {"input_ids": ids, "labels": ids, "shift_labels": shifted_labels(ids)})
+    torch.testing.assert_close(plain, shifted)
+
+
+def test_step_scale_counts_a_cp_group_tokens_once():
+    """Two CP ranks read the same batch: the step's labelled tokens are those of the batch."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from effitrain.tasks.lm_loss import labelled_tokens, step_scale
+
+    batch = {"labels": torch.tensor([[1, 2, 3, -100, 5, 6, 7, 8]])}
+    tokens = int(labelled_tokens(batch))
+    accelerator = SimpleNamespace(
+        num_processes=2,
+        gradient_accumulation_steps=1,
+        reduce=lambda t, _: t * 2,  # the other rank's count: the same batch's
+        parallelism_config=SimpleNamespace(cp_enabled=True, cp_size=2),
+    )
+    assert float(step_scale([batch], accelerator)) == pytest.approx(2 / tokens)
+
+
+# --- two CPU processes over gloo ------------------------------------------------------------------
+
+
+def _rank(rank: int, port: int, out: str) -> None:
+    """One CP rank: the batch through ``sharded_batch`` on a real 2-rank mesh, then a
+    position-wise LM (embedding, head: no attention, so no ring needed) trained on the shard
+    with the loop's token weights; its loss and gradient, averaged as FSDP2 averages, saved."""
+    import os
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    from effitrain.levers.context_parallel import sharded_batch
+    from effitrain.tasks.lm_loss import step_scale
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    torch.manual_seed(0)
+    ids = torch.randint(0, 13, (2, 8))
+    labels = ids.clone()
+    labels[0, :3] = -100  # a prompt that is not trained on
+    batch = {"input_ids": ids.clone(), "labels": labels, "attention_mask": torch.ones_like(ids)}
+    batch["document_lengths"] = ((8,), (8,))  # the whole rows', as the collator gives them
+    accelerator = SimpleNamespace(
+        num_processes=2,
+        gradient_accumulation_steps=1,
+        reduce=lambda t, _: (dist.all_reduce(t), t)[1],
+        parallelism_config=SimpleNamespace(cp_enabled=True, cp_size=2),
+        maybe_context_parallel=lambda **kw: context_parallel(mesh, **kw),
+    )
+    scale = step_scale([batch], accelerator)
+    embed, head = torch.nn.Embedding(13, 4), torch.nn.Linear(4, 13)
+    with sharded_batch(accelerator, batch):
+        logits = head(embed(batch["input_ids"]))
+        losses = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), batch["shift_labels"].flatten(), reduction="sum"
+        )
+        (losses * scale).backward()
+    grad = head.weight.grad.clone()
+    dist.all_reduce(grad)  # FSDP2's reduce-scatter averages over the ranks
+    loss = (losses * scale).detach()
+    dist.all_reduce(loss)  # the logged loss: summed over processes, over as many micro-batches
+    torch.save(
+        {
+            "ids": batch["input_ids"],
+            "positions": batch["position_ids"],
+            "shift_labels": batch["shift_labels"],
+            "mask": "attention_mask" in batch or "document_lengths" in batch,
+            "loss": loss / 2,
+            "grad": grad / 2,
+        },
+        f"{out}/rank{rank}.pt",
+    )
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_cp_ranks_on_gloo(tmp_path):
+    """Rank r holds chunks r and 3-r of 4 (Accelerate's load balance), each token with its true
+    position and the label of the token after it; the two ranks' loss and gradient equal one
+    process's token mean over the whole batch."""
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+
+    from effitrain.tasks.lm_loss import shifted_labels
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank, args=(port, str(tmp_path)), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    torch.manual_seed(0)
+    ids = torch.randint(0, 13, (2, 8))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    shifted = shifted_labels(labels)  # the causal-LM loss's shift
+    for rank, got in enumerate(ranks):
+        chunks = [rank, 3 - rank]
+        positions = torch.cat([torch.arange(2 * c, 2 * c + 2) for c in chunks])
+        assert not got["mask"]
+        assert torch.equal(got["positions"], positions.repeat(2, 1))
+        assert torch.equal(got["ids"], ids[:, positions])
+        assert torch.equal(got["shift_labels"], shifted[:, positions])
+    embed, head = torch.nn.Embedding(13, 4), torch.nn.Linear(4, 13)
+    loss = torch.nn.functional.cross_entropy(
+        head(embed(ids)).flatten(0, 1), shifted.flatten(), ignore_index=-100
+    )
+    loss.backward()
+    for got in ranks:
+        torch.testing.assert_close(got["loss"], loss.detach())
+        torch.testing.assert_close(got["grad"], head.weight.grad)
+
+
+@pytest.mark.slow
+def test_accelerate_config_cp_size_refused_on_cpu_processes():
+    """``accelerate launch`` with the shipped FSDP2 context-parallel config on two CPU processes
+    (Accelerate's FSDP2 there through the test harness): the config's cp_size is read, and the
+    CPU refused in one line, printed once, before Accelerate starts."""
+    from pathlib import Path
+
+    from tests.test_distributed import REPO, launch
+
+    proc = launch(
+        "train",
+        *("--task", "causal-lm", "--no-packing", "--max-length", "64", "--max-steps", "1"),
+        config=REPO / "configs" / "accelerate" / "fsdp2-context-parallel.yaml",
+        script=Path(__file__).parent / "fsdp2_cpu_launch.py",
+    )
+    assert proc.returncode != 0
+    # torchrun's own traceback says a rank failed; none comes from effitrain's code.
+    assert f'File "{REPO / "effitrain"}' not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: --context-parallel 2 needs CUDA: PyTorch's ring attention runs only CUDA's "
+        "attention kernels, and this run's device is the CPU"
+    ], proc.stderr[-3000:]
