@@ -133,8 +133,9 @@ def offload_context(model: torch.nn.Module, counter: HostBytes) -> Any:
 def fake_offload(model: torch.nn.Module, counter: HostBytes) -> Iterator[None]:
     """``effitrain estimate``'s model of :func:`offload_context` on fake tensors: the same
     choice of what moves (not a parameter, at least :data:`MIN_OFFLOAD_BYTES`, not the output
-    head's input, each storage once, nothing saved inside a backward), moved to the meta device (no device memory, so the
-    step's tracker sees it leave) and brought back as a new device tensor in backward."""
+    head's input, each storage once, nothing saved inside a backward), moved to the meta
+    device (no device memory, so the step's tracker sees it leave) and brought back as a new
+    device tensor in backward."""
     import torch
 
     parameters = {p.untyped_storage()._cdata for p in model.parameters()}
