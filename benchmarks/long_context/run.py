@@ -41,8 +41,6 @@ POSITIONS = 32768
 """The CPU model's positions (the tests' long tiny-llama)."""
 WORDS = "the cat sat on a mat while dogs ran over hills and rivers under skies".split()  # noqa: SIM905
 """The corpus' words (the tests' ``long_text_file``)."""
-UNPACKED_WORDS = 14_000
-"""Words per document of the unpacked corpus: over 32,768 tokens (about 2.6 tokens a word)."""
 SHAPE_MODELS = ("Llama-3.1-8B", "Qwen2.5-7B")
 MODES = {
     "qlora": (
@@ -93,19 +91,22 @@ SMOKE_ARGS = ["--what", "cpu", "--lengths", "512"]
 
 
 def write_inputs(folder: Path) -> dict[str, Path]:
-    """The CPU run's model folder and corpora (made once): the long tiny-llama, the packed
+    """The CPU run's model folder and corpora: the long tiny-llama (made once), the packed
     corpus (40 documents of 500 to 3,000 words) and the unpacked one (4 documents of
-    :data:`UNPACKED_WORDS` words), each a .txt of blank-line separated documents."""
+    :data:`POSITIONS` tokens with their end-of-sequence token: the run cuts a long document
+    into rows of ``--max-length``, so every row is full at every length), each a .txt of
+    blank-line separated documents."""
+    from effitrain.demo.lm import build_lm_tokenizer
+
     paths = {
         "model": folder / "tiny-llama-32k",
         "packed": folder / "packed.txt",
         "unpacked": folder / "unpacked.txt",
     }
+    tokenizer = build_lm_tokenizer(model_max_length=POSITIONS)
     if not paths["model"].exists():
-        from effitrain.demo.lm import build_lm_tokenizer
         from effitrain.models import load_causal_lm
 
-        tokenizer = build_lm_tokenizer(model_max_length=POSITIONS)
         model = load_causal_lm("tiny-llama", tokenizer)
         model.config.max_position_embeddings = POSITIONS
         partial = paths["model"].with_name("partial")  # renamed once whole
@@ -114,10 +115,26 @@ def write_inputs(folder: Path) -> dict[str, Path]:
         partial.rename(paths["model"])
     rng = random.Random(0)
     packed = [" ".join(rng.choices(WORDS, k=rng.randint(500, 3000))) for _ in range(40)]
-    unpacked = [" ".join(rng.choices(WORDS, k=UNPACKED_WORDS)) for _ in range(4)]
+    unpacked = [exact_document(tokenizer, rng, POSITIONS - 1) for _ in range(4)]
     for key, documents in (("packed", packed), ("unpacked", unpacked)):
         paths[key].write_text("\n\n".join(documents) + "\n")
     return paths
+
+
+def exact_document(tokenizer, rng: random.Random, tokens: int) -> str:
+    """A document of :data:`WORDS` that the tokenizer makes exactly ``tokens`` ids of: words
+    drawn at random, the last few "a" (one token each; words are tokenized apart)."""
+    cost = {word: len(tokenizer(" " + word)["input_ids"]) for word in WORDS}
+    words, count = ["a"], len(tokenizer("a")["input_ids"])
+    while count < tokens:
+        word = rng.choice(WORDS) if tokens - count > max(cost.values()) else "a"
+        words.append(word)
+        count += cost[word]
+    text = " ".join(words)
+    made = len(tokenizer(text)["input_ids"])
+    if made != tokens:
+        raise SystemExit(f"error: a document of {made} tokens, not {tokens}: the tokenizer changed")
+    return text
 
 
 def layout_options(paths: dict[str, Path], layout: str) -> list[str]:
