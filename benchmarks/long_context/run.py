@@ -7,17 +7,18 @@ the estimate follows a run at length, packed or not. One question per ``--what``
   and unpacked (``--no-packing``: documents longer than the block, so no row is padded).
   Per row: ``effitrain estimate``'s peak tensor memory beside the run's measured peak (the same
   options), the error, and seconds per step. Every run and estimate is a fresh process.
-- ``shapes``: Llama-3.1-8B and Qwen2.5-7B from their config.json alone
+- ``levers`` and ``longest``: Llama-3.1-8B and Qwen2.5-7B from their config.json alone
   (:func:`benchmarks.llm_shapes.run.write_config`), QLoRA r16 and full fine-tuning, for a CUDA
-  card: the longest length that fits 16, 24, 48 and 80 GiB (``effitrain plan --max-length
-  longest --json``, the budget as ``plan`` counts it, margin included), and the peak at one
-  length as levers are added one by one (``effitrain estimate``), beside unsloth's published
-  figures (:data:`PUBLISHED`).
+  card, batch 1. ``levers``: the peak at one length (32,768 tokens) as levers are added one by
+  one (``effitrain estimate``, :data:`LADDER`). ``longest``: the longest length that fits 16,
+  24, 48 and 80 GiB (``effitrain plan --max-length longest --json``, the budget as ``plan``
+  counts it, margin included), beside unsloth's published figures (:data:`PUBLISHED`).
 
     python -m benchmarks.long_context.run --what cpu
     python -m benchmarks.long_context.run --what cpu --lengths 4096 --results .bench/long.json
-    python -m benchmarks.long_context.run --what shapes
-    python -m benchmarks.long_context.run --what shapes --models llama-3.1-8b --modes qlora \\
+    python -m benchmarks.long_context.run --what levers
+    python -m benchmarks.long_context.run --what longest
+    python -m benchmarks.long_context.run --what longest --models llama-3.1-8b --modes qlora \\
         --budgets 24 --results .bench/long.json
 """
 
@@ -327,6 +328,8 @@ def longest_row(folder: Path, mode: str, budget: int) -> common.Row:
 
 
 def measure_shapes(args: argparse.Namespace, device: str) -> common.Run:
+    """``levers`` or ``longest``: per model and mode, the ladder's estimates at one length, or
+    the longest length per budget."""
     from benchmarks.llm_shapes.run import MODELS, estimate_row, write_config
 
     names = {name.lower(): name for name in MODELS}
@@ -337,28 +340,26 @@ def measure_shapes(args: argparse.Namespace, device: str) -> common.Run:
     for model in (names[m.lower()] for m in args.models):
         folder = write_config(args.work_dir / "models", model)
         for mode in args.modes:
-            options = MODES[mode][1]
-            for label, extra in ladder:
+            base = {"model": model, "mode": mode}
+            for label, extra in ladder if args.what == "levers" else []:
                 print(f"{model} {mode}: {label}", file=sys.stderr, flush=True)
-                row = estimate_row(folder, [*options, *extra], 1, args.lever_length)
-                rows.append({"kind": "lever", "model": model, "mode": mode, "rung": label, **row})
-            for budget in args.budgets:
+                row = estimate_row(folder, [*MODES[mode][1], *extra], 1, args.lever_length)
+                rows.append({**base, "rung": label, **row})
+            for budget in args.budgets if args.what == "longest" else []:
                 print(f"{model} {mode}: longest at {budget} GiB", file=sys.stderr, flush=True)
-                row = longest_row(folder, mode, budget)
-                rows.append(
-                    {"kind": "longest", "model": model, "mode": mode, "budget_gib": budget, **row}
-                )
+                rows.append({**base, "budget_gib": budget, **longest_row(folder, mode, budget)})
+    settings = {"what": args.what, "modes": {mode: MODES[mode][:2] for mode in args.modes}}
+    if args.what == "levers":
+        settings.update(lever_length=args.lever_length, ladder=[label for label, _ in ladder])
+        title = f"what each lever buys at {args.lever_length:,} tokens"
+    else:
+        settings["budgets_gib"] = args.budgets
+        title = "the longest length per card"
     failed = [r for r in rows if "failed" in r]
     return {
-        "name": args.name or "shapes",
-        "title": "Llama-3.1-8B and Qwen2.5-7B from config.json, estimated for a CUDA card",
-        "settings": {
-            "what": "shapes",
-            "modes": {mode: MODES[mode][:2] for mode in args.modes},
-            "budgets_gib": args.budgets,
-            "lever_length": args.lever_length,
-            "ladder": [label for label, _ in ladder],
-        },
+        "name": args.name or args.what,
+        "title": f"Llama-3.1-8B and Qwen2.5-7B for a CUDA card, batch 1: {title} (estimates)",
+        "settings": settings,
         "rows": rows,
         "notes": [f"{r['model']} {r['mode']}: failed: {r['failed']}" for r in failed],
         "failed": bool(failed),
@@ -373,16 +374,13 @@ def _longest_cell(row: common.Row | None) -> str:
     return "refused" if "refused" in row else "failed"
 
 
-def render_shapes(run: common.Run) -> str:
+def render_longest(run: common.Run) -> str:
     budgets = run["settings"]["budgets_gib"]
-    longest = [r for r in run["rows"] if r["kind"] == "longest"]
+    rows = run["rows"]
     table_rows = []
-    for model in dict.fromkeys(r["model"] for r in longest):
-        for mode in dict.fromkeys(r["mode"] for r in longest if r["model"] == model):
-            cells = {
-                r["budget_gib"]: r for r in longest if (r["model"], r["mode"]) == (model, mode)
-            }
-            table_rows.append({"who": f"effitrain, {model} {mode}", "cells": cells})
+    for model, mode in dict.fromkeys((r["model"], r["mode"]) for r in rows):
+        cells = {r["budget_gib"]: r for r in rows if (r["model"], r["mode"]) == (model, mode)}
+        table_rows.append({"who": f"effitrain, {model} {mode}", "cells": cells})
     for who, figures in PUBLISHED["rows"].items():
         table_rows.append({"who": f"{who} (published), Llama-3.1-8B QLoRA", "published": figures})
 
@@ -394,7 +392,7 @@ def render_shapes(run: common.Run) -> str:
     columns = [common.Column("longest tokens, batch 1", lambda r: r["who"], right=False)]
     columns += [common.Column(f"{gib} GiB", lambda r, g=gib: cell(r, g)) for gib in budgets]
     parts = [common.markdown_table(columns, table_rows)]
-    goal_rows = [r for r in longest if (r["model"], r["mode"]) == ("Llama-3.1-8B", "qlora")]
+    goal_rows = [r for r in rows if (r["model"], r["mode"]) == ("Llama-3.1-8B", "qlora")]
     for gib, goal in GOALS.items():
         found = next((r for r in goal_rows if r["budget_gib"] == gib), None)
         if found is not None:
@@ -404,37 +402,53 @@ def render_shapes(run: common.Run) -> str:
                 f"**Goal:** Llama-3.1-8B QLoRA r16 at {gib} GiB ≥ {goal:,} tokens: {verdict} "
                 f"({_longest_cell(found)}; unsloth {PUBLISHED['rows']['unsloth'][gib]:,})."
             )
-    levers = [r for r in run["rows"] if r["kind"] == "lever"]
-    if levers:
-        length = run["settings"]["lever_length"]
-        previous: dict[tuple[str, str], int] = {}
+    commands = [
+        f"- {r['model']} {r['mode']}, {r['budget_gib']} GiB: `{r['command']}`"
+        for r in rows
+        if "command" in r
+    ]
+    refusals = [
+        f"- {r['model']} {r['mode']}, {r['budget_gib']} GiB: {r.get('refused') or r['failed']}"
+        for r in rows
+        if "longest" not in r
+    ]
+    return "\n\n".join(parts + ["\n".join(lines) for lines in (commands, refusals) if lines])
 
-        def saved(row: common.Row) -> str:
-            key, peak = (row["model"], row["mode"]), row.get("peak_tensor_bytes")
-            before, previous[key] = previous.get(key), peak
-            if not isinstance(peak, int) or not isinstance(before, int):
-                return "–"
-            return common.size(before - peak)
 
-        lever_columns = [
-            common.Column("model", lambda r: r["model"], right=False),
-            common.Column("mode", lambda r: r["mode"], right=False),
-            common.Column("levers", lambda r: r["rung"], right=False),
-            common.Column(f"peak at {length:,} tokens", lambda r: common.shown(r.get("peak_tensor_bytes"), common.size) if "refused" not in r else "refused"),
-            common.Column("saved", saved),
-            common.Column("activations", lambda r: common.shown(r.get("activation_bytes"), common.size)),
-            common.Column("host RAM", lambda r: common.shown(r.get("host_peak_bytes"), common.size)),
-        ]  # fmt: skip
-        parts.append(common.markdown_table(lever_columns, levers))
-    return "\n\n".join(parts)
+def render_levers(run: common.Run) -> str:
+    previous: dict[tuple[str, str], int] = {}
+
+    def saved(row: common.Row) -> str:
+        key, peak = (row["model"], row["mode"]), row.get("peak_tensor_bytes")
+        before, previous[key] = previous.get(key), peak
+        if not isinstance(peak, int) or not isinstance(before, int):
+            return "–"
+        return common.size(before - peak)
+
+    def peak(row: common.Row) -> str:
+        if "peak_tensor_bytes" not in row:
+            return "refused" if "refused" in row else "failed"
+        return common.size(row["peak_tensor_bytes"])
+
+    columns = [
+        common.Column("model", lambda r: r["model"], right=False),
+        common.Column("mode", lambda r: r["mode"], right=False),
+        common.Column("levers", lambda r: r["rung"], right=False),
+        common.Column("peak", peak),
+        common.Column("saved", saved),
+        common.Column("activations", lambda r: common.shown(r.get("activation_bytes"), common.size)),
+        common.Column("host RAM", lambda r: common.shown(r.get("host_peak_bytes"), common.size)),
+    ]  # fmt: skip
+    return common.markdown_table(columns, run["rows"])
 
 
 def render(run: common.Run) -> str:
-    return render_shapes(run) if run["settings"]["what"] == "shapes" else render_cpu(run)
+    renderers = {"cpu": render_cpu, "levers": render_levers, "longest": render_longest}
+    return renderers[run["settings"]["what"]](run)
 
 
 def measure(args: argparse.Namespace, device: str) -> common.Run:
-    return measure_shapes(args, device) if args.what == "shapes" else measure_cpu(args, device)
+    return measure_cpu(args, device) if args.what == "cpu" else measure_shapes(args, device)
 
 
 def _skip(text: str) -> tuple[str, int]:
@@ -444,7 +458,7 @@ def _skip(text: str) -> tuple[str, int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = common.parser(TOPIC, __doc__)
-    parser.add_argument("--what", choices=["cpu", "shapes"], default="cpu")
+    parser.add_argument("--what", choices=["cpu", "levers", "longest"], default="cpu")
     parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS), help="cpu")
     parser.add_argument(
         "--layouts", nargs="+", default=["packed", "unpacked"], choices=["packed", "unpacked"]
