@@ -52,9 +52,7 @@ def long_data(tmp_path_factory) -> list[str]:
     ]
 
 
-def compare(
-    train_cli, tmp_path: Path, args: list[str], flops: bool = True
-) -> tuple[dict, dict]:
+def compare(train_cli, tmp_path: Path, args: list[str], flops: bool = True) -> tuple[dict, dict]:
     """``flops``: the step's FLOPs are equal too (not where the run's packed blocks hold other
     documents than the estimate's two: attention's FLOPs are per document)."""
     from effitrain.cli.compare import train_config
@@ -125,23 +123,30 @@ def test_estimate_equals_a_run(train_cli, tmp_path, long_data):
     ],
 )
 def test_estimate_equals_a_packed_causal_lm_run(train_cli, tmp_path, options):
-    """A packed block of the demo holds several documents, attended one by one; the estimate's
-    block, made by the run's own collator, holds two, and takes the same path (an all-ones
-    attention mask once let the model skip the mask the run built: 76 KB under the run at 4 x
-    128 tokens, so a plan's answer could fail its own --max-memory)."""
+    """A packed block of the demo holds several documents, kept apart by a block-diagonal mask
+    at this length; the estimate's block, made by the run's own collator, holds two, and counts
+    that mask too (an all-ones attention mask once let the model skip it: 76 KB under the run
+    at 4 x 128 tokens, so a plan's answer could fail its own --max-memory). Longer blocks are
+    attended per document: tests/test_long_context.py."""
     args = ["--task", "causal-lm", "--model", "tiny-llama", "--batch-size", "4",
             "--max-length", "128", *options]  # fmt: skip
-    estimated, measured = compare(train_cli, tmp_path, args, flops=False)
+    estimated, measured = compare(train_cli, tmp_path, args)
     assert estimated["peak_tensor_bytes"] == measured["peak_tensor_bytes"]
     assert estimated["activation_bytes"] == measured["activation_bytes"]
 
 
-def test_estimate_equals_a_run_of_two_document_blocks(train_cli, tmp_path):
-    """Blocks of two 64-token documents, as the estimate's: its FLOPs are the run's too."""
-    path = tmp_path / "a.txt"  # "a" is one token; 63 of them and the eos make 64
-    path.write_text("\n\n".join([" ".join(["a"] * 63)] * 40) + "\n")
-    args = ["--task", "causal-lm", "--model", "tiny-llama", "--train-file", str(path),
-            "--batch-size", "4", "--max-length", "128"]  # fmt: skip
+def test_estimate_equals_a_run_of_two_document_blocks(train_cli, tmp_path, long_lm_model_dir):
+    """Blocks of two 1,024-token documents, as the estimate's, attended per document: its FLOPs
+    are the run's too (attention's are per document)."""
+    from transformers import AutoTokenizer
+
+    tokens = AutoTokenizer.from_pretrained(long_lm_model_dir)
+    words = next(n for n in range(1023, 0, -1) if len(tokens(" ".join(["a"] * n)).input_ids) < 1024)
+    assert len(tokens(" ".join(["a"] * words)).input_ids) == 1023  # and the eos: 1,024
+    path = tmp_path / "a.txt"
+    path.write_text("\n\n".join([" ".join(["a"] * words)] * 12))  # no newline: no token
+    args = ["--task", "causal-lm", "--model", str(long_lm_model_dir), "--train-file", str(path),
+            "--batch-size", "1", "--max-length", "2048"]  # fmt: skip
     estimated, measured = compare(train_cli, tmp_path, args)
     assert estimated["peak_tensor_bytes"] == measured["peak_tensor_bytes"]
 

@@ -200,6 +200,7 @@ ALONE = {
     "load-in-4bit": ((*CAUSAL_LM, "--load-in-4bit", "--lora-rank", "4"), ["load-in-4bit", "lora"]),
     "bf16-weights": (("--weights-dtype", "bf16"), ["bf16-weights"]),
     "gradient-checkpointing": (("--gradient-checkpointing",), ["gradient-checkpointing"]),
+    "tiled-mlp": ((*CAUSAL_LM, "--tiled-mlp"), ["tiled-mlp"]),
     "lora": (("--lora-rank", "4"), ["lora"]),
     "chunked-loss": (("--task", "causal-lm", "--chunked-loss", "torch"), ["chunked-loss"]),
     "optimizer-in-backward": (("--optimizer-in-backward",), ["optimizer-in-backward"]),

@@ -508,12 +508,16 @@ def packed_block(tok, tmp_path_factory):
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2", "gpt2"])
 @pytest.mark.parametrize("attention", ["sdpa", "eager", "documents"])
-def test_packed_logits_equal_documents_run_alone(tok, packed_block, architecture, attention):
-    """Documents: SDPA per document (``effitrain.tasks.document_attention``), told where the
-    documents lie by the batch's ``document_lengths``; no mask is built."""
+def test_packed_logits_equal_documents_run_alone(
+    tok, packed_block, architecture, attention, monkeypatch
+):
+    """Documents: SDPA per document (``effitrain.tasks.document_attention``, here from the
+    shortest rows), told where the documents lie by the batch's ``document_lengths``."""
     import torch
 
     from effitrain.tasks import document_attention
+
+    monkeypatch.setattr(document_attention, "MASKED_UP_TO", 0)
 
     torch.manual_seed(0)
     model = _models(len(tok))[architecture].eval()
@@ -541,14 +545,20 @@ def test_packed_logits_equal_documents_run_alone(tok, packed_block, architecture
         assert not torch.allclose(cached, packed, atol=1e-3)
 
 
-def test_document_attention_builds_no_mask_and_trains_as_the_mask_does(tok, packed_block):
+@pytest.mark.parametrize("masked_up_to", [0, 1024])
+def test_document_attention_builds_no_mask_and_trains_as_the_mask_does(
+    tok, packed_block, masked_up_to, monkeypatch
+):
     """The same loss and gradients as transformers' per-document mask, for a packed block and a
-    padded batch; no tensor of (rows x length x length) is made on the way."""
+    padded batch; no tensor of (rows x length x length) is made on the way, except for rows
+    short enough to keep the mask (``MASKED_UP_TO``)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from effitrain.tasks import document_attention
     from effitrain.tasks.lm_data import lm_collator
+
+    monkeypatch.setattr(document_attention, "MASKED_UP_TO", masked_up_to)
 
     class Largest(TorchDispatchMode):
         def __init__(self):
@@ -586,7 +596,7 @@ def test_document_attention_builds_no_mask_and_trains_as_the_mask_does(tok, pack
             loss.backward()
             length = ids.shape[1]
             square = any(shape[-2:] == (length, length) for shape in seen.shapes)
-            assert square is not documents
+            assert square is not (documents and ids.shape[1] > masked_up_to)
             results.append((loss, [p.grad for p in model.parameters()]))
         (loss, grads), (doc_loss, doc_grads) = results
         torch.testing.assert_close(doc_loss, loss)

@@ -69,6 +69,8 @@ VALUES: dict[str, tuple[object, dict[str, object]]] = {
     "log_every": (3, {}),
     "max_memory": ("24GiB", {}),
     "gradient_checkpointing": (True, {}),
+    "tiled_mlp": (True, CAUSAL),
+    "mlp_tiles": (4, {**CAUSAL, "tiled_mlp": True}),
     "optimizer_in_backward": (True, {}),
     "weights_dtype": ("bf16", {}),
     "chunked_loss": ("torch", CAUSAL),

@@ -22,6 +22,7 @@ Training runs are fresh ``effitrain train`` processes through effitrain.comparis
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 from benchmarks import common
@@ -182,7 +183,8 @@ def batch_statistics(max_length: int, batch_size: int) -> list[common.Row]:
 
 def architectures(args: argparse.Namespace, device: str) -> common.Run:
     """Does a packed block (position ids restarting per document, no mask) give each document's
-    own logits? Tiny random models, sdpa and eager attention."""
+    own logits? Tiny random models, sdpa and eager attention, and effitrain's document attention
+    (SDPA per document, told the documents' lengths) where the architecture takes it."""
     rows = [check_architecture(model_type) for model_type in args.types or ARCHITECTURES]
     return {"title": "which architectures keep packed documents apart", "rows": rows}
 
@@ -191,6 +193,9 @@ def check_architecture(model_type: str) -> common.Row:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    import effitrain.tasks.document_attention as document_attention
+
+    document_attention.MASKED_UP_TO = 0  # per document at this block's 16 tokens too
     options = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
                "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 64,
                "head_dim": 16, "max_position_embeddings": 64, "pad_token_id": 0}  # fmt: skip
@@ -206,14 +211,26 @@ def check_architecture(model_type: str) -> common.Row:
     except Exception as exc:  # a config this generic recipe cannot build
         return {"model_type": model_type, "sdpa": f"not built: {type(exc).__name__}", "eager": ""}
     row = {"model_type": model_type}
-    for attention in ("sdpa", "eager"):
+    for attention in ("sdpa", "eager", "documents"):
+        extra: dict = {}
+        given = contextlib.nullcontext()
         try:
-            model.set_attn_implementation(attention)
+            model.set_attn_implementation("sdpa" if attention == "documents" else attention)
+            if attention != "documents":
+                pass
+            elif document_attention.use(model):
+                extra = {"document_lengths": ((6, 7, 3),)}
+                given = document_attention.documents_given()
+            else:  # not taken: the architecture keeps transformers' own attention
+                row[attention] = "not used"
+                continue
         except Exception:
             row[attention] = "n/a"
             continue
-        with torch.no_grad():
-            packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
+        with torch.no_grad(), given:
+            packed = model(input_ids=ids, position_ids=positions, use_cache=False, **extra).logits[
+                0
+            ]
             diff = max(
                 (packed[a:b] - model(input_ids=ids[:, a:b]).logits[0]).abs().max().item()
                 for a, b in documents
@@ -255,7 +272,7 @@ def render(run: common.Run) -> str:
                     ("tokens/s", text("tokens_per_second", "{:,.0f}".format)),
                     ("perplexity after 1 epoch", text("perplexity", "{:.2f}".format))],
         "architectures": [("model type", text("model_type")), ("sdpa", text("sdpa")),
-                          ("eager", text("eager"))],
+                          ("eager", text("eager")), ("documents", text("documents"))],
         "smollm2": [("optimizer", text("optimizer")), ("lr", text("lr", common.lr_text)),
                     ("validation perplexity", text("perplexity", "{:.2f}".format)),
                     ("s/step", text("seconds_per_step", "{:.1f}".format)),

@@ -6,6 +6,8 @@ lever (name in metrics)    option                           what it removes
 load-in-4bit               ``--load-in-4bit`` (QLoRA)       7/8 of the frozen base's Linear weights
 bf16-weights               ``--weights-dtype bf16``         half of parameters, gradients, state
 gradient-checkpointing     ``--gradient-checkpointing``     most activations (recomputed)
+tiled-mlp                  ``--tiled-mlp`` (causal-lm,      the MLPs' intermediates but one
+                           preference)                      sequence tile's (recomputed)
 lora                       ``--lora-rank R``                gradients and state of the base model
 chunked-loss               ``--chunked-loss`` (causal-lm)   the full logits
 activation-offload         ``--activation-offload``         saved activations from the GPU (CUDA)
@@ -44,6 +46,7 @@ from effitrain.levers.optimizer_offload import OptimizerOffload
 from effitrain.levers.qlora import QLoRA
 from effitrain.levers.reference import Reference
 from effitrain.levers.spec import Lever, LossOptions, OptimizerBuilder
+from effitrain.levers.tiled_mlp import TiledMLP
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -84,6 +87,7 @@ register(
     QLoRA(),
     Bf16Weights(),
     GradientCheckpointing(),
+    TiledMLP(),
     LoRA(),
     ChunkedLoss(),
     ActivationOffload(),

@@ -13,8 +13,8 @@ import math
 from typing import TYPE_CHECKING, Any, cast
 
 import effitrain.models as models
+import effitrain.tasks.document_attention as document_attention
 from effitrain.errors import EffitrainError
-from effitrain.tasks import document_attention
 from effitrain.tasks.base import CAUSAL_LM, Task
 from effitrain.tasks.lm_data import (
     IGNORE_INDEX,

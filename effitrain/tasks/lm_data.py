@@ -112,9 +112,8 @@ def fake_lm_batch(
     short = length - 1 if batch_size > 1 and length > 1 else length
     lengths = [length] * (batch_size - 1) + [short]
     rows = [{"input_ids": ids[:n], "attention_mask": [1] * n, "labels": ids[:n]} for n in lengths]
-    if tokenizer is not None and tokenizer.pad_token_id is not None:
-        return lm_collator(False, pad, tokenizer)(rows)
-    return WithDocumentLengths(functools.partial(_padded, pad))(rows)
+    padding = tokenizer if tokenizer is not None and tokenizer.pad_token_id is not None else None
+    return lm_collator(False, pad, padding)(rows)
 
 
 def _padded(pad: int, rows: list[dict[str, list[int]]]) -> dict[str, Any]:
@@ -646,12 +645,15 @@ def lm_collator(
     pad_to_multiple_of: int | None = None,
 ) -> WithDocumentLengths:
     """The run's collator: packed blocks (:class:`PackedCollator`) or padded examples
-    (transformers' ``DataCollatorForSeq2Seq``, labels padded with -100), each batch with its
+    (transformers' ``DataCollatorForSeq2Seq`` with ``tokenizer``, labels padded with -100; right
+    padding with ``pad_token_id`` without one), each batch with its
     rows' document lengths (``effitrain.tasks.document_attention``)."""
     from transformers import DataCollatorForSeq2Seq
 
     if packed:
         return WithDocumentLengths(PackedCollator(pad_token_id, pad_to_multiple_of))
+    if tokenizer is None:  # an estimate's model known by its config alone: padded as below
+        return WithDocumentLengths(functools.partial(_padded, pad_token_id))
     return WithDocumentLengths(
         DataCollatorForSeq2Seq(
             tokenizer,

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+import effitrain.tasks.document_attention as document_attention
 from effitrain.errors import EffitrainError
-from effitrain.tasks import document_attention
 from effitrain.tasks.base import LossMoments
 from effitrain.tasks.lm_data import IGNORE_INDEX
 

@@ -1,0 +1,291 @@
+"""``--tiled-mlp``: the tiled MLP is exact (loss and every gradient equal to the untiled run's)
+at several tile counts, with checkpointing, LoRA, bf16 weights and the chunked loss; each
+parameter's gradient is accumulated once per step; the estimate follows a tiled run; the
+options' refusals are one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from effitrain.config import TrainConfig
+from effitrain.errors import EffitrainError
+from tests.conftest import assert_clean_error
+
+
+def _model(weights_dtype: str = "fp32"):
+    """tiny-llama (2 layers, hidden 96, intermediate 288), the same weights at every call."""
+    import torch
+
+    from effitrain.models import load_causal_lm, load_tokenizer
+
+    torch.manual_seed(0)
+    model = load_causal_lm("tiny-llama", load_tokenizer("tiny-llama"))
+    return model.to(torch.bfloat16) if weights_dtype == "bf16" else model
+
+
+def _batch(length: int = 50, rows: int = 2):
+    import torch
+
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 200, (rows, length), generator=generator)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _step(config: TrainConfig, batch: dict, chunked: bool = False, autocast: bool = False):
+    """One forward and backward of tiny-llama with ``config``'s levers (``autocast``: the
+    forward under bf16 autocast): the loss and every trained parameter's gradient, by name."""
+    import contextlib
+
+    import torch
+
+    import effitrain.levers as levers
+    from effitrain.tasks.lm_loss import Choice, LMLoss, labelled_tokens
+
+    model = levers.apply_to_model(_model(config.weights_dtype), config)
+    model.train()
+    torch.manual_seed(2)  # LoRA's dropout, where it is on, draws the same masks
+    cast = torch.autocast("cpu", torch.bfloat16) if autocast else contextlib.nullcontext()
+    with cast:
+        if chunked:
+            loss = LMLoss(Choice("torch"), model)(model, batch) / labelled_tokens(batch)
+        else:
+            loss = model(**batch).loss
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert all(g is not None for g in grads.values())
+    return loss.detach(), grads
+
+
+def _assert_same(tiled, untiled, scaled: bool = False) -> None:
+    """Loss and gradients equal within assert_close's tolerances for their dtype (``scaled``:
+    the absolute one a rounding of the tensor's largest element, for sums of bf16 tiles)."""
+    import torch
+
+    torch.testing.assert_close(tiled[0], untiled[0])
+    assert tiled[1].keys() == untiled[1].keys()
+    for name, grad in untiled[1].items():
+        atol = {"atol": 2**-8 * grad.abs().max().item(), "rtol": 1.6e-2} if scaled else {}
+        torch.testing.assert_close(tiled[1][name], grad, **atol, msg=name)
+
+
+@pytest.mark.parametrize("tiles", [None, 1, 3, 7, 50])
+def test_tiled_equals_untiled(tiles):
+    """50 positions in 1, 3 (17+17+16), 7 or 50 tiles, or auto (ceil(50 / 96) = 1)."""
+    batch = _batch()
+    untiled = _step(TrainConfig(), batch)
+    _assert_same(_step(TrainConfig(tiled_mlp=True, mlp_tiles=tiles), batch), untiled)
+
+
+@pytest.mark.parametrize(
+    ("options", "chunked"),
+    [
+        ({"gradient_checkpointing": True}, False),
+        ({"lora_rank": 4, "lora_dropout": 0.0}, False),
+        ({"lora_rank": 4, "lora_dropout": 0.0, "gradient_checkpointing": True}, False),
+        ({}, True),
+    ],
+    ids=["checkpointing", "lora", "lora-checkpointing", "chunked-loss"],
+)
+def test_tiled_equals_untiled_with_levers(options, chunked):
+    batch = _batch()
+    untiled = _step(TrainConfig(**options), batch, chunked)
+    tiled = _step(TrainConfig(**options, tiled_mlp=True, mlp_tiles=3), batch, chunked)
+    _assert_same(tiled, untiled)
+
+
+def test_tiled_equals_untiled_in_bf16():
+    """bf16 weights: the loss within bf16's tolerance, a weight's gradient within a rounding
+    of its largest element (it is a sum of the tiles' gradients, each rounded to bf16, where
+    the untiled matmul rounds once: elements near 0 differ by more than their own rtol)."""
+    batch = _batch()
+    untiled = _step(TrainConfig(weights_dtype="bf16"), batch)
+    tiled = _step(TrainConfig(weights_dtype="bf16", tiled_mlp=True, mlp_tiles=3), batch)
+    _assert_same(tiled, untiled, scaled=True)
+
+
+def test_tiled_equals_untiled_under_autocast():
+    """--mixed-precision bf16: the recompute in backward runs under the forward's autocast
+    (outside it, it would compute in fp32 and differ by more than bf16's rounding)."""
+    batch = _batch()
+    untiled = _step(TrainConfig(), batch, autocast=True)
+    tiled = _step(TrainConfig(tiled_mlp=True, mlp_tiles=3), batch, autocast=True)
+    _assert_same(tiled, untiled, scaled=True)
+
+
+def test_dropout_replays_in_backward_and_gradients_accumulate_once():
+    """With LoRA's dropout on, backward recomputes each tile with the masks its forward drew
+    (the gradients equal a plain run of the MLP tile by tile from the same seed), and each
+    trained parameter's gradient reaches it once per backward (DDP's reducer hooks count)."""
+    import torch
+
+    import effitrain.levers as levers
+    from effitrain.levers.tiled_mlp import _spans, mlp_modules
+
+    config = TrainConfig(lora_rank=4, lora_dropout=0.5, tiled_mlp=True, mlp_tiles=3)
+    model = levers.apply_to_model(_model(), config)
+    model.train()
+    mlp = mlp_modules(model)[0]
+    trained = [p for p in mlp.parameters() if p.requires_grad]
+    accumulated = {id(p): 0 for p in trained}
+    for p in trained:
+        p.register_post_accumulate_grad_hook(
+            lambda p: accumulated.__setitem__(id(p), 1 + accumulated[id(p)])
+        )
+    x = torch.randn(2, 10, 96, requires_grad=True)
+    torch.manual_seed(3)
+    mlp(x).square().sum().backward()
+    tiled = [x.grad, *(p.grad for p in trained)]
+    assert set(accumulated.values()) == {1}
+
+    x.grad = None
+    for p in trained:
+        p.grad = None
+    original = type(mlp).forward
+    torch.manual_seed(3)
+    parts = [original(mlp, x.narrow(1, start, width)) for start, width in _spans(10, 3)]
+    torch.cat(parts, dim=1).square().sum().backward()
+    for got, expected in zip(tiled, [x.grad, *(p.grad for p in trained)], strict=True):
+        torch.testing.assert_close(got, expected)
+
+
+def test_a_deep_copy_runs_its_own_weights():
+    """DPO's reference copy is a deep copy of the model: its tiled MLPs run the copy's
+    weights, not the original's."""
+    import copy
+
+    import torch
+
+    from effitrain.levers.tiled_mlp import mlp_modules, tile
+
+    model = _model()
+    tile(model, 3)
+    copied = copy.deepcopy(model)
+    with torch.no_grad():
+        mlp_modules(copied)[0].down_proj.weight.zero_()
+    x = torch.randn(1, 10, 96)
+    assert mlp_modules(copied)[0](x).abs().max() == 0
+    assert mlp_modules(model)[0](x).abs().max() > 0
+
+
+def test_tile_counts():
+    from effitrain.levers.tiled_mlp import _spans, tile_count
+
+    assert tile_count(16384, 4096, None) == 4  # ALST's choice: ceil(length / hidden)
+    assert tile_count(16385, 4096, None) == 5
+    assert tile_count(100, 4096, None) == 1
+    assert tile_count(5, 96, 8) == 5  # at most one a position
+    assert _spans(10, 3) == [(0, 4), (4, 3), (7, 3)]
+
+
+def test_sharded_launches_are_refused():
+    from effitrain.distributed import Launch
+    from effitrain.levers import check_launch
+
+    config = TrainConfig(task="causal-lm", model="tiny-llama", tiled_mlp=True)
+    check_launch(config, Launch.described(2, "ddp", "cpu"))
+    for strategy, name in (("fsdp", "FSDP2"), ("zero2", "DeepSpeed ZeRO-2")):
+        with pytest.raises(EffitrainError, match=f"--tiled-mlp is not supported under {name}"):
+            check_launch(config, Launch.described(2, strategy, "cpu"))
+
+
+def test_a_model_without_an_mlp_is_refused():
+    import torch
+
+    from effitrain.levers.tiled_mlp import tile
+
+    with pytest.raises(EffitrainError, match="no decoder-layer MLP"):
+        tile(torch.nn.Sequential(torch.nn.Linear(4, 4)), None)
+
+
+@pytest.mark.slow  # a 2-step run: about 4 s
+def test_train_with_tiled_mlp_runs_and_reports(train_cli, lm_model_dir, tmp_path):
+    metrics = tmp_path / "metrics.json"
+    proc = train_cli(
+        "train",
+        "--task",
+        "causal-lm",
+        "--model",
+        str(lm_model_dir),
+        "--tiled-mlp",
+        "--mlp-tiles",
+        "4",
+        "--max-steps",
+        "2",
+        "--metrics-json",
+        str(metrics),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "tiled MLP: 2 MLPs over 4 tiles" in proc.stdout
+    assert "tiled-mlp" in json.loads(metrics.read_text())["levers"]
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (
+            ["--task", "causal-lm", "--tiled-mlp", "--mlp-tiles", "0"],
+            "--mlp-tiles must be at least 1",
+        ),
+        (["--task", "causal-lm", "--tiled-mlp", "--mlp-tiles", "many"], "--mlp-tiles"),
+        (["--task", "causal-lm", "--mlp-tiles", "4"], "--mlp-tiles needs --tiled-mlp"),
+        (["--tiled-mlp"], "--tiled-mlp needs --task causal-lm or preference"),
+    ],
+)
+def test_bad_options_are_one_line(train_cli, args, fragment):
+    assert_clean_error(train_cli("train", "--max-steps", "1", *args), fragment)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "checkpointing", [[], ["--gradient-checkpointing"]], ids=["", "checkpointing"]
+)
+def test_estimate_equals_a_tiled_run(train_cli, tmp_path, checkpointing):
+    """The estimate runs the tiled Function on fake tensors: FLOPs (the recompute's apart),
+    gradients, activations and the peak equal the run's to the byte (as the chunked loss's
+    test compares the same shape without the lever, tests/test_lm_loss.py)."""
+    from tests.test_estimate import compare
+
+    args = [
+        "--task", "causal-lm", "--max-length", "64", "--batch-size", "4",
+        "--tiled-mlp", "--mlp-tiles", "4", *checkpointing,
+    ]  # fmt: skip
+    estimated, measured = compare(train_cli, tmp_path, args)
+    assert estimated["levers"] == measured["levers"]
+    assert "tiled-mlp" in measured["levers"]
+    assert estimated["peak_tensor_bytes"] == measured["peak_tensor_bytes"]
+    assert estimated["activation_bytes"] == measured["activation_bytes"]
+    assert measured["recompute_flops"] > 0
+
+
+@pytest.mark.slow  # a two-process launch: about 30 s
+def test_two_ddp_processes_step_as_one(tmp_path, lm_model_dir, train_cli):
+    """DDP: each trained parameter's gradient is accumulated once per backward (the tiled
+    Function returns the sums), so DDP's reducer averages it once: two processes x two
+    micro-batches of 2 uneven texts step to the weights one process reaches with the 8."""
+    import torch
+
+    from tests.launch_runs import launch_runs
+    from tests.test_distributed import TOKEN_WEIGHTED, UNEVEN_LENGTHS, load_parameters
+
+    uneven = tmp_path / "uneven.jsonl"
+    uneven.write_text(
+        "".join(json.dumps({"text": " ".join(["word"] * n)}) + "\n" for n in UNEVEN_LENGTHS)
+    )
+    args = [*TOKEN_WEIGHTED, "--model", str(lm_model_dir), "--train-file", str(uneven),
+            "--validation-file", str(uneven), "--tiled-mlp", "--mlp-tiles", "3"]  # fmt: skip
+    two = [*args, "--batch-size", "2", "--grad-accum", "2", "--output-dir", str(tmp_path / "two")]
+    launched = launch_runs(tmp_path, [{"name": "tiled", "args": two}], timeout=300)
+    launched.assert_ran("tiled")
+    assert "DDP over 2 processes" in launched.stdout("tiled")
+    one = train_cli(*args, "--batch-size", "8", "--output-dir", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stdout + one.stderr
+    stepped, single = (
+        load_parameters(tmp_path / "two" / "final"),
+        load_parameters(tmp_path / "one" / "final"),
+    )
+    start = load_parameters(lm_model_dir)
+    assert any(not torch.equal(single[k], start[k]) for k in start if "mlp" in k)
+    for key in single:
+        torch.testing.assert_close(stepped[key], single[key], rtol=1e-5, atol=1e-6)
