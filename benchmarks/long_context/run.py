@@ -437,6 +437,7 @@ def render_levers(run: common.Run) -> str:
         common.Column("peak", peak),
         common.Column("saved", saved),
         common.Column("activations", lambda r: common.shown(r.get("activation_bytes"), common.size)),
+        common.Column("offloaded to the host", lambda r: common.shown(r.get("activation_offload_host_bytes"), common.size)),
         common.Column("host RAM", lambda r: common.shown(r.get("host_peak_bytes"), common.size)),
     ]  # fmt: skip
     return common.markdown_table(columns, run["rows"])
