@@ -26,7 +26,13 @@ from effitrain.cost import device_name, peak_flops
 from effitrain.distributed import WEIGHTS_RECEIVED, Launch, configure_deepspeed, cpu_for_launch
 from effitrain.errors import EffitrainError
 from effitrain.memory import ledger
-from effitrain.models import LoadOptions, base_model, load_tokenizer, materialize_empty
+from effitrain.models import (
+    LoadOptions,
+    base_model,
+    load_tokenizer,
+    materialize_empty,
+    sequence_limit,
+)
 from effitrain.results import RunInfo
 from effitrain.run import Plan, Run
 from effitrain.tracking import Trackers
@@ -344,6 +350,10 @@ def build_run(config: TrainConfig, reporter: Reporter) -> Run:
         task = resolve_task(config)
         data = task.load_data(config)
     tokenizer = load_tokenizer(config.model)
+    # The tasks cut sequences at the tokenizer's limit: --beyond-positions lifts it.
+    tokenizer.model_max_length = sequence_limit(
+        config.model, tokenizer.model_max_length, config.max_length, config.beyond_positions
+    )
     model = build_model(config, task, data, tokenizer, accelerator.device, launch=launch)
     received = load_options(config, accelerator.device, launch).receives
     loss = build_loss(config, task, model, launch, accelerator.device)

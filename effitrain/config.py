@@ -214,6 +214,14 @@ class TrainConfig:
         panel=MODEL_AND_DATA,
         elsewhere=("max_seq_length",),
     )
+    beyond_positions: bool = option_field(
+        False,
+        "Let --max-length pass the model's positions (its max_position_embeddings, its "
+        "tokenizer's model_max_length), which cut sequences otherwise: rotary (RoPE) models "
+        "compute any position, but were not trained past theirs (the run teaches them). "
+        "Refused for a learned table of positions (GPT-2, BERT).",
+        panel=MODEL_AND_DATA,
+    )
     packing: bool | None = option_field(
         None,
         "causal-lm: concatenate examples into --max-length blocks (attention kept inside each "
@@ -739,9 +747,12 @@ def build_config(
         EffitrainError: unknown key, wrong type, or invalid value; the message names the key.
     """
     values = dataclasses.asdict(TrainConfig())
-    if config_file is not None:
-        values = merge(values, load_yaml(config_file), source=str(config_file))
     cli = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if config_file is not None:
+        # What the command line overrides is not read (plan's max_length: longest).
+        from_file = load_yaml(config_file)
+        from_file = {k: v for k, v in from_file.items() if str(k).replace("-", "_") not in cli}
+        values = merge(values, from_file, source=str(config_file))
     values = merge(values, cli, source="command line")
     if values["task"] in DECODER_TASKS and values["model"] == default_for("model"):
         given = {k.replace("-", "_") for k in (load_yaml(config_file) if config_file else {})}

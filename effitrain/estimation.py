@@ -365,6 +365,21 @@ def _optimizer_notes(spec: OptimizerSpec) -> list[str]:
     ]
 
 
+LONGEST_TRIED = 2**24
+"""A length past any context trained today: where nothing caps a run's sequences, the plan's
+search for the longest stops here."""
+
+
+def sequence_cap(config: TrainConfig) -> int:
+    """The longest sequence a run of ``config`` takes (and its estimate): its tokenizer's
+    model_max_length, else the model's positions, at most :data:`LONGEST_TRIED`.
+
+    Raises:
+        EffitrainError: neither a tokenizer nor a model config can be read.
+    """
+    return _tokenizer_or_config(dataclasses.replace(config, max_length=LONGEST_TRIED), [])[1]
+
+
 def _tokenizer_or_config(config: TrainConfig, notes: list[str]) -> tuple[Any, int]:
     """The run's tokenizer and the longest sequence it makes; or, for a hub id or folder that
     has a config.json and no tokenizer, None and the longest sequence the model's positions
@@ -373,22 +388,36 @@ def _tokenizer_or_config(config: TrainConfig, notes: list[str]) -> tuple[Any, in
     Raises:
         EffitrainError: neither a tokenizer nor a model config can be read.
     """
-    from effitrain.models import capped_length, load_model_config, load_tokenizer, max_positions
+    from effitrain.models import (
+        capped_length,
+        load_model_config,
+        load_tokenizer,
+        max_positions,
+        sequence_limit,
+    )
+
+    def limit(positions: int) -> int:
+        return sequence_limit(config.model, positions, config.max_length, config.beyond_positions)
 
     try:
         tokenizer = load_tokenizer(config.model)
     except EffitrainError:
         model_config = load_model_config(config.model)  # its one-line error where none either
     else:
-        return tokenizer, capped_length(config.max_length, tokenizer.model_max_length, notes)
+        return tokenizer, capped_length(config.max_length, limit(tokenizer.model_max_length), notes)
     positions = max_positions(model_config)
+    positions = limit(positions) if positions else None
     length = min(config.max_length, positions or config.max_length)
     vocabulary = getattr(model_config, "vocab_size", None)
     notes.append(
         f"no tokenizer found for '{config.model}': the batch is {config.batch_size} x {length} "
         "token ids made from its config.json"
         + (f" (vocabulary {vocabulary:,})" if vocabulary else "")
-        + (f", at most max_position_embeddings ({positions:,}) long" if positions else "")
+        + (
+            f", at most max_position_embeddings ({positions:,}) long"
+            if positions and not config.beyond_positions
+            else ""
+        )
     )
     return None, positions or config.max_length
 

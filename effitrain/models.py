@@ -599,6 +599,43 @@ def max_positions(model_config: Any) -> int | None:
     return None
 
 
+ROTARY_KEYS = ("rope_parameters", "rope_theta", "rope_scaling")
+"""Where a transformers config says its positions are rotary."""
+
+
+def rotary_positions(name: str) -> bool:
+    """Whether a model's positions are rotary (RoPE: computed for any index, so a sequence may
+    run past those it was trained on) rather than a learned table (nothing past its last row).
+
+    Raises:
+        EffitrainError: the model's config cannot be read.
+    """
+    if name in PRESETS:
+        return False  # DistilBERT's learned positions
+    if name in CAUSAL_PRESETS:
+        return True  # Llama's and Qwen2's
+    model_config = load_model_config(name)
+    return any(getattr(model_config, key, None) for key in ROTARY_KEYS)
+
+
+def sequence_limit(name: str, limit: int, max_length: int, beyond_positions: bool) -> int:
+    """The longest sequence a run of model ``name`` takes: ``limit`` (its tokenizer's
+    model_max_length, or its positions), or with ``--beyond-positions`` at least
+    ``max_length``.
+
+    Raises:
+        EffitrainError: ``--beyond-positions`` for a model whose positions are learned.
+    """
+    if not beyond_positions:
+        return limit
+    if not rotary_positions(name):
+        raise EffitrainError(
+            f"--beyond-positions: {name} learns a table of positions (none past its last "
+            "exists); only models with rotary positions (RoPE) take it"
+        )
+    return max(limit, max_length)
+
+
 def capped_length(max_length: int, limit: int, notes: list[str]) -> int:
     """``--max-length`` capped by the longest sequence the model takes (``limit``: its
     tokenizer's ``model_max_length``; longer inputs would index past its position embeddings),

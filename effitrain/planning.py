@@ -29,6 +29,10 @@ estimate of the exact configuration, and the ranking uses the verified figures (
 that does not fit once verified is dropped) until the first :data:`VERIFIED` all are. Only
 verified candidates are answers. Slow verifications run side by side in worker processes
 (:mod:`effitrain.plan_workers`).
+
+With ``longest`` the question is the longest sequence that fits instead: every lever of the
+search on, the lengths searched on the same screens (:mod:`effitrain.plan_lengths`), the
+length found verified by a full estimate (:func:`_longest`).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from effitrain.distributed import Launch
 from effitrain.errors import EffitrainError, MissingPackage
 from effitrain.estimation import SHARDED, estimate
 from effitrain.levers.spec import Lever, Search
+from effitrain.plan_lengths import Found
 from effitrain.plan_screens import Screen, cut_to, device_peak, extend, screen_of
 from effitrain.plan_workers import Verifiers
 from effitrain.results import Estimate, PlanCandidate, PlanResult
@@ -61,6 +66,8 @@ VERIFIED = 3
 """Candidates verified by a full estimate: at least the first this many printed."""
 MAX_VERIFICATIONS = 8
 """Full estimates at most per plan (each takes seconds on a large model)."""
+STEP_DOWNS = 3
+"""Lengths verified at most after the first, where the longest's full estimates do not fit."""
 SHOWN = 10
 """Candidates kept in the result, best first."""
 ONE_BY_ONE = {"batch_size": 1, "grad_accum": 1}
@@ -125,6 +132,7 @@ def plan(
     without: list[str] = (),  # type: ignore[assignment]
     workers: int | None = None,
     worker_setup: Callable[[], None] | None = None,
+    longest: bool = False,
 ) -> PlanResult:
     """The configurations of ``config`` that fit ``budget`` bytes per device on ``launch``,
     fastest first by modeled step time. ``given`` and ``config_file``: the options the user
@@ -132,7 +140,8 @@ def plan(
     processes that verify side by side (None: one per core, up to :data:`VERIFIED`, where a
     verification is slow, see :data:`effitrain.plan_workers.PARALLEL_FROM_SECONDS`; 0: verified
     in this process), each first calling ``worker_setup`` (a module-level function: the CLI's
-    quieting).
+    quieting). ``longest``: the longest sequence that fits instead (``config``'s max_length
+    aside), and the configurations that fit it (:func:`_longest`).
 
     Raises:
         EffitrainError: bad options, or nothing fits (the message names the smallest peak).
@@ -147,9 +156,14 @@ def plan(
     for name in names:
         get_spec(name)
     task = _task(config, launch)
+    if longest:
+        workers = 0  # one round of verification: warming workers would cost more than it saves
     search = _Search(
         config, launch, budget, names, without, given or {}, workers, worker_setup, task
     )
+    command = functools.partial(_command, launch, config_file, given or {})
+    if longest:
+        return _longest(search, start, command, full_parameter)
     margin = search.margin
     with search:
         options = search.options(full_parameter)
@@ -173,7 +187,6 @@ def plan(
             + (f"; {left_out}" if left_out else "")
         )
     best = _seconds(answers[0][1], launch) or 0.0
-    command = functools.partial(_command, launch, config_file, given or {})
     candidates = [_candidate(row, launch, best, command) for row in answers[:SHOWN]]
     unverified = [row for row in ranked if row[3] is None][: SHOWN - len(candidates)]
     return PlanResult(
@@ -186,6 +199,132 @@ def plan(
         seconds=round(time.monotonic() - start, 1),
         notes=search.notes + ([left_out] if left_out else []),
         not_verified=[_candidate(row, launch, best, command) for row in unverified],
+    )
+
+
+def _longest(
+    search: _Search,
+    started: float,
+    command: Callable[[dict[str, Any]], str],
+    full_parameter: bool,
+) -> PlanResult:
+    """``plan(longest=True)``: the longest sequence that fits the search's budget per device, at
+    micro-batch 1 (the config's batch is the global batch, reached by accumulation), with every
+    lever of the search on (:meth:`_Search.every_lever`; adapters unless ``full_parameter``:
+    they leave the least beside the activations), and its fastest candidates.
+
+    The lengths are searched on the layer screens (:func:`effitrain.plan_lengths.
+    longest_fitting`: the peak grows with the length), up to the longest sequence the run
+    takes (:func:`effitrain.estimation.sequence_cap`). The length found is verified by a full
+    estimate of its fastest candidate, in this process; where it does not fit, the length
+    steps down by the verified excess over the screens' bytes per token.
+
+    Raises:
+        EffitrainError: nothing fits even at the shortest length tried.
+    """
+    from effitrain.estimation import LONGEST_TRIED, sequence_cap
+    from effitrain.models import rotary_positions
+    from effitrain.plan_lengths import SHORTEST, longest_fitting, round_down, step_at
+
+    budget, launch = search.budget, search.launch
+    room = budget - search.margin
+    positions = cap = sequence_cap(search.config)
+    if cap < LONGEST_TRIED and rotary_positions(search.config.model):
+        cap = LONGEST_TRIED  # past the positions with --beyond-positions: see _longest_note
+    with search:
+        changes, reasons, full = search.every_lever(full_parameter)
+
+        def at(length: int) -> dict[str, Any]:
+            past = {"beyond_positions": True} if length > positions else {}
+            return {**changes, "max_length": length, **past}
+
+        def peak(length: int) -> int:
+            screens = search.screens(at(length))
+            return min([s.peak for s in screens.values()], default=2**63)
+
+        found = longest_fitting(peak, room, cap)
+        length = found.length
+        if length is None:
+            smallest = min(found.peaks.values())
+            raise EffitrainError(
+                f"nothing fits {_gib(budget)} per device even at {SHORTEST} tokens with every "
+                f"lever of the search: the peak is {_gib(smallest)} + {_gib(search.margin)} "
+                f"margin, {_gib(smallest + search.margin - budget)} over"
+            )
+        screened = length
+        rows, verified = search.verified_at(at(length), reasons, full)
+        for _ in range(STEP_DOWNS):
+            if any(row[3] is not None for row in rows) or verified is None:
+                break
+            # Down by the verified excess over the screens' bytes per token, a step at least.
+            lower = length - (verified - room) // _per_token(found.peaks, screened)
+            length = min(round_down(lower), length - step_at(length - 1))
+            if length < SHORTEST:
+                break
+            rows, verified = search.verified_at(at(length), reasons, full)
+    answers = [row for row in rows if row[3] is not None]
+    if not answers:
+        raise EffitrainError(
+            f"nothing verified to fit {_gib(budget)} per device: the screens put the longest "
+            f"at {screened:,} tokens, and full estimates at {length:,} still exceed it"
+        )
+    best = _seconds(answers[0][1], launch) or 0.0
+    unverified = [row for row in rows if row[3] is None]
+    notes = [_longest_note(length, screened, found, positions), *search.notes]
+    left_out = search.missing_note()
+    return PlanResult(
+        budget_bytes=budget,
+        margin_bytes=search.margin,
+        device_type=launch.device_type,
+        candidates=[_candidate(row, launch, best, command) for row in answers[:SHOWN]],
+        screened=len(found.peaks),
+        estimates=search.runs,
+        seconds=round(time.monotonic() - started, 1),
+        notes=notes + ([left_out] if left_out else []),
+        not_verified=[_candidate(r, launch, best, command) for r in unverified][:SHOWN],
+        longest=length,
+    )
+
+
+def _per_token(peaks: dict[int, int], length: int) -> int:
+    """The peak's bytes per token at ``length``: the slope from the longest length tried below
+    it (its average where none was)."""
+    below = [other for other in peaks if other < length]
+    if not below:
+        return max(peaks[length] // length, 1)
+    other = max(below)
+    return max((peaks[length] - peaks[other]) // (length - other), 1)
+
+
+def _longest_note(length: int, screened: int, found: Found, positions: int) -> str:
+    """How the longest length was found, and what bounds it (``screened``: the longest the
+    screens fit, where a full estimate stepped down from it; ``positions``: the longest the
+    model takes without --beyond-positions)."""
+    from effitrain.plan_lengths import COARSE_FROM, step_at
+
+    if length == positions and found.over is None:
+        return (
+            f"{length:,} tokens is the longest sequence the model takes (its positions, or its "
+            "tokenizer's model_max_length): the budget may have room for more"
+        )
+    where = f"from {COARSE_FROM:,} up" if length >= COARSE_FROM else f"below {COARSE_FROM:,}"
+    if length < screened:
+        bound = f"the screens fit {screened:,}, its full estimate did not"
+    elif found.over:
+        bound = f"{found.over:,} does not fit"
+    else:
+        bound = "the search goes no further"
+    beyond = (
+        f"; {length:,} tokens is beyond the model's {positions:,} positions: they are rotary "
+        "(RoPE: computed for any index), but the model was not trained past them, so the "
+        "commands say --beyond-positions (the run teaches them)"
+        if length > positions
+        else ""
+    )
+    return (
+        f"the longest length was searched on the layer screens at {len(found.peaks)} lengths, "
+        f"on multiples of {step_at(length):,} tokens ({where}): {bound}; every lever of the "
+        f"search is on{beyond}"
     )
 
 
@@ -352,17 +491,7 @@ class _Search:
         if self._left_out_for_a_package(base, base, name):
             return []
         changes = dict(base)
-        reasons = {}
-        if base:
-            lever, _ = _adapter_lever()
-            reasons[lever.name] = (
-                f"trains rank-{base[lever.fields[0]]} adapters: removes {lever.removes}"
-            )
-        for lever in lever_registry.active(self.config):
-            if not lever.takes(self.task):
-                continue
-            how = "given" if any(f in self.given for f in lever.fields) else "on by default"
-            reasons.setdefault(lever.name, f"{how}: removes {lever.removes}")
+        reasons = self._reasons(base)
         out: list[Option] = []
         latest: list[Option] = []
         screen = self._screen(changes, name)
@@ -386,6 +515,97 @@ class _Search:
             latest = self._candidates(changes, reasons, full, screen, name)
             out += latest
         return out
+
+    def _reasons(self, base: dict[str, Any]) -> dict[str, str]:
+        """Why each lever of ``base`` (the mode: adapters or not) and of the user's options is
+        in."""
+        reasons = {}
+        if base:
+            lever, _ = _adapter_lever()
+            reasons[lever.name] = (
+                f"trains rank-{base[lever.fields[0]]} adapters: removes {lever.removes}"
+            )
+        for lever in lever_registry.active(self.config):
+            if not lever.takes(self.task):
+                continue
+            how = "given" if any(f in self.given for f in lever.fields) else "on by default"
+            reasons.setdefault(lever.name, f"{how}: removes {lever.removes}")
+        return reasons
+
+    # -- the longest length ------------------------------------------------------------------
+
+    def every_lever(self, full_parameter: bool) -> tuple[dict[str, Any], dict[str, str], bool]:
+        """The lever set of a longest-length search: adapters (unless ``full_parameter``, or
+        left out), then each lever along :func:`_ladder` at its last search value where some
+        optimizer runs it with those before (what a missing package rules out is noted). No
+        screen decides: at the longest length each lever's bytes are worth a few more tokens.
+        Returns the set, why each lever is in, and whether it trains every parameter."""
+        lora, search = _adapter_lever()
+        user_adapters = lora.is_on(self.config)
+        if full_parameter and user_adapters:
+            raise EffitrainError(
+                f"--full-parameter contradicts {option(lora.fields[0])}; drop one of them"
+            )
+        full = not user_adapters and (full_parameter or lora.name in self.without)
+        changes = {} if full or user_adapters else {lora.fields[0]: search.values[1]}
+        reasons = self._reasons(changes)
+        last = {lever.name: (lever, search, step) for lever, search, step in self._steps()}
+        for lever, search, step in last.values():
+            if self._worth_trying(lever, search, changes, None):
+                changes = self._joined(changes, reasons, lever, step)
+        return changes, reasons, full
+
+    def _joined(
+        self, changes: dict[str, Any], reasons: dict[str, str], lever: Lever, step: dict[str, Any]
+    ) -> dict[str, Any]:
+        """``changes`` with ``lever``'s ``step`` where some optimizer runs them (``reasons``
+        says why it is in), else as they were."""
+        trial = {**changes, **step}
+        runs = [
+            name
+            for name in self.optimizers
+            if not self._left_out_for_a_package(trial, step, name)
+            and self._runs({**trial, "optim": name})
+        ]
+        if not runs:
+            return changes
+        reasons[lever.name] = f"on for the longest length: removes {lever.removes}"
+        return trial
+
+    def screens(self, changes: dict[str, Any]) -> dict[str, Screen]:
+        """Each optimizer's screen of one lever set, where it runs it."""
+        out = {}
+        for name in self.optimizers:
+            screen = self._screen(changes, name)
+            if screen is not None:
+                out[name] = screen
+        return out
+
+    def verified_at(
+        self, changes: dict[str, Any], reasons: dict[str, str], full: bool
+    ) -> tuple[list[tuple[Option, StepCost | None, int, Estimate | None]], int | None]:
+        """One lever set's candidates (one per optimizer that runs it and split of the batch)
+        that the screens fit, fastest first, the first (as many as verify side by side)
+        verified by a full estimate (rows as :func:`_verify` makes them; one verified not to
+        fit is dropped). Returns the rows and the smallest verified peak (None: none
+        verified)."""
+        options = []
+        for name, screen in self.screens(changes).items():
+            options += self._candidates(changes, reasons, full, screen, name)
+        fitting = [o for o in options if self._fits(o.peak)]
+        fitting.sort(key=lambda o: (_seconds(o.cost, self.launch) or 0.0, o.peak))
+        first = fitting[: self.verifiers.parallel]
+        rows: list[tuple[Option, StepCost | None, int, Estimate | None]] = []
+        smallest = None
+        for screened, result in zip(first, self.verify(first), strict=True):
+            if result is None:
+                continue
+            peak = device_peak(result)
+            smallest = peak if smallest is None else min(smallest, peak)
+            if self._fits(peak):
+                rows.append((screened, result.cost, peak, result))
+        rows += [(o, o.cost, o.peak, None) for o in fitting[len(first) :]]
+        return rows, smallest
 
     def _left_out_for_a_package(
         self, values: dict[str, Any], added: dict[str, Any], name: str

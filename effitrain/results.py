@@ -441,6 +441,8 @@ class PlanResult:
     notes: list[str] = field(default_factory=list)
     not_verified: list[PlanCandidate] = field(default_factory=list)
     """Configurations the screens say fit that no full estimate checked: not answers."""
+    longest: int | None = None
+    """``plan --max-length longest``: the longest sequence (tokens) its candidates fit at."""
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -44,6 +44,7 @@ VALUES: dict[str, tuple[object, dict[str, object]]] = {
     "text_columns": (["sentence1", "sentence2"], {}),
     "label_column": ("label", {}),
     "max_length": (64, {}),
+    "beyond_positions": (True, {}),
     "packing": (False, CAUSAL),
     "completion_only_loss": (False, CAUSAL),
     "sample_prompt": ("Once upon a time", CAUSAL),

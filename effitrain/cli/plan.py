@@ -15,7 +15,7 @@ from effitrain.cli.error_handling import user_errors
 from effitrain.cli.estimate import SHOWN, Device, NumProcesses, Sharding
 from effitrain.cli.options import CONFIG_FILE, PRESET_NAMES, config_fields, config_options
 from effitrain.cli.quiet import quiet_libraries
-from effitrain.config import LOOP, MEMORY_LEVERS, OPTIMIZER
+from effitrain.config import LOOP, MEMORY_LEVERS, OPTIMIZER, OPTIONS, default_for
 
 Memory = Annotated[
     str,
@@ -56,21 +56,35 @@ Without = Annotated[
         show_default=False,
     ),
 ]
+MaxLength = Annotated[
+    str | None,
+    typer.Option(
+        OPTIONS["max_length"].flag,
+        help=OPTIONS["max_length"].help
+        + " The plan assumes every example this long. [bold]longest[/]: the longest sequence "
+        "that fits --memory with every lever of the search (micro-batch 1; the global batch 1 "
+        "unless --batch-size is given); YAML: max_length: longest.",
+        rich_help_panel=OPTIONS["max_length"].panel,
+        metavar="N|longest",
+        show_default=str(default_for("max_length")),
+    ),
+]
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+LONGEST = "longest"
 
 
 @config_options(
-    exclude=("optim", "max_memory"),
+    exclude=("optim", "max_memory", "max_length"),
     hidden=[name for name in config_fields() if name not in SHOWN],
     extra_help={
         "model": PRESET_NAMES,
         "batch_size": " With --grad-accum, the global batch the plan keeps.",
-        "max_length": " The plan assumes every example this long.",
     },
 )
 def plan(
     memory: Memory,
     config_file: Annotated[Path | None, CONFIG_FILE] = None,
+    max_length: MaxLength = None,
     optim: Optims = None,
     full_parameter: FullParameter = False,
     without: Without = None,
@@ -89,6 +103,8 @@ def plan(
     why each lever is in, and the `effitrain train` command (under `accelerate launch` with its
     flags for several processes). Each printed answer is verified by a full estimate of its
     command; what only the screens passed is listed apart. No weights are loaded.
+
+    With --max-length longest: the longest sequence that fits instead, and its commands.
     """
     with user_errors():
         quiet_libraries()
@@ -98,7 +114,10 @@ def plan(
         from effitrain.planning import plan as run_plan
 
         budget = parse_size(memory, "--memory")
+        wants_longest = _length(max_length, config_file, overrides)
         config = checked_config(config_file, overrides)
+        if wants_longest:
+            overrides.pop("max_length")  # the search's: each command gives its own
         try:
             with _stopped_by_signals():
                 result = run_plan(
@@ -111,6 +130,7 @@ def plan(
                     optimizers=_names(optim),
                     without=_names(without) or [],
                     worker_setup=quiet_libraries,
+                    longest=wants_longest,
                 )
         except _Stopped as stop:
             name = signal.Signals(stop.signum).name
@@ -153,6 +173,39 @@ def _stopped_by_signals() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _length(value: str | None, config_file: Path | None, overrides: dict[str, Any]) -> bool:
+    """Whether the plan searches for the longest length (``--max-length longest``, or the
+    YAML's ``max_length: longest`` where the option is not given); else a number given is put
+    in ``overrides``. For the search, ``overrides`` get a length that stands in for the YAML's
+    word (the config's checks need a number) and batch 1 unless a batch size is given.
+
+    Raises:
+        EffitrainError: a value that is neither a number nor ``longest``.
+    """
+    from effitrain.config import load_yaml
+    from effitrain.errors import EffitrainError
+
+    in_file = {
+        str(k).replace("-", "_"): v
+        for k, v in (load_yaml(config_file) if config_file else {}).items()
+    }
+    if value is None:
+        if in_file.get("max_length") != LONGEST:
+            return False
+    elif value != LONGEST:
+        if not value.isdigit():
+            raise EffitrainError(
+                f"--max-length {value}: give a number of tokens, or {LONGEST} (the longest "
+                "sequence that fits --memory)"
+            )
+        overrides["max_length"] = int(value)
+        return False
+    overrides["max_length"] = default_for("max_length")
+    if "batch_size" not in overrides and "batch_size" not in in_file:
+        overrides["batch_size"] = 1
+    return True
 
 
 def _names(value: str | None) -> list[str] | None:

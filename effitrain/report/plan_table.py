@@ -26,11 +26,17 @@ def print_plan(result: PlanResult, console: Console | None = None) -> None:
         if result.device_type == "cpu"
         else "the CUDA context, workspaces and the allocator's cache"
     )
+    searched = (
+        f"the longest sequence that fits: [bold]{result.longest:,} tokens[/] ({result.screened} "
+        "lengths screened"
+        if result.longest
+        else f"{result.screened} configurations screened"
+    )
     console.print(
         f"Budget {format_bytes(result.budget_bytes)} per device ({result.device_type}), "
-        f"margin {format_bytes(result.margin_bytes)} ({margin}); {result.screened} "
-        f"configurations screened with {result.estimates} fake-tensor estimates in "
-        f"{result.seconds:.0f} s. Fastest first:"
+        f"margin {format_bytes(result.margin_bytes)} ({margin}); {searched} with "
+        f"{result.estimates} fake-tensor estimates in {result.seconds:.0f} s"
+        + ("). Fastest first at that length:" if result.longest else ". Fastest first:")
     )
     for rank, candidate in enumerate(result.candidates, start=1):
         peak = format_bytes(candidate.peak_tensor_bytes)
