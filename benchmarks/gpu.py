@@ -116,12 +116,21 @@ CONTEXT_PARALLEL = (
 across 2 ranks (ring attention, FSDP2), its losses step by step beside one process's on whole
 sequences (the same batches: the 2 ranks form one data-parallel rank), fp32, 2 micro-batches a
 step. Skipped, saying so, on a machine with one GPU."""
+OFFLOADED_CHECKPOINTS = (
+    sys.executable, "-m", "benchmarks.offload.run", "--name", "gpu-long", "--device", "cuda",
+    "--rows", "checkpointing", "checkpointing+activation-offload",
+    "--max-length", "16384", "--steps", "3",
+)  # fmt: skip
+"""Offloaded checkpoints at a long length: checkpointing with and without the activation offload
+at 16k tokens, the CUDA peak and the host bytes beside the estimate's (its run ``gpu-long`` in
+benchmarks/offload/results.json)."""
 GPU_TESTS = ("tests/test_step_memory.py", "tests/test_memory.py", "tests/test_bf16.py")
 """The tests whose numbers differ on CUDA (step memory, the ledger, bf16 weights)."""
 CHECKS = [
     Step("fsdp2", alone=False, seconds=220, command=("bash", "-c", FSDP2 + " true")),
     Step("preference", alone=False, seconds=220, command=("bash", "-c", PREFERENCE + " true")),
     Step("context-parallel", alone=False, seconds=220, command=("bash", "-c", CONTEXT_PARALLEL)),
+    Step("offload-long", alone=False, seconds=300, command=OFFLOADED_CHECKPOINTS),
     Step("gpu-tests", alone=False, seconds=220, command=(
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
         *(test for test in GPU_TESTS if (REPO / test).exists()),

@@ -236,7 +236,7 @@ def estimate(config: TrainConfig, launch: Launch | None = None) -> Estimate:
         per_device=per,
         notes=notes,
         cost=progress.step_cost,
-        host=_host_memory(config, model, landed, launch, step),
+        host=_host_memory(config, model, landed, launch, step, memory.lever_fields),
     )
 
 
@@ -301,10 +301,12 @@ def _host_memory(
     landed: host.LandedWeights,
     launch: Launch,
     step: int | None,
+    lever_fields: dict[str, Any],
 ) -> HostMemory:
     """The host memory of one machine (:mod:`effitrain.memory.host`): the checkpoint read as
     the run reads it (the facts from its safetensors headers; for a config alone, its parameter
-    count in the config's dtype; a preset reads none)."""
+    count in the config's dtype; a preset reads none), and what the levers offload to the host
+    (from their metrics fields, ``lever_fields``)."""
     import torch
 
     from effitrain.models import LoadOptions, base_model, is_preset
@@ -321,7 +323,14 @@ def _host_memory(
         wanted = dataclasses.replace(launch, state=other).receives_weights
         receive = dataclasses.replace(options, receive=wanted).receives
     return host.host_memory(
-        checkpoint, landed, options, launch.num_processes, launch.device_type, step, receive
+        checkpoint,
+        landed,
+        options,
+        launch.num_processes,
+        launch.device_type,
+        step,
+        receive,
+        offloaded_bytes=levers.host_step_bytes(config, lever_fields),
     )
 
 

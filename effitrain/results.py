@@ -266,7 +266,7 @@ class CheckpointFacts:
 class HostMemory:
     """The host memory (resident set) one machine needs for a run, modeled
     (``effitrain.memory.host``): the libraries of each process, the checkpoint as it is read by
-    each copy, and on the CPU each process's step."""
+    each copy, and each process's step on the host (on a GPU: what the offloads hold there)."""
 
     host_peak_bytes: int
     peak_at: str
@@ -292,7 +292,8 @@ class HostMemory:
     load_peak_bytes: int
     """Per copy: mapped + weights + buffer."""
     step_bytes: int
-    """Per process on the CPU: the estimated step's peak tensors (0 on a GPU)."""
+    """Per process: on the CPU the estimated step's peak tensors; on a GPU what the offload
+    levers hold on the host (pinned copies, the host optimizer's state)."""
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

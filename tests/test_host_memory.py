@@ -112,6 +112,19 @@ def test_where_no_process_receives_each_reads_and_a_gpu_step_is_not_host_memory(
     assert memory.host_peak_bytes == 4 * host.LIBRARY_BYTES + 4 * 600 * MIB
 
 
+def test_what_a_gpu_step_offloads_is_host_memory_per_process():
+    """The offload levers' pinned copies (``offloaded_bytes``) are each process's step on the
+    host: the host's peak where they outgrow loading."""
+    weights = host.LandedWeights(elements=100 * MIB, unquantized_bytes=400 * MIB)
+    options = LoadOptions(dtype="float32")
+    launch = {"num_processes": 2, "device_type": "cuda"}
+    memory = _host(options, weights, step=10**12, offloaded_bytes=900 * MIB, **launch)
+    assert (memory.step_bytes, memory.peak_at) == (900 * MIB, "the training step")
+    assert memory.host_peak_bytes == 2 * host.LIBRARY_BYTES + 2 * 900 * MIB
+    small = _host(options, weights, step=0, offloaded_bytes=100 * MIB, **launch)
+    assert small.host_peak_bytes == 2 * host.LIBRARY_BYTES + 2 * 600 * MIB  # loading's
+
+
 def test_one_process_reads_where_the_others_receive():
     """DDP on the CPU: the main process reads (600 MiB while loading), the 3 others hold their
     model, empty, as it arrives (400 MiB each); on a GPU that is the GPU's."""

@@ -271,6 +271,34 @@ def test_activation_offload_keeps_gradients_and_counts_what_moved(pretend_accele
     assert counter.current == 0
 
 
+def test_what_a_backward_recomputes_stays_on_the_device(pretend_accelerator):
+    """The chunked loss recomputes each chunk's logits in backward, with grad on: they are used
+    at once, so they are never offloaded (trl would copy them out and straight back)."""
+    import torch
+
+    from effitrain.levers.activation_offload import HostBytes, offload_context
+    from effitrain.tasks.lm_loss import chunked_token_losses
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    head = torch.nn.Parameter(torch.randn(100, 32))
+    x, labels = batches(1)[0], torch.randint(0, 100, (8,))
+    counter = HostBytes()
+    with offload_context(model, counter):
+        losses = chunked_token_losses(model(x), head, None, labels)
+        losses.sum().backward()
+    # Moved in forward: the input (8 x 64) and the loss's hidden states (8 x 32), fp32. Not the
+    # logits (8 x 100, 3,200 bytes) that backward recomputed.
+    assert counter.peak == 4 * (8 * 64 + 8 * 32)
+    assert counter.current == 0
+    grads = [p.grad.clone() for p in (*model.parameters(), head)]
+    for p in (*model.parameters(), head):
+        p.grad = None
+    chunked_token_losses(model(x), head, None, labels).sum().backward()
+    for grad, p in zip(grads, (*model.parameters(), head), strict=True):
+        assert torch.equal(grad, p.grad)
+
+
 def estimate_on_cuda(options: dict) -> dict:
     """``effitrain estimate --device cuda``'s result (the offloads are CUDA levers), as the
     metrics JSON names its fields."""
@@ -296,6 +324,34 @@ def test_estimate_models_activation_offload_on_fake_tensors():
     assert offloaded["flops_per_step"] == plain["flops_per_step"]
 
 
+@pytest.mark.slow
+def test_estimate_counts_offloaded_checkpoints_on_the_host_not_the_device(long_lm_model_dir):
+    """--gradient-checkpointing --activation-offload for a GPU: at two lengths, the device's
+    activations lose exactly the checkpoints (each layer's input: layers x tokens x hidden x 4
+    bytes) and the host figure gains what moved (its checkpoint, read as views of the file, adds
+    nothing: the step is the host's peak)."""
+    hidden, layers = 96, 2  # the tiny-llama preset's
+    for length in (256, 512):
+        options = {
+            "task": "causal-lm",
+            "model": str(long_lm_model_dir),
+            "batch_size": 1,
+            "max_length": length,
+            "gradient_checkpointing": True,
+        }
+        plain = estimate_on_cuda(options)
+        offloaded = estimate_on_cuda({**options, "activation_offload": True})
+        checkpoints = layers * length * hidden * 4
+        assert plain["activation_bytes"] - offloaded["activation_bytes"] == checkpoints
+        assert offloaded["peak_tensor_bytes"] <= plain["peak_tensor_bytes"]
+        moved = offloaded["activation_offload_host_bytes"]
+        # Beside the checkpoints, forward saves outside the layers: the final norm's input and
+        # normalized states (fp32), its rsqrt, and the token ids (int64).
+        assert moved == checkpoints + length * (2 * hidden * 4 + 4 + 8)
+        assert offloaded["host_memory"]["step_bytes"] == moved
+        assert offloaded["host_peak_bytes"] - plain["host_peak_bytes"] == moved
+
+
 def test_estimate_counts_optimizer_offload_state_on_the_host():
     options = {"task": "causal-lm", "model": "tiny-llama", "batch_size": 2, "max_length": 64}
     plain = estimate_on_cuda(options)
@@ -307,6 +363,8 @@ def test_estimate_counts_optimizer_offload_state_on_the_host():
     assert where["host_state_bytes"] > where["device_state_bytes"] > 0
     assert result["step_memory"]["at_peak"]["optimizer_state"] <= where["device_state_bytes"]
     assert result["gradient_bytes"] < plain["gradient_bytes"]
+    host = where["host_state_bytes"] + where["host_copy_bytes"]
+    assert result["host_memory"]["step_bytes"] == host  # the host figure's, not the device's
     assert result["peak_tensor_bytes"] < plain["peak_tensor_bytes"]
     # Per step: each offloaded gradient to the host, each parameter back (one micro-batch);
     # the host copies are one parameter and one gradient each.
@@ -339,7 +397,7 @@ def test_options_levers_and_banner():
     ]
     assert levers.max_grad_norm(config) == 0
     lines = levers.banner_lines(config, None)
-    assert any("only the checkpoints" in line for line in lines)
+    assert any(line.startswith("offloaded checkpoints: each layer") for line in lines)
     assert any("CPUOffloadOptimizer" in line and "no clipping" in line for line in lines)
 
 

@@ -153,6 +153,8 @@ def estimate_row(model_dir: Path, options: list[str], batch: int, length: int) -
         "optimizer_state_bytes": result["optimizer_state"]["bytes"],
         "activation_bytes": result["activation_bytes"],
         "peak_tensor_bytes": result["peak_tensor_bytes"],
+        "host_peak_bytes": result.get("host_peak_bytes"),
+        "activation_offload_host_bytes": result.get("activation_offload_host_bytes"),
         "levers": result["levers"],
         "notes": result["notes"],
         "seconds": round(seconds, 1),

@@ -310,6 +310,12 @@ def memory_rows(fields: dict[str, Any], step: StepMemory | None) -> list[MemoryR
     return [row for lever in LEVERS.values() for row in lever.memory_rows(fields, step)]
 
 
+def host_step_bytes(config: TrainConfig, fields: dict[str, Any]) -> int:
+    """What the levers that are on hold in host memory through a step on a GPU, from their
+    metrics fields (``Lever.host_step_bytes``)."""
+    return sum(lever.host_step_bytes(fields) for lever in active(config))
+
+
 def estimate_notes(config: TrainConfig) -> list[str]:
     return [note for lever in active(config) for note in lever.estimate_notes(config)]
 

@@ -9,13 +9,17 @@ activation), tensors under 1 KiB, a storage already offloaded, and the output he
 (used again at once by the loss). ``save_on_cpu`` copies every saved tensor, weights included,
 and waits for each copy. trl's dependencies are effitrain's own.
 
-With ``--gradient-checkpointing`` (non-reentrant) only the checkpoints move: the saved tensors
-inside a checkpointed layer never reach the outer hooks (the checkpoint keeps its inputs and
-recomputes the rest in backward).
+With ``--gradient-checkpointing`` (non-reentrant) only the checkpoints move (unsloth's offloaded
+checkpoints): the saved tensors inside a checkpointed layer never reach the outer hooks (the
+checkpoint keeps each layer's input and recomputes the rest in backward), so the device keeps one
+layer's activations at a time and the host the checkpoints. What a backward recomputes with grad
+on outside a checkpoint (the chunked loss's logits, chunk by chunk) is used at once: it stays on
+the device (:func:`_in_backward`).
 
 :class:`HostBytes` counts what was offloaded: the most pinned host bytes alive at once, for the
 memory table and the metrics JSON (``activation_offload_host_bytes``). ``effitrain estimate``
-models the same choice on fake tensors (:func:`fake_offload`).
+models the same choice on fake tensors (:func:`fake_offload`) and counts those bytes in the host
+figure (``host_peak_bytes``), not in the device's peak.
 """
 
 from __future__ import annotations
@@ -68,14 +72,28 @@ def _nbytes(tensor: Any) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def _in_backward() -> bool:
+    """Whether autograd is running a backward on this thread: a tensor saved then (a recompute
+    with grad on inside a backward) is unpacked before that backward ends, so copying it out
+    and straight back would only cost time."""
+    import torch
+
+    return torch._C._current_graph_task_id() != -1
+
+
 def counted(context: Any, counter: HostBytes) -> Any:
     """Wrap a trl ``OffloadActivations`` context's pack and unpack hooks so that ``counter``
     follows the host tensors it holds (its ``tracker`` maps each saved tensor's id to
-    ``(tensor, offloaded, …)``; an offloaded one is a host copy)."""
+    ``(tensor, offloaded, …)``; an offloaded one is a host copy); what is saved inside a
+    backward is kept as it is, never seen by trl (:func:`_in_backward`)."""
+    import torch
+
     pack, unpack = context.pack_hook, context.unpack_hook
     sizes: dict[int, int] = {}
 
     def counting_pack(tensor: Any) -> Any:
+        if _in_backward():
+            return tensor
         tensor_id = pack(tensor)
         kept, offloaded = context.tracker[tensor_id][:2]
         if offloaded:
@@ -84,6 +102,8 @@ def counted(context: Any, counter: HostBytes) -> Any:
         return tensor_id
 
     def counting_unpack(tensor_id: Any) -> Any:
+        if isinstance(tensor_id, torch.Tensor):  # kept by counting_pack
+            return tensor_id
         counter.remove(sizes.pop(tensor_id, 0))
         return unpack(tensor_id)
 
@@ -113,8 +133,9 @@ def offload_context(model: torch.nn.Module, counter: HostBytes) -> Any:
 def fake_offload(model: torch.nn.Module, counter: HostBytes) -> Iterator[None]:
     """``effitrain estimate``'s model of :func:`offload_context` on fake tensors: the same
     choice of what moves (not a parameter, at least :data:`MIN_OFFLOAD_BYTES`, not the output
-    head's input, each storage once), moved to the meta device (no device memory, so the
-    step's tracker sees it leave) and brought back as a new device tensor in backward."""
+    head's input, each storage once, nothing saved inside a backward), moved to the meta
+    device (no device memory, so the step's tracker sees it leave) and brought back as a new
+    device tensor in backward."""
     import torch
 
     parameters = {p.untyped_storage()._cdata for p in model.parameters()}
@@ -129,6 +150,7 @@ def fake_offload(model: torch.nn.Module, counter: HostBytes) -> Iterator[None]:
         storage = tensor.untyped_storage()._cdata
         if (
             in_head[0]
+            or _in_backward()
             or isinstance(tensor, torch.nn.Parameter)
             or storage in parameters
             or storage in seen
@@ -185,7 +207,8 @@ class ActivationOffloadOptions(OptionGroup):
     activation_offload: bool = option_field(
         False,
         "CUDA: keep the tensors saved for backward in pinned host memory, copied back for "
-        "backward on a side stream (with --gradient-checkpointing: only the checkpoints).",
+        "backward on a side stream (with --gradient-checkpointing: offloaded checkpoints, only "
+        "each layer's input).",
         panel=MEMORY_LEVERS,
     )
 
@@ -193,7 +216,10 @@ class ActivationOffloadOptions(OptionGroup):
 class ActivationOffload(Lever):
     name = "activation-offload"
     options = ActivationOffloadOptions
-    removes = "the tensors saved for backward, from the GPU (to pinned host memory)"
+    removes = (
+        "the tensors saved for backward, from the GPU (to pinned host memory; with "
+        "checkpointing, the offloaded checkpoints)"
+    )
     packages = ("trl",)
     install = "pip install 'effitrain[offload]'"
     devices = ("cuda",)
@@ -219,36 +245,36 @@ class ActivationOffload(Lever):
         context = offload_context(model, counter)
         return OffloadContext(lambda: context, counter)
 
-    def host_bytes(self, run: RunParts) -> HostBytes:
+    def counter(self, run: RunParts) -> HostBytes:
         """What its step context counted in ``run``."""
         context = run.lever_contexts[self.name]
         assert isinstance(context, OffloadContext)  # made by step_context
         return context.host_bytes
 
     def step_cost(self, run: RunParts, micro_batches: int) -> dict[str, int]:
-        moved = self.host_bytes(run).moved
+        moved = self.counter(run).moved
         return {"offload_bytes_per_step": moved * micro_batches}
 
     def banner(self, config: TrainConfig, model: torch.nn.Module) -> str:
-        return (
-            "activation offload: tensors saved for backward wait in pinned host memory (trl's "
-            "OffloadActivations, copies on a side CUDA stream"
-            + (
-                "; only the checkpoints"
-                if GradientCheckpointingOptions.of(config).gradient_checkpointing
-                else ""
+        how = "trl's OffloadActivations, copies on a side CUDA stream"
+        if GradientCheckpointingOptions.of(config).gradient_checkpointing:
+            return (
+                "offloaded checkpoints: each layer's input waits in pinned host memory until "
+                f"its recompute ({how})"
             )
-            + ")"
-        )
+        return f"activation offload: tensors saved for backward wait in pinned host memory ({how})"
 
     def metrics(self, run: RunParts) -> dict[str, Any]:
-        return {"activation_offload_host_bytes": self.host_bytes(run).peak}
+        return {"activation_offload_host_bytes": self.counter(run).peak}
 
     def memory_rows(self, metrics: dict[str, Any], step: StepMemory | None) -> list[MemoryRow]:
         host = metrics.get("activation_offload_host_bytes")
         if host is None:
             return []
         return [MemoryRow("offloaded activations (host, most at once)", host)]
+
+    def host_step_bytes(self, fields: dict[str, Any]) -> int:
+        return fields.get("activation_offload_host_bytes") or 0
 
     def estimate_notes(self, config: TrainConfig) -> list[str]:
         return [

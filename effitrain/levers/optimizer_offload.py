@@ -176,6 +176,10 @@ class OptimizerOffload(Lever):
             MemoryRow("host copies of parameters and gradients", where["host_copy_bytes"]),
         ]
 
+    def host_step_bytes(self, fields: dict[str, Any]) -> int:
+        where = fields.get("optimizer_offload") or {}
+        return where.get("host_state_bytes", 0) + where.get("host_copy_bytes", 0)
+
     def estimate_notes(self, config: TrainConfig) -> list[str]:
         return [
             "--optimizer-offload: the host optimizers run on fake copies after the measured "

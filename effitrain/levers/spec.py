@@ -260,6 +260,13 @@ class Lever:
         (None: not measured)."""
         return []
 
+    def host_step_bytes(self, fields: dict[str, Any]) -> int:
+        """What it holds in host memory through a step on a GPU, from its :meth:`metrics`
+        fields: the offloads' pinned copies and host optimizer state, counted in the host
+        figure (``host_peak_bytes``), not in the device's peak. Two implementers (the
+        offloads)."""
+        return 0
+
     def fake_tensor(self, original: Any, empty: Any) -> Any | None:
         """``effitrain estimate``: the fake tensor that stands for ``original`` (a meta
         parameter this lever made), given ``empty``, a fake tensor of its shape and dtype; None

@@ -20,7 +20,9 @@ and what it assumes is what that benchmark saw (transformers 5 on the CPU):
   (:func:`received_bytes`); and **the libraries' resident memory** per process
   (:data:`LIBRARY_BYTES`).
 - **On the CPU, the step itself**: the device is the host, so the estimated step's peak tensor
-  memory (parameters included) is host memory.
+  memory (parameters included) is host memory. **On a GPU, what the step offloads**: the
+  offload levers' pinned host copies (offloaded checkpoints, the host optimizer's state), as
+  they count them (``Lever.host_step_bytes``).
 
 Not modeled: the allocator's fragmentation and caching, CUDA's libraries and context on a GPU
 host, the data pipeline's own memory beyond a small dataset's, and what comes after the last
@@ -220,9 +222,11 @@ def host_memory(
     device_type: str,
     step_bytes: int | None,
     receive: str | None = None,
+    offloaded_bytes: int = 0,
 ) -> HostMemory:
     """The host memory one machine needs for a run: each process's libraries, each copy's
-    peak while the model loads, and on the CPU each process's step, whichever is larger.
+    peak while the model loads, and each process's step on the host (on the CPU the step; on a
+    GPU what it offloads), whichever is larger.
 
     Args:
         checkpoint: what is read (None: a preset, built in the dtype it trains in).
@@ -234,6 +238,8 @@ def host_memory(
         step_bytes: one process's estimated peak tensor memory in a step.
         receive: how the processes other than the main one get their weights (the options'
             ``receives`` on such a process; None: each reads the checkpoint).
+        offloaded_bytes: on a GPU, what one process's step holds in host memory (the offload
+            levers' pinned copies).
     """
     read = DTYPE_BYTES.get(options.dtype, 4)
     quantized = options.quantization_config is not None and weights.quantized_elements > 0
@@ -254,7 +260,7 @@ def host_memory(
     load_peak = mapped + landed + buffer
     copies = 1 if receive else num_processes
     received = received_bytes(receive, weights, num_processes, device_type)
-    step = (step_bytes or 0) if device_type == "cpu" else 0
+    step = (step_bytes or 0) if device_type == "cpu" else offloaded_bytes
     loading_total = copies * load_peak + (num_processes - copies) * received
     step_total = num_processes * step
     return HostMemory(

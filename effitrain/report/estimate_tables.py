@@ -149,7 +149,7 @@ def host_line(host: HostMemory, which: str = "") -> str:
     receivers = host.processes - host.copies
     if receivers:
         loading += f", {receivers} receiving the weights ({format_bytes(host.received_bytes)} each)"
-    step = f", the step's tensors {format_bytes(host.step_bytes)}" if host.step_bytes else ""
+    step = f", the step's host tensors {format_bytes(host.step_bytes)}" if host.step_bytes else ""
     return (
         f"Host RAM{which} {format_bytes(host.host_peak_bytes)} (one machine, at its peak in "
         f"{host.peak_at}): {read}; {loading}{step}; libraries {format_bytes(host.library_bytes)}"
