@@ -11,7 +11,20 @@ import pytest
 from tests.conftest import assert_clean_error
 
 LM = ["--task", "causal-lm", "--model", "tiny-llama", "--max-length", "64"]
-NO_LEVERS = "optimizer-in-backward,bf16-weights,chunked-loss,gradient-checkpointing,load-in-4bit"
+
+
+def searched_levers(*kept: str) -> str:
+    """A --without value: every lever the plan searches (adapters aside), less ``kept``."""
+    import effitrain.levers as levers
+
+    return ",".join(
+        lever.name
+        for lever in levers.LEVERS.values()
+        if lever.search is not None and not lever.trains_adapters and lever.name not in kept
+    )
+
+
+NO_LEVERS = searched_levers()
 ONE = ["--full-parameter", "--optim", "adamw", "--without", NO_LEVERS]
 """One lever set, one optimizer: a plan of one screen."""
 
@@ -290,8 +303,7 @@ def test_fsdp2_yaml_says_what_the_checks_do():
 # -- a missing package costs only what needs it ------------------------------------------------
 
 SMALL = ["--task", "causal-lm", "--model", "tiny-llama", "--batch-size", "1", "--max-length", "256"]
-BF16_OR_NOTHING = ["--full-parameter", "--without",
-                   "optimizer-in-backward,gradient-checkpointing,load-in-4bit"]  # fmt: skip
+BF16_OR_NOTHING = ["--full-parameter", "--without", searched_levers("bf16-weights", "chunked-loss")]
 """A search of the bf16 weights alone: at 7 MiB only adafactor's bf16 weights fit (adamw's
 need torch-optimi)."""
 
@@ -321,7 +333,7 @@ def test_nothing_fits_names_what_installing_would_add(train_cli, monkeypatch):
     hide_package(monkeypatch, "optimi")
     hide_package(monkeypatch, "peft")
     proc = train_cli(
-        "plan", *SMALL, "--without", "optimizer-in-backward,gradient-checkpointing,load-in-4bit",
+        "plan", *SMALL, "--without", searched_levers("bf16-weights", "chunked-loss"),
         "--optim", "adamw", "--memory", "1KiB",
     )  # fmt: skip
     assert_clean_error(
