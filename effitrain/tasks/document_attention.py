@@ -136,27 +136,24 @@ def document_lengths(
     position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None
 ) -> tuple[tuple[int, ...], ...] | None:
     """Each row's documents' lengths, from a collated batch on the host (None: neither
-    tensor): a packed row's documents start where its ``position_ids`` restart (as transformers
-    finds them); a padded row is its tokens, then (padded on the left: after) its padding."""
+    tensor): a packed row's documents are those transformers finds from its ``position_ids``
+    (``find_packed_sequence_indices``: a new one wherever they do not go up by one); a padded
+    row is its tokens, then (padded on the left: after) its padding."""
     import torch
+    from transformers.masking_utils import find_packed_sequence_indices
 
     if position_ids is not None:
-        starts = position_ids[:, 1:] != position_ids[:, :-1] + 1
+        documents = find_packed_sequence_indices(position_ids)
+        if documents is None:  # one document a row
+            documents = torch.zeros_like(position_ids)
     elif attention_mask is not None:
-        starts = attention_mask[:, 1:] != attention_mask[:, :-1]
+        changes = (attention_mask[:, 1:] != attention_mask[:, :-1]).cumsum(-1)
+        documents = torch.cat([torch.zeros_like(changes[:, :1]), changes], dim=1)
     else:
         return None
-    length = starts.shape[1] + 1
-    rows, columns = torch.nonzero(starts, as_tuple=True)
-    cuts: list[list[int]] = [[] for _ in range(starts.shape[0])]
-    for row, column in zip(rows.tolist(), (columns + 1).tolist(), strict=True):
-        cuts[row].append(column)
-    return tuple(_runs(row, length) for row in cuts)
-
-
-def _runs(starts: list[int], length: int) -> tuple[int, ...]:
-    bounds = [0, *starts, length]
-    return tuple(b - a for a, b in zip(bounds, bounds[1:], strict=False))
+    return tuple(
+        tuple(torch.unique_consecutive(row, return_counts=True)[1].tolist()) for row in documents
+    )
 
 
 class WithDocumentLengths:
