@@ -282,6 +282,15 @@ def ratio(value: Any, reference: Any) -> str:
     return f" ({value / reference:.2f}×)" if reference else ""
 
 
+def estimate_error(row: Row, missing: str = "—") -> str:
+    """The estimate's signed error against the measured peak tensor memory of a row that has
+    both (``estimate_peak_tensor_bytes``, ``peak_tensor_bytes``): ``+2.4%``; ``missing`` else."""
+    measured, predicted = row.get("peak_tensor_bytes"), row.get("estimate_peak_tensor_bytes")
+    if not measured or predicted is None:
+        return missing
+    return f"{(predicted - measured) / measured:+.1%}"
+
+
 def with_ratio(row: Row, base: Row, key: str, fmt: Callable[[Any], str]) -> str:
     """A measured cell with its ratio to the base row's (``1.2 MiB (0.50×)``)."""
     value = row.get(key)

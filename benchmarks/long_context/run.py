@@ -215,13 +215,6 @@ def summarize(configuration, runs: list[dict]) -> common.Row:
     }
 
 
-def _error(row: common.Row) -> str:
-    measured, predicted = row.get("peak_tensor_bytes"), row.get("estimate_peak_tensor_bytes")
-    if not measured or predicted is None:
-        return "–"
-    return f"{(predicted - measured) / measured:+.1%}"
-
-
 def _by_length(run: common.Run) -> list[common.Row]:
     """One row per length: the packed and unpacked rows side by side."""
     merged: dict[int, common.Row] = {}
@@ -248,7 +241,7 @@ def _measured(row: common.Row) -> str:
 
 def _error_cell(row: common.Row) -> str:
     """error"""
-    return _error(row)
+    return common.estimate_error(row, missing="–")
 
 
 def _seconds(row: common.Row) -> str:

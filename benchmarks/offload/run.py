@@ -111,13 +111,6 @@ def summarize(configuration, runs: list[dict]) -> common.Row:
     }
 
 
-def _error(row: common.Row) -> str:
-    measured, predicted = row.get("peak_tensor_bytes"), row.get("estimate_peak_tensor_bytes")
-    if not measured or predicted is None:
-        return "—"
-    return f"{(predicted - measured) / measured:+.1%}"
-
-
 def _pair(row: common.Row, measured: str, predicted: str) -> str:
     """``measured (estimate)`` in MiB; — where neither is there."""
     if row.get(measured) is None and row.get(predicted) is None:
@@ -146,7 +139,7 @@ def render(run: common.Run) -> str:
         common.Column(
             "estimate", lambda row: common.shown(row.get("estimate_peak_tensor_bytes"), common.mib)
         ),
-        common.Column("error", _error),
+        common.Column("error", common.estimate_error),
         common.Column(
             "host: activations (est.)",
             lambda row: _pair(row, "activation_host_bytes", "estimate_activation_host_bytes"),
