@@ -224,7 +224,7 @@ def _longest(
     """
     from effitrain.estimation import LONGEST_TRIED, sequence_cap
     from effitrain.models import rotary_positions
-    from effitrain.plan_lengths import SHORTEST, longest_fitting, round_down, step_at
+    from effitrain.plan_lengths import SHORTEST, longest_fitting
 
     budget, launch = search.budget, search.launch
     room = budget - search.margin
@@ -252,16 +252,7 @@ def _longest(
                 f"margin, {_gib(smallest + search.margin - budget)} over"
             )
         screened = length
-        rows, verified = search.verified_at(at(length), reasons, full)
-        for _ in range(STEP_DOWNS):
-            if any(row[3] is not None for row in rows) or verified is None:
-                break
-            # Down by the verified excess over the screens' bytes per token, a step at least.
-            lower = length - (verified - room) // _per_token(found.peaks, screened)
-            length = min(round_down(lower), length - step_at(length - 1))
-            if length < SHORTEST:
-                break
-            rows, verified = search.verified_at(at(length), reasons, full)
+        length, rows = _verified_longest(search, at, reasons, full, found, length)
     answers = [row for row in rows if row[3] is not None]
     if not answers:
         raise EffitrainError(
@@ -284,6 +275,34 @@ def _longest(
         not_verified=[_candidate(r, launch, best, command) for r in unverified][:SHOWN],
         longest=length,
     )
+
+
+def _verified_longest(
+    search: _Search,
+    at: Callable[[int], dict[str, Any]],
+    reasons: dict[str, str],
+    full: bool,
+    found: Found,
+    length: int,
+) -> tuple[int, list[tuple[Option, StepCost | None, int, Estimate | None]]]:
+    """The screens' longest ``length`` verified by a full estimate of its fastest candidate;
+    where it does not fit, stepped down (at most :data:`STEP_DOWNS` times) by the verified
+    excess over the screens' bytes per token, a grid step at least. Returns the length last
+    verified and its rows (none of them fitting where every step down failed)."""
+    from effitrain.plan_lengths import SHORTEST, round_down, step_at
+
+    room = search.budget - search.margin
+    screened = length
+    rows, verified = search.verified_at(at(length), reasons, full)
+    for _ in range(STEP_DOWNS):
+        if any(row[3] is not None for row in rows) or verified is None:
+            break
+        lower = length - (verified - room) // _per_token(found.peaks, screened)
+        length = min(round_down(lower), length - step_at(length - 1))
+        if length < SHORTEST:
+            break
+        rows, verified = search.verified_at(at(length), reasons, full)
+    return length, rows
 
 
 def _per_token(peaks: dict[int, int], length: int) -> int:
