@@ -121,7 +121,8 @@ def test_dropout_replays_in_backward_and_gradients_accumulate_once():
     import torch
 
     import effitrain.levers as levers
-    from effitrain.levers.tiled_mlp import _spans, mlp_modules
+    from effitrain.levers.tiled_mlp import mlp_modules
+    from effitrain.levers.tiles import spans as _spans
 
     config = TrainConfig(lora_rank=4, lora_dropout=0.5, tiled_mlp=True, mlp_tiles=3)
     model = levers.apply_to_model(_model(), config)
@@ -170,7 +171,8 @@ def test_a_deep_copy_runs_its_own_weights():
 
 
 def test_tile_counts():
-    from effitrain.levers.tiled_mlp import _spans, tile_count
+    from effitrain.levers.tiled_mlp import tile_count
+    from effitrain.levers.tiles import spans as _spans
 
     assert tile_count(16384, 4096, None) == 4  # ALST's choice: ceil(length / hidden)
     assert tile_count(16385, 4096, None) == 5

@@ -1,0 +1,175 @@
+"""Position-wise modules recomputed in backward, tile by tile: the one autograd Function behind
+``--tiled-mlp``, ``--tiled-norm`` and ``--lean-lora``.
+
+A position-wise module (an MLP, an RMSNorm, a Linear) computes each position's output from that
+position's input alone, so it can run over tiles of the sequence (dimension 1) and give the same
+numbers. :func:`recomputed` runs it without grad, keeps only its input (and its trained
+parameters, which are inputs of the Function), and in backward recomputes one tile at a time
+with grad, takes that tile's gradients at once (``torch.autograd.grad``) and frees it before the
+next: what the module would have kept for backward is never alive for more than one tile.
+
+Each trained parameter's gradient is returned once per backward, summed over the tiles: it is
+accumulated once per step, as DDP's reducer hooks expect. The random number generator is
+replayed in backward as it ran in forward (LoRA's dropout draws the same masks), and autocast is
+re-entered as it was. The recompute is counted as recompute FLOPs
+(:class:`effitrain.cost.Recompute`). Outer saved-tensor hooks (the activation offload's) do not
+see a tile's tensors, which live only until its gradients are taken.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from effitrain.errors import EffitrainError
+
+if TYPE_CHECKING:
+    import torch
+
+Forward = Callable[["torch.Tensor"], "torch.Tensor"]
+
+
+def recomputed(
+    forward: Forward,
+    tiles: int,
+    hidden_states: torch.Tensor,
+    trained: list[torch.Tensor],
+    option: str,
+) -> torch.Tensor:
+    """``forward(hidden_states)`` (batch x length x ...) over ``tiles`` tiles of the sequence,
+    keeping only ``hidden_states`` and ``trained`` for backward, which recomputes it tile by tile
+    (without grad enabled: the tiles run once, nothing is kept). ``option`` names the lever in
+    its refusals."""
+    import torch
+
+    if not torch.is_grad_enabled():  # evaluation: nothing to recompute
+        return run_tiles(forward, hidden_states, tiles, option)
+    output: torch.Tensor = _function().apply(forward, tiles, option, hidden_states, *trained)
+    return output
+
+
+def spans(length: int, tiles: int) -> list[tuple[int, int]]:
+    """(start, length) of ``tiles`` tiles of ``length`` positions, their sizes within one."""
+    size, extra = divmod(length, tiles)
+    found, start = [], 0
+    for index in range(tiles):
+        width = size + (index < extra)
+        found.append((start, width))
+        start += width
+    return found
+
+
+def run_tiles(
+    forward: Forward, hidden_states: torch.Tensor, tiles: int, option: str
+) -> torch.Tensor:
+    """``forward`` over each tile, without grad, written into one output."""
+    import torch
+
+    output: torch.Tensor | None = None
+    # Detached: a view made without grad of an input that requires it would still say it
+    # requires grad, with no grad_fn (module hooks, the memory probe's, would trip on it).
+    detached = hidden_states.detach()
+    for start, width in spans(hidden_states.shape[1], tiles):
+        part = forward(detached.narrow(1, start, width))
+        if not isinstance(part, torch.Tensor) or part.shape[:-1] != (
+            hidden_states.shape[0],
+            width,
+        ):
+            raise EffitrainError(
+                f"{option}: a module returned {type(part).__name__}, not one tensor per "
+                f"position (a mixture of experts?); drop {option}"
+            )
+        if output is None:
+            output = part.new_empty((*hidden_states.shape[:-1], part.shape[-1]))
+        output.narrow(1, start, width).copy_(part)
+        del part  # freed before the next tile's
+    assert output is not None  # a sequence has at least one tile
+    return output
+
+
+@functools.cache
+def _function() -> type[torch.autograd.Function]:
+    """The autograd Function (made on first use: torch is not imported with the levers)."""
+    import torch
+    from torch.utils.checkpoint import get_device_states, set_device_states
+
+    from effitrain.cost import Recompute
+
+    class TiledFunction(torch.autograd.Function):
+        """forward(module_forward, tiles, option, hidden_states, *trained_parameters): the
+        module's output, keeping only its input; backward recomputes and differentiates one
+        tile at a time."""
+
+        @staticmethod
+        def forward(
+            ctx: Any,
+            forward: Forward,
+            tiles: int,
+            option: str,
+            hidden_states: torch.Tensor,
+            *trained: torch.Tensor,
+        ) -> torch.Tensor:
+            device_type = hidden_states.device.type
+            ctx.forward, ctx.tiles, ctx.device_type = forward, tiles, device_type
+            ctx.cpu_rng = torch.get_rng_state()
+            ctx.devices, ctx.device_rng = get_device_states(hidden_states)
+            ctx.autocast = (
+                torch.is_autocast_enabled(device_type),
+                torch.get_autocast_dtype(device_type),
+            )
+            ctx.save_for_backward(hidden_states, *trained)
+            return run_tiles(forward, hidden_states, tiles, option)
+
+        @staticmethod
+        def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+            hidden_states, *trained = ctx.saved_tensors
+            wants_input = ctx.needs_input_grad[3]
+            grad_input = torch.empty_like(hidden_states) if wants_input else None
+            sums: list[torch.Tensor | None] = [None] * len(trained)
+            enabled, dtype = ctx.autocast
+            with (
+                torch.random.fork_rng(devices=ctx.devices, device_type=ctx.device_type),
+                # Outer saved-tensor hooks (the activation offload's) are not for a tile's
+                # tensors, which live only until its gradients are taken.
+                torch.autograd.graph.saved_tensors_hooks(_same, _same),
+            ):
+                # The tiles draw the random numbers they drew in forward (LoRA's dropout).
+                torch.set_rng_state(ctx.cpu_rng)
+                set_device_states(ctx.devices, ctx.device_rng, device_type=ctx.device_type)
+                # Each tile a view of one detached input: not a leaf, which module hooks that
+                # watch gradients (FlopCounterMode's, the memory probe's) refuse in autograd.grad.
+                source = hidden_states.detach().requires_grad_(wants_input)
+                for start, width in spans(hidden_states.shape[1], ctx.tiles):
+                    with (
+                        torch.enable_grad(),
+                        torch.autocast(ctx.device_type, dtype=dtype, enabled=enabled),
+                        Recompute(),
+                    ):
+                        part = source.narrow(1, start, width)
+                        output = ctx.forward(part)
+                    inputs = [part, *trained] if wants_input else trained
+                    grads = list(
+                        torch.autograd.grad(
+                            output,
+                            inputs,
+                            grad_output.narrow(1, start, width),
+                            allow_unused=True,
+                        )
+                    )
+                    del output  # this tile's intermediates go with its graph
+                    if wants_input:
+                        assert grad_input is not None
+                        grad_input.narrow(1, start, width).copy_(grads.pop(0))
+                    for index, grad in enumerate(grads):
+                        # A weight's gradient is a new tensor (a matmul's): added in place.
+                        if grad is not None:
+                            total = sums[index]
+                            sums[index] = grad if total is None else total.add_(grad)
+            return (None, None, None, grad_input, *sums)
+
+    return TiledFunction
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
