@@ -127,6 +127,27 @@ class Recompute:
         Recompute.depth -= 1
 
 
+class Repeated:
+    """What runs inside it stands for ``times`` runs of the same work: a shortcut that runs one
+    of several identical pieces (the fake estimate's tiles of one width,
+    :mod:`effitrain.levers.tiles`) counts the others' FLOPs, bytes and operator calls this way.
+    Nested, the factors multiply."""
+
+    times = 1
+
+    def __init__(self, times: int) -> None:
+        self.factor = times
+        self.outer = 1
+
+    def __enter__(self) -> Repeated:
+        self.outer = Repeated.times
+        Repeated.times *= self.factor
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        Repeated.times = self.outer
+
+
 class StepCounter:
     """Counts the FLOPs, bytes and operator calls of what runs inside it (real or fake tensors),
     with PyTorch's FLOP formulas; ``cost(...)`` is the :class:`StepCost`. A plain dispatch mode,
@@ -233,9 +254,10 @@ def _counting_mode(counter: StepCounter) -> Any:
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
             formula = formulas.get(func._overloadpacket)
+            times = Repeated.times
             if formula is not None:
-                counter.operator_calls += 1
-                flops = formula(*args, **kwargs, out_val=out)
+                counter.operator_calls += times
+                flops = formula(*args, **kwargs, out_val=out) * times
                 counter.flops += flops
                 if Recompute.depth:
                     counter.recompute_flops += flops
@@ -243,8 +265,8 @@ def _counting_mode(counter: StepCounter) -> Any:
                 if inputs and inputs[0].dtype in half:
                     counter.half_flops += flops
             elif _does_work(func):
-                counter.operator_calls += 1
-                counter.elementwise_bytes += sum(
+                counter.operator_calls += times
+                counter.elementwise_bytes += times * sum(
                     t.numel() * t.element_size() for t in _tensors(out)
                 )
             return out

@@ -291,3 +291,33 @@ def test_two_ddp_processes_step_as_one(tmp_path, lm_model_dir, train_cli):
     assert any(not torch.equal(single[k], start[k]) for k in start if "mlp" in k)
     for key in single:
         torch.testing.assert_close(stepped[key], single[key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("tiles", "options"),
+    [
+        (9, {}),  # 6 positions x 5 tiles, then 5 x 4
+        pytest.param(
+            7, {"lora_rank": 4, "gradient_checkpointing": True}, marks=pytest.mark.slow
+        ),  # 8, then 7 x 6
+    ],
+)
+def test_the_estimate_runs_one_tile_of_each_kind_and_counts_them_all(monkeypatch, tiles, options):
+    """On fake tensors one tile of each kind runs (tiles.runs), counted for all of its kind:
+    the estimate (peak and its parts, every kind's peak, FLOPs, bytes, operator calls) equals
+    the one that runs every tile."""
+    import effitrain.levers.tiles as tiles_module
+    from effitrain.estimation import estimate
+
+    config = TrainConfig(
+        task="causal-lm", model="tiny-llama", max_length=50, batch_size=1, tiled_mlp=True,
+        mlp_tiles=tiles, **options,
+    )  # fmt: skip
+    counted = []
+    runs = tiles_module.runs
+    monkeypatch.setattr(tiles_module, "runs", lambda *a: counted.append(runs(*a)) or counted[-1])
+    shortcut = estimate(config).to_dict()
+    assert max(len(found) for found in counted) <= 4 < tiles  # one of each kind
+    assert {sum(times for *_, times in found) for found in counted} == {tiles}
+    monkeypatch.setattr(tiles_module, "SETTLED", tiles)  # every tile a kind of its own
+    assert estimate(config).to_dict() == shortcut

@@ -14,6 +14,11 @@ replayed in backward as it ran in forward (LoRA's dropout draws the same masks),
 re-entered as it was. The recompute is counted as recompute FLOPs
 (:class:`effitrain.cost.Recompute`). Outer saved-tensor hooks (the activation offload's) do not
 see a tile's tensors, which live only until its gradients are taken.
+
+On fake tensors (``effitrain estimate``) tiles that start from the same tensors alive and have
+the same width are interchangeable: one of them runs, counted for all
+(:class:`effitrain.cost.Repeated`), so the estimate's time does not grow with the tile count and
+its peak, bytes and FLOPs are those of every tile run (:func:`runs`).
 """
 
 from __future__ import annotations
@@ -60,30 +65,55 @@ def spans(length: int, tiles: int) -> list[tuple[int, int]]:
     return found
 
 
+SETTLED = 2
+"""From this tile on, every tile starts from the same tensors alive: in forward the output (made
+at the first tile), in backward the gradients' sums (the first tile's gradients) and the
+previous tile's gradients, which are alive until the next tile's replace them."""
+
+
+def runs(hidden_states: torch.Tensor, tiles: int) -> list[tuple[int, int, int]]:
+    """(start, width, times) of the tiles to run over ``hidden_states``, in order: each tile
+    once (times 1) on real tensors; on fake tensors one tile of each kind, standing for the
+    ``times`` tiles of that kind (its width, and :data:`SETTLED` or which tile before it): they
+    allocate, free and count the same, so their peak is its own."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    found = spans(hidden_states.shape[1], tiles)
+    if not is_fake(hidden_states):
+        return [(start, width, 1) for start, width in found]
+    kinds: dict[tuple[int, int], list[int]] = {}
+    for index, (start, width) in enumerate(found):
+        kinds.setdefault((min(index, SETTLED), width), [start, width, 0])[2] += 1
+    return [(start, width, times) for start, width, times in kinds.values()]
+
+
 def run_tiles(
     forward: Forward, hidden_states: torch.Tensor, tiles: int, option: str
 ) -> torch.Tensor:
-    """``forward`` over each tile, without grad, written into one output."""
+    """``forward`` over each tile (:func:`runs`), without grad, written into one output."""
     import torch
+
+    from effitrain.cost import Repeated
 
     output: torch.Tensor | None = None
     # Detached: a view made without grad of an input that requires it would still say it
     # requires grad, with no grad_fn (module hooks, the memory probe's, would trip on it).
     detached = hidden_states.detach()
-    for start, width in spans(hidden_states.shape[1], tiles):
-        part = forward(detached.narrow(1, start, width))
-        if not isinstance(part, torch.Tensor) or part.shape[:-1] != (
-            hidden_states.shape[0],
-            width,
-        ):
-            raise EffitrainError(
-                f"{option}: a module returned {type(part).__name__}, not one tensor per "
-                f"position (a mixture of experts?); drop {option}"
-            )
-        if output is None:
-            output = part.new_empty((*hidden_states.shape[:-1], part.shape[-1]))
-        output.narrow(1, start, width).copy_(part)
-        del part  # freed before the next tile's
+    for start, width, times in runs(hidden_states, tiles):
+        with Repeated(times):
+            part = forward(detached.narrow(1, start, width))
+            if not isinstance(part, torch.Tensor) or part.shape[:-1] != (
+                hidden_states.shape[0],
+                width,
+            ):
+                raise EffitrainError(
+                    f"{option}: a module returned {type(part).__name__}, not one tensor per "
+                    f"position (a mixture of experts?); drop {option}"
+                )
+            if output is None:
+                output = part.new_empty((*hidden_states.shape[:-1], part.shape[-1]))
+            output.narrow(1, start, width).copy_(part)
+            del part  # freed before the next tile's
     assert output is not None  # a sequence has at least one tile
     return output
 
@@ -94,7 +124,7 @@ def _function() -> type[torch.autograd.Function]:
     import torch
     from torch.utils.checkpoint import get_device_states, set_device_states
 
-    from effitrain.cost import Recompute
+    from effitrain.cost import Recompute, Repeated
 
     class TiledFunction(torch.autograd.Function):
         """forward(module_forward, tiles, option, hidden_states, *trained_parameters): the
@@ -140,32 +170,33 @@ def _function() -> type[torch.autograd.Function]:
                 # Each tile a view of one detached input: not a leaf, which module hooks that
                 # watch gradients (FlopCounterMode's, the memory probe's) refuse in autograd.grad.
                 source = hidden_states.detach().requires_grad_(wants_input)
-                for start, width in spans(hidden_states.shape[1], ctx.tiles):
-                    with (
-                        torch.enable_grad(),
-                        torch.autocast(ctx.device_type, dtype=dtype, enabled=enabled),
-                        Recompute(),
-                    ):
-                        part = source.narrow(1, start, width)
-                        output = ctx.forward(part)
-                    inputs = [part, *trained] if wants_input else trained
-                    grads = list(
-                        torch.autograd.grad(
-                            output,
-                            inputs,
-                            grad_output.narrow(1, start, width),
-                            allow_unused=True,
+                for start, width, times in runs(hidden_states, ctx.tiles):
+                    with Repeated(times):  # one of its kind, on fake tensors
+                        with (
+                            torch.enable_grad(),
+                            torch.autocast(ctx.device_type, dtype=dtype, enabled=enabled),
+                            Recompute(),
+                        ):
+                            part = source.narrow(1, start, width)
+                            output = ctx.forward(part)
+                        inputs = [part, *trained] if wants_input else trained
+                        grads = list(
+                            torch.autograd.grad(
+                                output,
+                                inputs,
+                                grad_output.narrow(1, start, width),
+                                allow_unused=True,
+                            )
                         )
-                    )
-                    del output  # this tile's intermediates go with its graph
-                    if wants_input:
-                        assert grad_input is not None
-                        grad_input.narrow(1, start, width).copy_(grads.pop(0))
-                    for index, grad in enumerate(grads):
-                        # A weight's gradient is a new tensor (a matmul's): added in place.
-                        if grad is not None:
-                            total = sums[index]
-                            sums[index] = grad if total is None else total.add_(grad)
+                        del output  # this tile's intermediates go with its graph
+                        if wants_input:
+                            assert grad_input is not None
+                            grad_input.narrow(1, start, width).copy_(grads.pop(0))
+                        for index, grad in enumerate(grads):
+                            # A weight's gradient is a new tensor (a matmul's): added in place.
+                            if grad is not None:
+                                total = sums[index]
+                                sums[index] = grad if total is None else total.add_(grad)
             return (None, None, None, grad_input, *sums)
 
     return TiledFunction
