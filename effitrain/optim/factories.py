@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from effitrain.errors import EffitrainError
 from effitrain.memory.ledger import unwrap_prepared
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     import torch
 
     from effitrain.optim.optimizer_spec import OptimizerSpec, ParamGroups
@@ -44,7 +47,37 @@ def adamw_8bit(groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     import bitsandbytes as bnb
 
-    return bnb.optim.AdamW8bit(groups, lr=lr)
+    with _maps_made_once(bnb):
+        return bnb.optim.AdamW8bit(groups, lr=lr)
+
+
+_DYNAMIC_MAPS: dict[tuple[Any, ...], list[float]] = {}
+"""bitsandbytes' dynamic quantization maps' values, by ``create_dynamic_map``'s arguments."""
+
+
+@contextmanager
+def _maps_made_once(bnb: ModuleType) -> Iterator[None]:
+    """bitsandbytes' 8-bit optimizers each make their quantization maps (256 values) from
+    dozens of small tensors read back with ``.tolist()``: on the estimate's fake tensors about
+    30 ms an optimizer, and --optimizer-in-backward makes one per parameter. Inside, each map's
+    values are made once per process, for real; each optimizer still gets tensors of its own
+    (its state holds them, as in a run that makes them)."""
+    from unittest import mock
+
+    import torch
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    original = bnb.functional.create_dynamic_map
+
+    def made(*args: Any, **kwargs: Any) -> torch.Tensor:
+        key = (args, tuple(sorted(kwargs.items())))
+        if key not in _DYNAMIC_MAPS:
+            with unset_fake_temporarily():
+                _DYNAMIC_MAPS[key] = original(*args, **kwargs).tolist()
+        return torch.tensor(_DYNAMIC_MAPS[key], dtype=torch.float32)
+
+    with mock.patch.object(bnb.functional, "create_dynamic_map", made):
+        yield
 
 
 def adam_mini(model: torch.nn.Module, groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
@@ -107,7 +140,8 @@ def lion_8bit(groups: ParamGroups, lr: float) -> torch.optim.Optimizer:
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     import bitsandbytes as bnb
 
-    return bnb.optim.Lion8bit(groups, lr=lr)
+    with _maps_made_once(bnb):
+        return bnb.optim.Lion8bit(groups, lr=lr)
 
 
 CAME_BETAS = (0.9, 0.999, 0.99)
