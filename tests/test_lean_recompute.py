@@ -70,6 +70,24 @@ def test_lean_lora_is_peft_to_the_bit(options, autocast):
     _equal(lean, plain)
 
 
+def test_each_gradient_is_accumulated_once():
+    """Under checkpointing (each Function's forward runs twice), every adapter's and norm's
+    gradient reaches it once per backward: DDP's reducer hooks count on it."""
+    import effitrain.levers as levers
+
+    config = TrainConfig(lora_rank=4, lean_lora=True, tiled_norm=True, gradient_checkpointing=True)
+    model = levers.apply_to_model(_model(), config)
+    model.train()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    accumulated = {id(p): 0 for p in trained}
+    for p in trained:
+        p.register_post_accumulate_grad_hook(
+            lambda p: accumulated.__setitem__(id(p), 1 + accumulated[id(p)])
+        )
+    model(**_batch(LONG, rows=1)).loss.backward()
+    assert set(accumulated.values()) == {1}
+
+
 def test_lean_lora_keeps_peft_s_state_dict_and_copies():
     """The adapters' names and values are peft's (saving and loading them is unchanged), and
     a deep copy (DPO's reference) runs its own adapters."""
