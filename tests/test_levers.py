@@ -201,7 +201,9 @@ ALONE = {
     "bf16-weights": (("--weights-dtype", "bf16"), ["bf16-weights"]),
     "gradient-checkpointing": (("--gradient-checkpointing",), ["gradient-checkpointing"]),
     "tiled-mlp": ((*CAUSAL_LM, "--tiled-mlp"), ["tiled-mlp"]),
+    "tiled-norm": ((*CAUSAL_LM, "--tiled-norm"), ["tiled-norm"]),
     "lora": (("--lora-rank", "4"), ["lora"]),
+    "lean-lora": (("--lora-rank", "4", "--lean-lora"), ["lora", "lean-lora"]),
     "chunked-loss": (("--task", "causal-lm", "--chunked-loss", "torch"), ["chunked-loss"]),
     "optimizer-in-backward": (("--optimizer-in-backward",), ["optimizer-in-backward"]),
     "reference": (

@@ -171,8 +171,8 @@ def test_a_deep_copy_runs_its_own_weights():
 
 
 def test_tile_counts():
-    from effitrain.levers.tiled_mlp import tile_count
     from effitrain.levers.tiles import spans as _spans
+    from effitrain.levers.tiles import tile_count
 
     assert tile_count(16384, 4096, None) == 4  # ALST's choice: ceil(length / hidden)
     assert tile_count(16385, 4096, None) == 5

@@ -66,10 +66,15 @@ LADDER = (
     ("+ gradient checkpointing", ["--gradient-checkpointing"]),
     ("+ offloaded checkpoints", ["--gradient-checkpointing", "--activation-offload"]),
     ("+ tiled MLP", ["--gradient-checkpointing", "--activation-offload", "--tiled-mlp"]),
-)
+    ("+ tiled norm", ["--gradient-checkpointing", "--activation-offload", "--tiled-mlp",
+                      "--tiled-norm"]),
+    ("+ lean LoRA", ["--gradient-checkpointing", "--activation-offload", "--tiled-mlp",
+                     "--tiled-norm", "--lean-lora"]),
+)  # fmt: skip
 """Each rung's options on top of the mode's: one lever more than the rung before (the chunked
 loss is on by default, so the first rung turns it off). A rung whose option this effitrain
-does not have is left out (``--tiled-mlp`` before it lands)."""
+does not have is left out (``--tiled-mlp`` before it lands); ``--lean-lora`` is QLoRA's only
+(it changes LoRA's adapters)."""
 PUBLISHED = {
     "source": "https://unsloth.ai/blog/llama3-3 (Llama 3.1 8B, QLoRA rank 32 on all linear "
     "layers, batch 1, sequences padded to the length; A100 80 GB, and 24 GB)",
@@ -335,6 +340,8 @@ def measure_shapes(args: argparse.Namespace, device: str) -> common.Run:
         for mode in args.modes:
             base = {"model": model, "mode": mode}
             for label, extra in ladder if args.what == "levers" else []:
+                if mode == "full" and "--lean-lora" in extra:
+                    continue
                 print(f"{model} {mode}: {label}", file=sys.stderr, flush=True)
                 row = estimate_row(folder, [*MODES[mode][1], *extra], 1, args.lever_length)
                 rows.append({**base, "rung": label, **row})

@@ -8,7 +8,11 @@ bf16-weights               ``--weights-dtype bf16``         half of parameters, 
 gradient-checkpointing     ``--gradient-checkpointing``     most activations (recomputed)
 tiled-mlp                  ``--tiled-mlp`` (causal-lm,      the MLPs' intermediates but one
                            preference)                      sequence tile's (recomputed)
+tiled-norm                 ``--tiled-norm`` (causal-lm,     the RMSNorms' fp32 copies but one
+                           preference)                      sequence tile's (recomputed)
 lora                       ``--lora-rank R``                gradients and state of the base model
+lean-lora                  ``--lean-lora`` (with LoRA)      the adapters' copies of their inputs
+                                                            (recomputed)
 chunked-loss               ``--chunked-loss`` (causal-lm)   the full logits
 activation-offload         ``--activation-offload``         saved activations from the GPU (CUDA)
 optimizer-in-backward      ``--optimizer-in-backward``      the full set of gradients
@@ -40,6 +44,7 @@ from effitrain.levers.bf16_weights import Bf16Weights
 from effitrain.levers.chunked_loss import ChunkedLoss
 from effitrain.levers.context_parallel import ContextParallel
 from effitrain.levers.gradient_checkpointing import GradientCheckpointing
+from effitrain.levers.lean_lora import LeanLoRA
 from effitrain.levers.lora import LoRA
 from effitrain.levers.optimizer_in_backward import OptimizerInBackward
 from effitrain.levers.optimizer_offload import OptimizerOffload
@@ -47,6 +52,7 @@ from effitrain.levers.qlora import QLoRA
 from effitrain.levers.reference import Reference
 from effitrain.levers.spec import Lever, LossOptions, OptimizerBuilder
 from effitrain.levers.tiled_mlp import TiledMLP
+from effitrain.levers.tiled_norm import TiledNorm
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -88,7 +94,9 @@ register(
     Bf16Weights(),
     GradientCheckpointing(),
     TiledMLP(),
+    TiledNorm(),
     LoRA(),
+    LeanLoRA(),
     ChunkedLoss(),
     ActivationOffload(),
     OptimizerInBackward(),

@@ -18,14 +18,13 @@ large as a few of the MLP's weight matrices.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from effitrain.config import DECODER_TASKS, MEMORY_LEVERS, OptionGroup, option_field
 from effitrain.errors import EffitrainError
 from effitrain.levers.spec import Lever, Search
-from effitrain.levers.tiles import recomputed
+from effitrain.levers.tiles import recomputed, refuse_sharded, tile_count
 
 if TYPE_CHECKING:
     import torch
@@ -79,14 +78,7 @@ class TiledMLP(Lever):
             raise EffitrainError(f"--mlp-tiles must be at least 1 (got {options.mlp_tiles})")
 
     def check_launch(self, config: TrainConfig, launch: Launch) -> None:
-        if launch.sharding.sharded:
-            # Not run: FSDP gathers a layer's parameters, and ZeRO reduces gradients, by hooks
-            # that this Function's recompute in backward has not been checked against.
-            raise EffitrainError(
-                f"--tiled-mlp is not supported under {launch.sharding.description} (effitrain "
-                "has not run its recompute where parameters or gradients are sharded); drop "
-                "--tiled-mlp, or use one process or DDP"
-            )
+        refuse_sharded("--tiled-mlp", launch)
 
     def apply_to_model(
         self, model: torch.nn.Module, config: TrainConfig, device: torch.device | None
@@ -140,13 +132,6 @@ def tile(model: torch.nn.Module, tiles: int | None) -> None:
         setattr(mlp, UNTILED, mlp.forward)
         setattr(mlp, TILES, tiles)
         mlp.forward = types.MethodType(_tiled_forward, mlp)
-
-
-def tile_count(length: int, hidden_size: int, given: int | None) -> int:
-    """How many tiles a sequence of ``length`` runs in: ``given``, else ceil(length /
-    hidden size); at least 1, at most one a position."""
-    wanted = given if given is not None else math.ceil(length / hidden_size)
-    return max(1, min(wanted, length))
 
 
 def _tiled_forward(

@@ -24,13 +24,16 @@ its peak, bytes and FLOPs are those of every tile run (:func:`runs`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from effitrain.errors import EffitrainError
 
 if TYPE_CHECKING:
     import torch
+
+    from effitrain.distributed import Launch
 
 Forward = Callable[["torch.Tensor"], "torch.Tensor"]
 
@@ -39,7 +42,7 @@ def recomputed(
     forward: Forward,
     tiles: int,
     hidden_states: torch.Tensor,
-    trained: list[torch.Tensor],
+    trained: Sequence[torch.Tensor],
     option: str,
 ) -> torch.Tensor:
     """``forward(hidden_states)`` (batch x length x ...) over ``tiles`` tiles of the sequence,
@@ -52,6 +55,29 @@ def recomputed(
         return run_tiles(forward, hidden_states, tiles, option)
     output: torch.Tensor = _function().apply(forward, tiles, option, hidden_states, *trained)
     return output
+
+
+def tile_count(length: int, hidden_size: int, given: int | None) -> int:
+    """How many tiles a sequence of ``length`` runs in: ``given``, else ceil(length /
+    hidden size); at least 1, at most one a position."""
+    wanted = given if given is not None else math.ceil(length / hidden_size)
+    return max(1, min(wanted, length))
+
+
+def refuse_sharded(option: str, launch: Launch) -> None:
+    """Refuse a lever recomputed through :mod:`effitrain.levers.tiles` under a sharded launch.
+
+    Raises:
+        EffitrainError: the launch shards parameters or gradients.
+    """
+    if launch.sharding.sharded:
+        # Not run: FSDP gathers a layer's parameters, and ZeRO reduces gradients, by hooks
+        # that the recompute in backward has not been checked against.
+        raise EffitrainError(
+            f"{option} is not supported under {launch.sharding.description} (effitrain has not "
+            f"run its recompute where parameters or gradients are sharded); drop {option}, or "
+            "use one process or DDP"
+        )
 
 
 def spans(length: int, tiles: int) -> list[tuple[int, int]]:
