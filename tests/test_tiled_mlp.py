@@ -294,30 +294,42 @@ def test_two_ddp_processes_step_as_one(tmp_path, lm_model_dir, train_cli):
 
 
 @pytest.mark.parametrize(
-    ("tiles", "options"),
+    ("length", "tiles", "options"),
     [
-        (9, {}),  # 6 positions x 5 tiles, then 5 x 4
+        (50, 9, {}),  # 6 positions x 5 tiles, then 5 x 4
         pytest.param(
-            7, {"lora_rank": 4, "gradient_checkpointing": True}, marks=pytest.mark.slow
-        ),  # 8, then 7 x 6
+            290,
+            7,
+            {"lora_rank": 4, "gradient_checkpointing": True, "tiled_norm": True, "lean_lora": True},
+            marks=pytest.mark.slow,
+        ),  # 42 x 3, then 41 x 4; the norms' 4 tiles 73 x 2, then 72 x 2
     ],
 )
-def test_the_estimate_runs_one_tile_of_each_kind_and_counts_them_all(monkeypatch, tiles, options):
+def test_the_estimate_runs_one_tile_of_each_kind_and_counts_them_all(
+    monkeypatch, length, tiles, options
+):
     """On fake tensors one tile of each kind runs (tiles.runs), counted for all of its kind:
     the estimate (peak and its parts, every kind's peak, FLOPs, bytes, operator calls) equals
-    the one that runs every tile."""
+    the one that runs every tile; with LoRA, the norms' tiles, the adapters' (1 tile) inside
+    the MLP's."""
     import effitrain.levers.tiles as tiles_module
     from effitrain.estimation import estimate
 
     config = TrainConfig(
-        task="causal-lm", model="tiny-llama", max_length=50, batch_size=1, tiled_mlp=True,
+        task="causal-lm", model="tiny-llama", max_length=length, batch_size=1, tiled_mlp=True,
         mlp_tiles=tiles, **options,
     )  # fmt: skip
-    counted = []
+    counted = []  # (positions, the tiles run)
     runs = tiles_module.runs
-    monkeypatch.setattr(tiles_module, "runs", lambda *a: counted.append(runs(*a)) or counted[-1])
+
+    def counting(hidden_states, tiles):
+        counted.append((hidden_states.shape[1], runs(hidden_states, tiles)))
+        return counted[-1][1]
+
+    monkeypatch.setattr(tiles_module, "runs", counting)
     shortcut = estimate(config).to_dict()
-    assert max(len(found) for found in counted) <= 4 < tiles  # one of each kind
-    assert {sum(times for *_, times in found) for found in counted} == {tiles}
-    monkeypatch.setattr(tiles_module, "SETTLED", tiles)  # every tile a kind of its own
+    for positions, found in counted:  # every position once, counted
+        assert sum(width * times for _, width, times in found) == positions
+    assert max(len(found) for _, found in counted) <= 4  # of 9 or 7: one tile of each kind
+    monkeypatch.setattr(tiles_module, "SETTLED", length)  # every tile a kind of its own
     assert estimate(config).to_dict() == shortcut
