@@ -322,8 +322,8 @@ def test_the_estimate_runs_one_tile_of_each_kind_and_counts_them_all(
     counted = []  # (positions, the tiles run)
     runs = tiles_module.runs
 
-    def counting(hidden_states, tiles):
-        counted.append((hidden_states.shape[1], runs(hidden_states, tiles)))
+    def counting(hidden_states, tiles, settled):
+        counted.append((hidden_states.shape[1], runs(hidden_states, tiles, settled)))
         return counted[-1][1]
 
     monkeypatch.setattr(tiles_module, "runs", counting)
@@ -331,5 +331,6 @@ def test_the_estimate_runs_one_tile_of_each_kind_and_counts_them_all(
     for positions, found in counted:  # every position once, counted
         assert sum(width * times for _, width, times in found) == positions
     assert max(len(found) for _, found in counted) <= 4  # of 9 or 7: one tile of each kind
-    monkeypatch.setattr(tiles_module, "SETTLED", length)  # every tile a kind of its own
+    for settled in ("SETTLED_FORWARD", "SETTLED_BACKWARD"):  # every tile a kind of its own
+        monkeypatch.setattr(tiles_module, settled, length)
     assert estimate(config).to_dict() == shortcut

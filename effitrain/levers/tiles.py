@@ -91,17 +91,21 @@ def spans(length: int, tiles: int) -> list[tuple[int, int]]:
     return found
 
 
-SETTLED = 2
-"""From this tile on, every tile starts from the same tensors alive: in forward the output (made
-at the first tile), in backward the gradients' sums (the first tile's gradients) and the
-previous tile's gradients, which are alive until the next tile's replace them."""
+SETTLED_FORWARD = 1
+"""From the second tile on, forward's tiles start from the same tensors alive: the output (made
+at the first tile)."""
+SETTLED_BACKWARD = 2
+"""From the third tile on, backward's tiles start from the same tensors alive: the gradients'
+sums (the first tile's gradients) and the previous tile's gradients, which are alive until the
+next tile's replace them."""
 
 
-def runs(hidden_states: torch.Tensor, tiles: int) -> list[tuple[int, int, int]]:
+def runs(hidden_states: torch.Tensor, tiles: int, settled: int) -> list[tuple[int, int, int]]:
     """(start, width, times) of the tiles to run over ``hidden_states``, in order: each tile
     once (times 1) on real tensors; on fake tensors one tile of each kind, standing for the
-    ``times`` tiles of that kind (its width, and :data:`SETTLED` or which tile before it): they
-    allocate, free and count the same, so their peak is its own."""
+    ``times`` tiles of that kind (its width, and which tile it is before the ``settled``-th,
+    from which on the tiles start from the same tensors alive): they allocate, free and count
+    the same, so their peak is its own."""
     from torch._subclasses.fake_tensor import is_fake
 
     found = spans(hidden_states.shape[1], tiles)
@@ -109,7 +113,7 @@ def runs(hidden_states: torch.Tensor, tiles: int) -> list[tuple[int, int, int]]:
         return [(start, width, 1) for start, width in found]
     kinds: dict[tuple[int, int], list[int]] = {}
     for index, (start, width) in enumerate(found):
-        kinds.setdefault((min(index, SETTLED), width), [start, width, 0])[2] += 1
+        kinds.setdefault((min(index, settled), width), [start, width, 0])[2] += 1
     return [(start, width, times) for start, width, times in kinds.values()]
 
 
@@ -125,7 +129,7 @@ def run_tiles(
     # Detached: a view made without grad of an input that requires it would still say it
     # requires grad, with no grad_fn (module hooks, the memory probe's, would trip on it).
     detached = hidden_states.detach()
-    for start, width, times in runs(hidden_states, tiles):
+    for start, width, times in runs(hidden_states, tiles, SETTLED_FORWARD):
         with Repeated(times):
             part = forward(detached.narrow(1, start, width))
             if not isinstance(part, torch.Tensor) or part.shape[:-1] != (
@@ -196,7 +200,7 @@ def _function() -> type[torch.autograd.Function]:
                 # Each tile a view of one detached input: not a leaf, which module hooks that
                 # watch gradients (FlopCounterMode's, the memory probe's) refuse in autograd.grad.
                 source = hidden_states.detach().requires_grad_(wants_input)
-                for start, width, times in runs(hidden_states, ctx.tiles):
+                for start, width, times in runs(hidden_states, ctx.tiles, SETTLED_BACKWARD):
                     with Repeated(times):  # one of its kind, on fake tensors
                         with (
                             torch.enable_grad(),
