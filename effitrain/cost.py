@@ -129,9 +129,8 @@ class Recompute:
 
 class Repeated:
     """What runs inside it stands for ``times`` runs of the same work: a shortcut that runs one
-    of several identical pieces (the fake estimate's tiles of one width,
-    :mod:`effitrain.levers.tiles`) counts the others' FLOPs, bytes and operator calls this way.
-    Nested, the factors multiply."""
+    of several identical pieces (:func:`one_of_each_kind`) counts the others' FLOPs, bytes and
+    operator calls this way. Nested, the factors multiply."""
 
     times = 1
 
@@ -146,6 +145,24 @@ class Repeated:
 
     def __exit__(self, *exc: object) -> None:
         Repeated.times = self.outer
+
+
+def one_of_each_kind(
+    pieces: list[tuple[int, int]], settled: int, fake: bool
+) -> list[tuple[int, int, int]]:
+    """(start, width, times) of the ``pieces`` (start, width) of a sequence that a loop runs in
+    order (tiles, chunks), to run: each once (times 1) where ``fake`` is False; on fake tensors
+    (the estimate) one of each kind, standing for the ``times`` pieces of its kind, to run in
+    :class:`Repeated` (times). A kind is a width and which piece it is before the
+    ``settled``-th, from which on each piece starts from the same tensors alive (what the
+    pieces before it left): pieces of a kind allocate, free and count the same, so their peak
+    is their first's."""
+    if not fake:
+        return [(start, width, 1) for start, width in pieces]
+    kinds: dict[tuple[int, int], list[int]] = {}
+    for index, (start, width) in enumerate(pieces):
+        kinds.setdefault((min(index, settled), width), [start, width, 0])[2] += 1
+    return [(start, width, times) for start, width, times in kinds.values()]
 
 
 class StepCounter:

@@ -331,6 +331,33 @@ def test_estimate_equals_a_run(train_cli, tmp_path, chunked):
     assert estimated["levers"] == measured["levers"]
 
 
+def test_the_estimate_runs_one_chunk_of_each_kind_and_counts_them_all(monkeypatch):
+    """On fake tensors one chunk of each kind runs (the first, one of those after it, the
+    shorter last), counted for all: the estimate (peak and its parts, FLOPs, bytes, operator
+    calls) equals the one that runs every chunk."""
+    from effitrain.config import TrainConfig
+    from effitrain.cost import one_of_each_kind
+    from effitrain.estimation import estimate
+    from effitrain.tasks import lm_loss
+
+    config = TrainConfig(
+        task="causal-lm", model="tiny-llama", max_length=64, batch_size=4, chunked_loss="torch"
+    )
+    counted = []
+
+    def counting(pieces, settled, fake):
+        counted.append((len(pieces), len(one_of_each_kind(pieces, settled, fake))))
+        return one_of_each_kind(pieces, settled, fake)
+
+    monkeypatch.setattr("effitrain.cost.one_of_each_kind", counting)
+    lm_loss._linear_cross_entropy.cache_clear()  # imports it again
+    shortcut = estimate(config).to_dict()
+    assert (8, 3) in counted  # 256 tokens: 7 chunks of 34, the last of 18
+    monkeypatch.setattr(lm_loss, "SETTLED", 256)  # every chunk a kind of its own
+    assert estimate(config).to_dict() == shortcut
+    lm_loss._linear_cross_entropy.cache_clear()  # not the counting one, for the next tests
+
+
 def test_under_bf16_autocast_the_chunks_compute_as_the_output_layer_does(tiny_lm):
     """The loss runs inside the model's forward, under its autocast: the same bf16 matmul."""
     import torch

@@ -17,8 +17,8 @@ see a tile's tensors, which live only until its gradients are taken.
 
 On fake tensors (``effitrain estimate``) tiles that start from the same tensors alive and have
 the same width are interchangeable: one of them runs, counted for all
-(:class:`effitrain.cost.Repeated`), so the estimate's time does not grow with the tile count and
-its peak, bytes and FLOPs are those of every tile run (:func:`runs`).
+(:func:`effitrain.cost.one_of_each_kind`), so the estimate's time does not grow with the tile
+count and its peak, bytes and FLOPs are those of every tile run (:func:`runs`).
 """
 
 from __future__ import annotations
@@ -101,20 +101,15 @@ next tile's replace them."""
 
 
 def runs(hidden_states: torch.Tensor, tiles: int, settled: int) -> list[tuple[int, int, int]]:
-    """(start, width, times) of the tiles to run over ``hidden_states``, in order: each tile
-    once (times 1) on real tensors; on fake tensors one tile of each kind, standing for the
-    ``times`` tiles of that kind (its width, and which tile it is before the ``settled``-th,
-    from which on the tiles start from the same tensors alive): they allocate, free and count
-    the same, so their peak is its own."""
+    """(start, width, times) of the tiles to run over ``hidden_states``, in order: each once on
+    real tensors, one of each kind on fake ones (:func:`effitrain.cost.one_of_each_kind`;
+    ``settled``: :data:`SETTLED_FORWARD` or :data:`SETTLED_BACKWARD`)."""
     from torch._subclasses.fake_tensor import is_fake
 
+    from effitrain.cost import one_of_each_kind
+
     found = spans(hidden_states.shape[1], tiles)
-    if not is_fake(hidden_states):
-        return [(start, width, 1) for start, width in found]
-    kinds: dict[tuple[int, int], list[int]] = {}
-    for index, (start, width) in enumerate(found):
-        kinds.setdefault((min(index, settled), width), [start, width, 0])[2] += 1
-    return [(start, width, times) for start, width, times in kinds.values()]
+    return one_of_each_kind(found, settled, bool(is_fake(hidden_states)))
 
 
 def run_tiles(

@@ -56,6 +56,10 @@ LOGIT_SCALES = ("logit_scale", "logits_scaling", "output_multiplier_scale")
 Falcon-H1): the chunked loss would skip that. Final-logit softcapping (Gemma 2) is applied."""
 MIN_CHUNK_VALUES = 2**25
 """Logit values a chunk holds at least (128 MiB in fp32): smaller chunks only add time."""
+SETTLED = 1
+"""From the second chunk on, each starts with the previous one's losses, logits and their
+gradient alive, until its own replace them: on fake tensors those chunks of one width are
+interchangeable (:func:`effitrain.cost.one_of_each_kind`)."""
 
 
 @dataclass(frozen=True)
@@ -199,22 +203,34 @@ def _linear_cross_entropy() -> Any:
     each chunk's logits, takes the loss's gradient with respect to them (autograd, on the chunk
     alone) and adds that chunk's share into one gradient buffer per input, so no full-size
     weight gradient is made per chunk. With ``per_token`` it returns each token's loss (``[tokens]``,
-    fp32: as small as the labels) instead of their sum, for per-sequence sums."""
+    fp32: as small as the labels) instead of their sum, for per-sequence sums.
+
+    On fake tensors (the estimate) one chunk of each kind runs, counted for all (:data:`SETTLED`);
+    not in the per-token forward, whose chunks' losses all stay alive."""
     import torch
+    from torch._subclasses.fake_tensor import is_fake
+
+    from effitrain.cost import Repeated, one_of_each_kind
+
+    def chunks(hidden: torch.Tensor, size: int) -> list[tuple[int, int, int]]:
+        """(start, width, times) of the chunks of ``hidden.split(size)`` to run."""
+        found = [(start, min(size, len(hidden) - start)) for start in range(0, len(hidden), size)]
+        return one_of_each_kind(found, SETTLED, bool(is_fake(hidden)))
 
     class LinearCrossEntropy(torch.autograd.Function):
         @staticmethod
         def forward(ctx, hidden, weight, bias, labels, softcap, size, per_token=False):
-            pieces = (  # one chunk's logits at a time
-                _token_losses(h, weight, bias, t, softcap)
-                for h, t in zip(hidden.split(size), labels.split(size), strict=True)
-            )
-            if per_token:
-                total = torch.cat(list(pieces))
+            hiddens, targets = hidden.split(size), labels.split(size)
+            if per_token:  # one chunk's logits at a time
+                pairs = zip(hiddens, targets, strict=True)
+                total = torch.cat([_token_losses(h, weight, bias, t, softcap) for h, t in pairs])
             else:
                 total = torch.zeros((), device=hidden.device, dtype=torch.float32)
-                for piece in pieces:
-                    total += piece.sum()
+                for start, _, times in chunks(hidden, size):
+                    with Repeated(times):  # one chunk's logits at a time
+                        index = start // size
+                        piece = _token_losses(hiddens[index], weight, bias, targets[index], softcap)
+                        total += piece.sum()
             ctx.save_for_backward(hidden, weight, bias, labels)
             ctx.softcap, ctx.size, ctx.per_token = softcap, size, per_token
             kind = hidden.device.type
@@ -228,23 +244,24 @@ def _linear_cross_entropy() -> Any:
             grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
             grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
             grad_b = torch.zeros_like(bias) if ctx.needs_input_grad[2] else None
-            start = 0
-            for h, t in zip(hidden.split(ctx.size), labels.split(ctx.size), strict=True):
-                with torch.enable_grad(), torch.autocast(kind, dtype=dtype, enabled=enabled):
-                    raw = torch.nn.functional.linear(h, weight, bias).detach().requires_grad_()
-                    losses = losses_from_logits(raw, t, ctx.softcap)
-                    if not ctx.per_token:
-                        losses = losses.sum()
-                # With per_token, each token's loss has its own incoming gradient.
-                grad = grad_total[start : start + len(h)] if ctx.per_token else grad_total
-                (d_raw,) = torch.autograd.grad(losses, raw, grad)
-                if grad_h is not None:
-                    grad_h[start : start + len(h)] = d_raw @ weight.to(d_raw.dtype)
-                if grad_w is not None:
-                    grad_w.addmm_(d_raw.T.to(weight.dtype), h.to(weight.dtype))
-                if grad_b is not None:
-                    grad_b += d_raw.sum(dim=0).to(bias.dtype)
-                start += len(h)
+            hiddens, targets = hidden.split(ctx.size), labels.split(ctx.size)
+            for start, _, times in chunks(hidden, ctx.size):
+                h, t = hiddens[start // ctx.size], targets[start // ctx.size]
+                with Repeated(times):
+                    with torch.enable_grad(), torch.autocast(kind, dtype=dtype, enabled=enabled):
+                        raw = torch.nn.functional.linear(h, weight, bias).detach().requires_grad_()
+                        losses = losses_from_logits(raw, t, ctx.softcap)
+                        if not ctx.per_token:
+                            losses = losses.sum()
+                    # With per_token, each token's loss has its own incoming gradient.
+                    grad = grad_total[start : start + len(h)] if ctx.per_token else grad_total
+                    (d_raw,) = torch.autograd.grad(losses, raw, grad)
+                    if grad_h is not None:
+                        grad_h[start : start + len(h)] = d_raw @ weight.to(d_raw.dtype)
+                    if grad_w is not None:
+                        grad_w.addmm_(d_raw.T.to(weight.dtype), h.to(weight.dtype))
+                    if grad_b is not None:
+                        grad_b += d_raw.sum(dim=0).to(bias.dtype)
             return grad_h, grad_w, grad_b, None, None, None, None
 
     return LinearCrossEntropy
