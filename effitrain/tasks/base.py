@@ -45,6 +45,12 @@ class LossMoments:
     def step_tensors(self) -> list[torch.nn.Module | torch.Tensor]:
         return []
 
+    def step_batches(self, run: RunParts, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return batches
+
+    def histories(self) -> dict[str, list[float]]:
+        return {}
+
     def save_extra(self, run: RunParts, folder: Path) -> None:
         pass
 
