@@ -272,7 +272,6 @@ GRPO_RUN = (
 )
 
 
-@pytest.mark.slow
 def test_train_logs_trl_names_and_resumes_exactly(train_cli, tmp_path):
     """A straight run saving at step 2 and a run resumed from its checkpoint end with the same
     weights and the same reward history: generation is seeded from the step and the rank."""

@@ -27,9 +27,9 @@ if TYPE_CHECKING:
 
 DEMO_PROMPT_WORDS = 4
 """The demo's prompts: each report's first words ("On Monday, the committee")."""
-DEMO_PROMPTS = {"train": 120, "validation": 64}
-"""How many the demo takes of each split: 60 steps of the default batch (16 completions, 2
-prompts x 8), and a quick evaluation."""
+DEMO_PROMPTS = {"train": 120, "validation": 32}
+"""How many the demo takes of each split: 60 steps an epoch of the default batch (16
+completions, 2 prompts x 8), 300 in the default 5 epochs, and a quick evaluation after each."""
 
 
 @dataclass

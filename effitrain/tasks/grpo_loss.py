@@ -226,14 +226,16 @@ class GrpoLoss(LossMoments):
         self, run: RunParts, rows: list[dict[str, Any]], where: tuple[int, int, int]
     ) -> dict[str, Any]:
         """One micro-batch: G sampled completions of each prompt in ``rows``, scored."""
-        made = generate(run, rows, self.settings, self._generation_seed(*where))
+        made = generate(run, rows, self.settings, self.generation_seed(*where))
         repeated = [row for row in rows for _ in range(self.settings.num_generations)]
         made.batch["rewards_per_function"] = score(
             self.rewards, repeated, [r["prompt"] for r in repeated], made.texts, made.ids
         )
         return made.batch
 
-    def _generation_seed(self, step: int, rank: int, index: int) -> int:
+    def generation_seed(self, step: int, rank: int, index: int) -> int:
+        """The seed of one micro-batch's sampling (``step`` -1: the evaluation's, the same at
+        every evaluation)."""
         return ((self.seed * 1_000_003 + step) * 10_007 + rank) * 10_007 + index
 
     def _record(self, per_function: torch.Tensor, weights: torch.Tensor, lengths: Any) -> None:
@@ -310,11 +312,11 @@ def generate(
     run: RunParts,
     rows: list[dict[str, Any]],
     settings: GrpoSettings,
-    seed: int | None,
+    seed: int,
     group: int | None = None,
 ) -> Generated:
-    """``group`` (default G) completions of each prompt in ``rows``, sampled from ``seed``
-    (None: greedy), on the unwrapped model in eval mode; the global RNG is left as it was."""
+    """``group`` (default G) completions of each prompt in ``rows``, sampled from ``seed``, on
+    the unwrapped model in eval mode; the global RNG is left as it was."""
     import torch
 
     tokenizer, device = run.tokenizer, run.accelerator.device
@@ -330,21 +332,12 @@ def generate(
     ).to(device)
     prompt_ids = encoded["input_ids"].repeat_interleave(group, dim=0)
     prompt_mask = encoded["attention_mask"].repeat_interleave(group, dim=0)
-    sampling: dict[str, bool | float] = {"do_sample": False}
-    if seed is not None:
-        sampling = {
-            "do_sample": True,
-            "temperature": settings.temperature,
-            "top_p": settings.top_p,
-            "top_k": 0,
-        }
     model = run.accelerator.unwrap_model(run.model)
     was_training = model.training
     model.eval()  # no dropout, no gradient checkpointing: the KV cache stays on
     devices = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.no_grad():
-        if seed is not None:
-            torch.manual_seed(seed)
+        torch.manual_seed(seed)
         output = model.generate(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
@@ -352,7 +345,10 @@ def generate(
             use_cache=True,  # off for training (effitrain.models), on for generating
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
-            **sampling,
+            do_sample=True,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            top_k=0,  # off, as TRL's
         )
     model.train(was_training)
     completion_ids, completion_mask = _completions(
@@ -372,8 +368,10 @@ def generate(
 
 
 def evaluate_grpo(run: RunParts) -> dict[str, Any]:
-    """The validation prompts' greedy completions, one each, scored: the mean reward, each
-    function's, the mean length, and the first prompt's completion under ``"sample"``."""
+    """One sampled completion of each validation prompt, scored: the mean reward, each
+    function's, the mean length, and the first prompt's completion under ``"sample"``. The
+    sampling is seeded alike at every evaluation (greedy decoding would show one token repeated
+    long before the policy prefers it)."""
     import torch
 
     loss = run.loss
@@ -381,13 +379,16 @@ def evaluate_grpo(run: RunParts) -> dict[str, Any]:
     scored: list[torch.Tensor] = []
     lengths: list[int] = []
     sample = ""
-    for batch in run.eval_loader:
+    for index, batch in enumerate(run.eval_loader):
         rows = batch["rows"]
-        made = generate(run, rows, loss.settings, seed=None, group=1)
+        seed = loss.generation_seed(-1, run.accelerator.process_index, index)
+        made = generate(run, rows, loss.settings, seed, group=1)
         prompts = [row["prompt"] for row in rows]
         scored.append(score(loss.rewards, rows, prompts, made.texts, made.ids))
         lengths.extend(len(ids) for ids in made.ids)
-        sample = sample or f"{prompts[0]!s} -> {made.texts[0]}"
+        if not sample:  # a chat's last turn stands for it
+            first = prompts[0] if isinstance(prompts[0], str) else prompts[0][-1]["content"]
+            sample = f"{first} -> {made.texts[0]}"
     device = run.accelerator.device
     per_function = run.accelerator.gather_for_metrics(torch.cat(scored).to(device)).cpu()
     counts = run.accelerator.gather_for_metrics(torch.tensor(lengths, device=device)).cpu()
