@@ -289,10 +289,9 @@ def _rewards_text(metrics: dict[str, Any]) -> str:
 def _eval_text(metrics: dict[str, Any], loss_first: bool = False) -> str:
     """An evaluation's numbers: loss and perplexity (causal-lm), loss and reward accuracy
     (preference), GRPO's rewards (no loss), or accuracy, F1 and loss."""
-    if "loss" not in metrics:
-        return _rewards_text({k: v for k, v in metrics.items() if k not in ("sample", "examples")})[
-            3:
-        ]
+    if "loss" not in metrics:  # GRPO's: its numbers, less the sample and the count
+        numbers = {k: v for k, v in metrics.items() if k not in ("sample", "examples")}
+        return _rewards_text(numbers).removeprefix(" · ")
     loss = f"loss {metrics['loss']:.4f}"
     if "rewards/accuracies" in metrics:
         return f"{loss}{_rewards_text(metrics)}"
