@@ -297,9 +297,14 @@ class TrainConfig:
         default_text="512; the demo 16",
     )
     temperature: float = option_field(
-        1.0, "grpo: the sampling temperature (log-probs are of logits / T, as TRL's).", panel=GRPO
+        1.0,
+        "grpo: the sampling temperature (log-probs are of logits / T, as TRL's).",
+        panel=GRPO,
+        metavar="T",
     )
-    top_p: float = option_field(1.0, "grpo: nucleus sampling's probability mass.", panel=GRPO)
+    top_p: float = option_field(
+        1.0, "grpo: nucleus sampling's probability mass.", panel=GRPO, metavar="P"
+    )
     reward: list[str] | None = option_field(
         None,
         "grpo: reward functions, called as TRL calls them; comma-separated. Default: the "
@@ -332,12 +337,16 @@ class TrainConfig:
         choices=SCALE_REWARDS,
     )
     epsilon: float = option_field(
-        0.2, "grpo: the clipped ratio's lower bound, 1 - epsilon (TRL's).", panel=GRPO
+        0.2,
+        "grpo: the clipped ratio's lower bound, 1 - epsilon (TRL's).",
+        panel=GRPO,
+        metavar="EPS",
     )
     epsilon_high: float | None = option_field(
         None,
         "grpo: the clipped ratio's upper bound, 1 + epsilon_high (TRL's; default: --epsilon).",
         panel=GRPO,
+        metavar="EPS",
     )
 
     # --- optimizer and schedule ---
