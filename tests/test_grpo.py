@@ -243,6 +243,7 @@ def test_refusals(train_cli):
             "must be a multiple of --num-generations",
         ),
         (["--packing"], "--packing does not apply to --task grpo"),
+        (["--chunked-loss", "torch"], "--chunked-loss does not apply to --task grpo"),
         (["--reward", "x.txt"], "expected FILE.py:FUNCTION"),
     ):
         assert_clean_error(cli("train", "--task", "grpo", *args), fragment)

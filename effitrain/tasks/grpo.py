@@ -31,8 +31,15 @@ if TYPE_CHECKING:
     from effitrain.parts import RunParts
     from effitrain.tasks.grpo_loss import GrpoLoss
 
-REFUSED_OPTIONS = (*CAUSAL_LM_OPTIONS, "preference_loss", "label_smoothing", "simpo_gamma")
-"""Options GRPO does not take: the causal LM's data shaping and sample, the preference losses'."""
+REFUSED_OPTIONS = (
+    *CAUSAL_LM_OPTIONS,
+    "preference_loss",
+    "label_smoothing",
+    "simpo_gamma",
+    "chunked_loss",
+)
+"""Options GRPO does not take: the causal LM's data shaping and sample, the preference losses',
+and the chunked loss (its log-probs come from the completion's logits, not chunk by chunk, yet)."""
 NOT_YET = "the generation phase is not modelled yet"
 """Why ``estimate`` and ``plan`` refuse ``--task grpo`` (issue 47, item 3)."""
 
