@@ -33,12 +33,16 @@ SCHEDULERS = ("linear", "cosine", "constant")
 MIXED_PRECISION = ("no", "fp16", "bf16")
 DEFAULT_CAUSAL_MODEL = "tiny-llama"
 """The model of ``--task causal-lm`` when none is given (the causal-LM demo's preset)."""
-DECODER_TASKS = ("causal-lm", "preference")
+DECODER_TASKS = ("causal-lm", "preference", "grpo")
 """The tasks that train a ``*ForCausalLM`` (its presets, its chunked loss)."""
 SAVE_STRATEGIES = ("steps", "epoch", "no")
 PREFERENCE_LOSSES = ("dpo", "orpo", "simpo")
 """``--preference-loss`` (effitrain.tasks.preference_loss): DPO needs a reference model, ORPO
 and SimPO do not."""
+GRPO_LOSSES = ("dapo", "grpo", "dr_grpo", "bnpo")
+"""``--grpo-loss`` (effitrain.tasks.grpo_loss), TRL's loss_type names; dapo is TRL's default."""
+SCALE_REWARDS = ("group", "batch", "none")
+"""``--scale-rewards``: what divides the advantages, as TRL's scale_rewards."""
 TRACKERS = (
     "tensorboard",
     "wandb",
@@ -57,13 +61,14 @@ REPORT_TO = ("none", "all", *TRACKERS)
 HELP_PANELS = (
     "Model and data",
     "Preference tuning",
+    "Online RL (GRPO)",
     "Optimizer",
     "Loop",
     "Memory levers",
     "Output",
 )
 """The panels of ``effitrain train --help``, in order; every field names its own."""
-MODEL_AND_DATA, PREFERENCE, OPTIMIZER, LOOP, MEMORY_LEVERS, OUTPUT = HELP_PANELS
+MODEL_AND_DATA, PREFERENCE, GRPO, OPTIMIZER, LOOP, MEMORY_LEVERS, OUTPUT = HELP_PANELS
 PER_OPTIMIZER = "per optimizer, see effitrain optimizers"
 """The default --help shows for options whose default depends on the optimizer and on
 fine-tuning versus training from scratch."""
@@ -161,7 +166,7 @@ class TrainConfig:
     # --- model and data ---
     task: str | None = option_field(
         None,
-        "sequence-classification, causal-lm or preference. Default: causal-lm for a causal-LM "
+        "sequence-classification, causal-lm, preference or grpo. Default: causal-lm for a causal-LM "
         "preset, or a *ForCausalLM model with no label column in the data; else "
         "sequence-classification.",
         panel=MODEL_AND_DATA,
@@ -257,7 +262,8 @@ class TrainConfig:
     )
     beta: float | None = option_field(
         None,
-        "preference: the loss's beta (dpo 0.1, orpo 0.1, simpo 2.0 as TRL's defaults).",
+        "preference: the loss's beta (dpo 0.1, orpo 0.1, simpo 2.0 as TRL's defaults); grpo: "
+        "the KL penalty's (0, TRL's default).",
         panel=PREFERENCE,
         metavar="BETA",
         default_text="per loss",
@@ -274,6 +280,73 @@ class TrainConfig:
         "margin is gamma / beta).",
         panel=PREFERENCE,
         metavar="GAMMA",
+    )
+
+    # --- online RL (--task grpo) ---
+    num_generations: int = option_field(
+        8,
+        "grpo: completions generated per prompt, a group (TRL's num_generations); --batch-size "
+        "counts completions, so each micro-batch holds batch-size / G prompts.",
+        panel=GRPO,
+        metavar="G",
+    )
+    max_completion_length: int | None = option_field(
+        None,
+        "grpo: the most tokens generated per completion (TRL's default 512).",
+        panel=GRPO,
+        default_text="512; the demo 16",
+    )
+    temperature: float = option_field(
+        1.0,
+        "grpo: the sampling temperature (log-probs are of logits / T, as TRL's).",
+        panel=GRPO,
+        metavar="T",
+    )
+    top_p: float = option_field(
+        1.0, "grpo: nucleus sampling's probability mass.", panel=GRPO, metavar="P"
+    )
+    reward: list[str] | None = option_field(
+        None,
+        "grpo: reward functions, called as TRL calls them; comma-separated. Default: the "
+        "built-in demo reward (effitrain.tasks.grpo_rewards).",
+        panel=GRPO,
+        metavar="FILE.py:FUNCTION[,...]",
+        elsewhere=("reward_funcs",),
+    )
+    reward_weights: list[float] | None = option_field(
+        None,
+        "grpo: one weight per --reward, comma-separated (default: 1 each).",
+        panel=GRPO,
+        metavar="W[,W...]",
+    )
+    grpo_loss: str = option_field(
+        "dapo",
+        "grpo: TRL's loss_type: dapo (a token mean over the step), grpo (a mean of sequence "
+        "means), dr_grpo (over completions x max completion length) or bnpo (a token mean over "
+        "the micro-batch).",
+        panel=GRPO,
+        metavar="NAME",
+        choices=GRPO_LOSSES,
+        elsewhere=("loss_type",),
+    )
+    scale_rewards: str = option_field(
+        "group",
+        "grpo: divide each advantage by its group's reward std (group), the batch's (batch) or "
+        "nothing (none), as TRL's scale_rewards.",
+        panel=GRPO,
+        choices=SCALE_REWARDS,
+    )
+    epsilon: float = option_field(
+        0.2,
+        "grpo: the clipped ratio's lower bound, 1 - epsilon (TRL's).",
+        panel=GRPO,
+        metavar="EPS",
+    )
+    epsilon_high: float | None = option_field(
+        None,
+        "grpo: the clipped ratio's upper bound, 1 + epsilon_high (TRL's; default: --epsilon).",
+        panel=GRPO,
+        metavar="EPS",
     )
 
     # --- optimizer and schedule ---
@@ -680,6 +753,8 @@ def _coerce(key: str, value: Any, annotation: Any, source: str) -> Any:
     if typing.get_origin(annotation) is list:
         if isinstance(value, str):
             value = [part.strip() for part in value.split(",") if part.strip()]
+        if typing.get_args(annotation) == (float,) and isinstance(value, list):
+            return [_coerce(key, v, float, source) for v in value]  # --reward-weights
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise wrong("a list of strings")
         return value

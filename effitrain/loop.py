@@ -374,6 +374,7 @@ def step_batches(
     accelerator, per_step = run.accelerator, run.config.grad_accum
     iterator = iter(batches)
     while group := list(itertools.islice(iterator, per_step)):
+        group = run.loss.step_batches(run, group)  # GRPO generates and scores here
         accelerator.step = per_step - len(group)
         weights = None
         if run.loss.token_weighted:

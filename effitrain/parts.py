@@ -103,6 +103,15 @@ class Loss(Protocol):
         probe tracks them, so that they are in the measured peak."""
         ...
 
+    def step_batches(self, run: RunParts, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """One optimizer step's micro-batches as the loss trains on them, read before the
+        step's first forward (GRPO: each batch of prompts becomes its scored completions)."""
+        ...
+
+    def histories(self) -> dict[str, list[float]]:
+        """Per-step series it adds to the metrics JSON (GRPO's ``reward_history``)."""
+        ...
+
     def save_extra(self, run: RunParts, folder: Path) -> None:
         """Write what it keeps in a checkpoint folder besides Accelerate's state (every
         process calls it)."""

@@ -199,6 +199,9 @@ class TrainResult:
     loss's window metrics (a preference loss's ``rewards/accuracies`` …)."""
     train_metrics: dict[str, float] = field(default_factory=dict)
     """The loss's window metrics at the last log line (empty for most losses)."""
+    histories: dict[str, list[float]] = field(default_factory=dict)
+    """The loss's per-step series, each a top-level key of the JSON (GRPO's
+    ``reward_history``; none for most losses)."""
     flops_per_step: int | None = None
     """FLOPs of one optimizer step on this device, counted on the run's first step
     (``effitrain.cost``; None: not counted)."""
@@ -216,8 +219,8 @@ class TrainResult:
 
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
-        del data["memory"], data["speed_unit"]
-        return {**data, **self.memory.to_dict()}
+        del data["memory"], data["speed_unit"], data["histories"]
+        return {**data, **self.histories, **self.memory.to_dict()}
 
 
 @dataclass(frozen=True)

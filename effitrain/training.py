@@ -317,6 +317,7 @@ def summarize(
             for k, v in (progress.loss_history[-1] if progress.loss_history else {}).items()
             if k not in ("step", "loss")
         },
+        histories=run.loss.histories(),
         memory=memory_record(run, progress),
         peak_memory_bytes=peak_bytes,
         peak_memory_kind=peak_kind,

@@ -14,11 +14,13 @@ import pytest
 from effitrain.checkpoint import resume_command
 from effitrain.cli.compare import train_config
 from effitrain.config import (
+    GRPO_LOSSES,
     HELP_PANELS,
     MIXED_PRECISION,
     OPTIONS,
     PREFERENCE_LOSSES,
     SAVE_STRATEGIES,
+    SCALE_REWARDS,
     SCHEDULERS,
     TRACKERS,
     TrainConfig,
@@ -32,6 +34,7 @@ from effitrain.levers.reference import REFERENCE_DTYPES, REFERENCES
 
 CAUSAL = {"task": "causal-lm", "model": "tiny-llama"}
 PREFERENCE = {"task": "preference", "model": "tiny-llama"}
+GRPO = {"task": "grpo", "model": "tiny-llama"}
 LORA = {"lora_rank": 4}
 
 VALUES: dict[str, tuple[object, dict[str, object]]] = {
@@ -52,6 +55,16 @@ VALUES: dict[str, tuple[object, dict[str, object]]] = {
     "beta": (0.2, PREFERENCE),
     "label_smoothing": (0.1, PREFERENCE),
     "simpo_gamma": (1.0, {**PREFERENCE, "preference_loss": "simpo"}),
+    "num_generations": (4, GRPO),
+    "max_completion_length": (32, GRPO),
+    "temperature": (0.7, GRPO),
+    "top_p": (0.9, GRPO),
+    "reward": (["rewards.py:exact", "rewards.py:short"], GRPO),
+    "reward_weights": ([1.0, 0.5], {**GRPO, "reward": ["rewards.py:exact", "rewards.py:short"]}),
+    "grpo_loss": ("grpo", GRPO),
+    "scale_rewards": ("batch", GRPO),
+    "epsilon": (0.1, GRPO),
+    "epsilon_high": (0.28, GRPO),
     "optim": ("adafactor", {}),
     "lr": (3e-4, {}),
     "weight_decay": (0.1, {}),
@@ -188,6 +201,8 @@ def test_the_cli_takes_each_option_from_the_table():
         "optimizer_offload": OPTIMIZER_OFFLOAD,
         "save_strategy": SAVE_STRATEGIES,
         "preference_loss": PREFERENCE_LOSSES,
+        "grpo_loss": GRPO_LOSSES,
+        "scale_rewards": SCALE_REWARDS,
         "reference": REFERENCES,
         "reference_dtype": REFERENCE_DTYPES,
         "report_to": ("none", "all", *TRACKERS),

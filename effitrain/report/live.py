@@ -274,7 +274,10 @@ def _work_text(result: TrainResult) -> str:
 
 def _rewards_text(metrics: dict[str, Any]) -> str:
     """A preference loss's reward accuracy and margin (`` · reward acc 0.625 · margin
-    +0.041``), or '' for other losses."""
+    +0.041``), GRPO's rewards, lengths and clipped share by TRL's names, or '' for other
+    losses."""
+    if "reward" in metrics:
+        return "".join(f" · {name} {value:.4g}" for name, value in metrics.items())
     if "rewards/accuracies" not in metrics:
         return ""
     return (
@@ -285,7 +288,10 @@ def _rewards_text(metrics: dict[str, Any]) -> str:
 
 def _eval_text(metrics: dict[str, Any], loss_first: bool = False) -> str:
     """An evaluation's numbers: loss and perplexity (causal-lm), loss and reward accuracy
-    (preference), or accuracy, F1 and loss."""
+    (preference), GRPO's rewards (no loss), or accuracy, F1 and loss."""
+    if "loss" not in metrics:  # GRPO's: its numbers, less the sample and the count
+        numbers = {k: v for k, v in metrics.items() if k not in ("sample", "examples")}
+        return _rewards_text(numbers).removeprefix(" · ")
     loss = f"loss {metrics['loss']:.4f}"
     if "rewards/accuracies" in metrics:
         return f"{loss}{_rewards_text(metrics)}"

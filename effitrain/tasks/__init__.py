@@ -13,6 +13,8 @@ from effitrain.errors import EffitrainError
 from effitrain.models import CAUSAL_PRESETS, PRESETS, load_model_config
 from effitrain.tasks.base import (
     CAUSAL_LM,
+    GRPO,
+    GRPO_OPTIONS,
     PREFERENCE,
     PREFERENCE_OPTIONS,
     SEQUENCE_CLASSIFICATION,
@@ -21,17 +23,19 @@ from effitrain.tasks.base import (
 )
 from effitrain.tasks.causal_lm import CausalLMTask
 from effitrain.tasks.classification import ClassificationTask
+from effitrain.tasks.grpo import GrpoTask
 from effitrain.tasks.preference import PreferenceTask
 
 if TYPE_CHECKING:
     from effitrain.config import TrainConfig
 
 TASKS: dict[str, Task] = {
-    task.name: task for task in (ClassificationTask(), CausalLMTask(), PreferenceTask())
+    task.name: task for task in (ClassificationTask(), CausalLMTask(), PreferenceTask(), GrpoTask())
 }
 
 __all__ = [
     "CAUSAL_LM",
+    "GRPO",
     "PREFERENCE",
     "SEQUENCE_CLASSIFICATION",
     "TASKS",
@@ -42,7 +46,7 @@ __all__ = [
 
 
 def get_task(name: str) -> Task:
-    """The task called ``name`` (``sequence-classification``, ``causal-lm`` or ``preference``)."""
+    """The task called ``name`` (one of :data:`~effitrain.tasks.base.TASK_NAMES`)."""
     try:
         return TASKS[name]
     except KeyError:
@@ -79,12 +83,18 @@ def check_options(config: TrainConfig) -> None:
 
 
 def check_preference_options(config: TrainConfig, task: str) -> None:
-    """Refuse the preference losses' options under another task (they would do nothing)."""
-    if task == PREFERENCE:
-        return
+    """Refuse the preference losses' and GRPO's options under another task (they would do
+    nothing); ``--beta`` is both's."""
     from effitrain.config import default_for, option
 
+    for name in GRPO_OPTIONS:
+        if task != GRPO and getattr(config, name) != default_for(name):
+            raise EffitrainError(f"{option(name)} needs --task grpo (this run is {task}); drop it")
+    if task == PREFERENCE:
+        return
     for name in PREFERENCE_OPTIONS:
+        if task == GRPO and name == "beta":
+            continue
         if getattr(config, name) != default_for(name):
             raise EffitrainError(
                 f"{option(name)} needs --task preference (this run is {task}); drop it"

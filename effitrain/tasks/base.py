@@ -23,13 +23,26 @@ if TYPE_CHECKING:
     from effitrain.report.live import Reporter
 
 SEQUENCE_CLASSIFICATION, CAUSAL_LM = "sequence-classification", "causal-lm"
-PREFERENCE = "preference"
-TASK_NAMES = (SEQUENCE_CLASSIFICATION, CAUSAL_LM, PREFERENCE)
+PREFERENCE, GRPO = "preference", "grpo"
+TASK_NAMES = (SEQUENCE_CLASSIFICATION, CAUSAL_LM, PREFERENCE, GRPO)
 CAUSAL_LM_OPTIONS = ("packing", "completion_only_loss", "sample_prompt")
 PREFERENCE_OPTIONS = ("preference_loss", "beta", "label_smoothing", "simpo_gamma")
 """Config fields that only preference training takes (the reference lever's: its spec's
-``task``)."""
+``task``); GRPO takes ``beta`` too (its KL penalty's)."""
 """Config fields that only causal-LM training takes (a lever's: its spec's ``task``)."""
+GRPO_OPTIONS = (
+    "num_generations",
+    "max_completion_length",
+    "temperature",
+    "top_p",
+    "reward",
+    "reward_weights",
+    "grpo_loss",
+    "scale_rewards",
+    "epsilon",
+    "epsilon_high",
+)
+"""Config fields that only GRPO takes."""
 
 
 class LossMoments:
@@ -44,6 +57,12 @@ class LossMoments:
 
     def step_tensors(self) -> list[torch.nn.Module | torch.Tensor]:
         return []
+
+    def step_batches(self, run: RunParts, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return batches
+
+    def histories(self) -> dict[str, list[float]]:
+        return {}
 
     def save_extra(self, run: RunParts, folder: Path) -> None:
         pass

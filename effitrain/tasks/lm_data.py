@@ -229,7 +229,7 @@ def _check_rows(split: datasets.Dataset, fmt: str, name: str) -> None:
     as loaded)."""
     if fmt == "messages":
         for index, messages in enumerate(split["messages"]):
-            if not _is_conversation(messages):
+            if not is_conversation(messages):
                 raise EffitrainError(
                     f"{name} row index {index}: 'messages' must be a non-empty list of "
                     f"{{role, content}} with string values, got {repr(messages)[:60]}"
@@ -320,7 +320,8 @@ def _with_eos(ids: list[int], eos: int) -> list[int]:
     return ids if ids and ids[-1] == eos else [*ids, eos]
 
 
-def _is_conversation(messages: Any) -> bool:
+def is_conversation(messages: Any) -> bool:
+    """A chat: a non-empty list of messages with string roles and contents."""
     return (
         isinstance(messages, list)
         and bool(messages)

@@ -1,0 +1,417 @@
+"""GRPO's step as TRL 1.16's ``GRPOTrainer`` takes it: generate a group of G completions per
+prompt, score them, normalise the rewards within each group, and train on the clipped
+policy-gradient loss of the completion tokens.
+
+**Generation** (:meth:`GrpoLoss.step_batches`, before the optimizer step's first forward, as TRL
+generates a whole step's completions at once): transformers' ``generate`` on the unwrapped model
+(adapters on, the policy's dtype, KV cache on, no gradient, in eval mode so that neither dropout
+nor gradient checkpointing acts), prompts left-padded, sampled with ``--temperature`` and
+``--top-p`` (top-k off, as TRL's). Each micro-batch is sampled from its own seed, drawn from
+(``--seed``, optimizer step, process, micro-batch), so a resumed run draws what the uninterrupted
+one drew; the global RNG is left as it was. A completion ends at its first eos, which it keeps.
+
+**Advantages** (:func:`group_advantages`): the rewards' weighted ``nansum`` over functions (NaN
+where every function returned None: no advantage), minus the group's mean, over the group's std
+(``--scale-rewards group``), the whole step's (``batch``) or not divided (``none``), + 1e-4.
+
+**Loss** (:func:`policy_loss`): with one iteration per generation the old log-probs are the
+current ones, detached, so the ratio is 1 and its gradient that of the log-probs;
+``-min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)`` per token, reduced as TRL's
+``loss_type``: ``grpo`` a mean of sequence means, ``bnpo`` the micro-batch's token mean, ``dr_grpo``
+the sum over completions x max completion length, ``dapo`` (TRL's default) a token mean over
+the optimizer step on all processes (the loop's token weighting: ``token_weighted``). The
+log-probs are of the logits over ``--temperature``, for the completion tokens only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from effitrain.tasks.base import LossMoments
+from effitrain.tasks.grpo_data import prompt_texts
+from effitrain.tasks.grpo_rewards import RewardFunction, score
+from effitrain.tasks.lm_data import IGNORE_INDEX, is_conversation
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import torch
+    from accelerate import Accelerator
+
+    from effitrain.config import TrainConfig
+    from effitrain.parts import RunParts
+
+COMPLETION_LENGTH, DEMO_COMPLETION_LENGTH = 512, 16
+"""``--max-completion-length`` when not given: TRL's default; the built-in demo's."""
+STATE_FILE = "grpo_state.json"
+"""What a checkpoint keeps of GRPO's own: the reward history."""
+ADVANTAGE_EPS = 1e-4
+"""What TRL adds to the std that divides the advantages."""
+
+
+@dataclass(frozen=True)
+class GrpoSettings:
+    """GRPO's options, resolved once."""
+
+    num_generations: int
+    max_completion_length: int
+    temperature: float
+    top_p: float
+    loss_type: str
+    scale_rewards: str
+    epsilon_low: float
+    epsilon_high: float
+    weights: tuple[float, ...]
+    """One per reward function."""
+
+    @classmethod
+    def of(cls, config: TrainConfig, weights: list[float]) -> GrpoSettings:
+        length = config.max_completion_length or (
+            DEMO_COMPLETION_LENGTH if config.uses_builtin_data else COMPLETION_LENGTH
+        )
+        return cls(
+            config.num_generations,
+            length,
+            config.temperature,
+            config.top_p,
+            config.grpo_loss,
+            config.scale_rewards,
+            config.epsilon,
+            config.epsilon if config.epsilon_high is None else config.epsilon_high,
+            tuple(weights),
+        )
+
+
+def nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """The std ignoring NaNs, Bessel-corrected (NaN below two values), as TRL's ``nanstd``."""
+    import torch
+
+    mean = torch.nanmean(values, dim=dim, keepdim=True)
+    variance = torch.nanmean((values - mean) ** 2, dim=dim, keepdim=True)
+    count = torch.sum(~torch.isnan(values), dim=dim, keepdim=True)
+    correction = torch.where(count > 1, count / (count - 1), torch.full_like(mean, math.nan))
+    std = torch.sqrt(variance * correction)
+    return std.squeeze() if dim is None else std.squeeze(dim)
+
+
+def weighted_rewards(per_function: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each completion's reward: the weighted ``nansum`` over functions, NaN where every
+    function returned None (unscorable)."""
+    import torch
+
+    rewards = (per_function * weights.unsqueeze(0)).nansum(dim=1)
+    return torch.where(torch.isnan(per_function).all(dim=1), math.nan, rewards)
+
+
+def group_advantages(
+    per_function: torch.Tensor, weights: torch.Tensor, group: int, scale: str
+) -> torch.Tensor:
+    """Each completion's advantage (``[N]``) from the rewards of ``N`` completions in groups
+    of ``group`` consecutive ones (``[N, functions]``), as TRL's ``sum_then_normalize``."""
+    import torch
+
+    rewards = weighted_rewards(per_function, weights)
+    grouped = rewards.view(-1, group)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(group)
+    if scale == "batch":
+        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else rewards * 0
+    else:  # "group", and "none" (whose std TRL only logs)
+        std = nanstd(grouped, dim=1).repeat_interleave(group) if group > 1 else rewards * 0
+    advantages = rewards - mean
+    if scale != "none":
+        advantages = advantages / (std + ADVANTAGE_EPS)
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+def completion_logps(
+    model: torch.nn.Module, batch: dict[str, Any], temperature: float
+) -> torch.Tensor:
+    """Each completion token's log-prob (``[B, T]``, fp32) under the logits over
+    ``temperature``, from one forward that keeps only the completion's logits."""
+    import torch
+
+    width = batch["completion_ids"].shape[1]
+    logits = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        logits_to_keep=width + 1,
+        use_cache=False,
+    ).logits[:, :-1]
+    logps = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logps.gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+
+
+def policy_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    settings: GrpoSettings,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The micro-batch's loss as TRL's ``_compute_loss`` (before its division by the
+    accumulation steps, which the loop's backward makes; ``dapo``: the sum, which the loop
+    weighs by the step's tokens), and its tokens whose ratio was clipped (``[B, T]``, bool)."""
+    import torch
+
+    advantages = advantages.unsqueeze(1)
+    ratio = torch.exp(logps - old_logps)
+    clipped_ratio = torch.clamp(ratio, 1 - settings.epsilon_low, 1 + settings.epsilon_high)
+    per_token = -torch.min(ratio * advantages, clipped_ratio * advantages)
+    mask = mask.to(per_token.dtype)
+    if settings.loss_type == "grpo":
+        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    elif settings.loss_type == "bnpo":
+        loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    elif settings.loss_type == "dr_grpo":
+        loss = (per_token * mask).sum() / (per_token.size(0) * settings.max_completion_length)
+    else:  # dapo
+        loss = (per_token * mask).sum()
+    low = (ratio < 1 - settings.epsilon_low) & (advantages < 0)
+    high = (ratio > 1 + settings.epsilon_high) & (advantages > 0)
+    return loss, (low | high) & mask.bool()
+
+
+class GrpoLoss(LossMoments):
+    """GRPO's loss, with the generation and scoring that feed it, and TRL's metrics."""
+
+    name = "grpo"
+    chunked = False
+
+    def __init__(self, settings: GrpoSettings, rewards: list[RewardFunction], seed: int):
+        self.settings = settings
+        self.rewards = rewards
+        self.seed = seed
+        self.reward_history: list[float] = []
+        """The mean reward of each optimizer step's completions, in order."""
+        self._window: list[dict[str, float]] = []
+        self._clip: list[float] = []
+
+    @property
+    def token_weighted(self) -> bool:
+        return self.settings.loss_type == "dapo"
+
+    def __call__(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        logps = completion_logps(model, batch, self.settings.temperature)
+        mask = batch["completion_mask"]
+        loss, clipped = policy_loss(logps, logps.detach(), batch["advantages"], mask, self.settings)
+        self._clip.append(float(clipped.sum()) / max(int(mask.sum()), 1))
+        return loss
+
+    def step_batches(self, run: RunParts, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Generate each batch's completions and score them; the advantages are normalised
+        over the groups of every process (a gather), as TRL's."""
+        import torch
+
+        step, rank = len(self.reward_history), run.accelerator.process_index
+        made = [self._generate(run, b["rows"], (step, rank, i)) for i, b in enumerate(batches)]
+        per_function = torch.cat([m.pop("rewards_per_function") for m in made])
+        lengths = torch.cat([m["completion_mask"].sum(1).cpu() for m in made]).float()
+        device = run.accelerator.device
+        gathered = run.accelerator.gather(per_function.to(device)).cpu()
+        gathered_lengths = run.accelerator.gather(lengths.to(device)).cpu()
+        weights = torch.tensor(self.settings.weights)
+        advantages = group_advantages(
+            gathered, weights, self.settings.num_generations, self.settings.scale_rewards
+        )
+        local = advantages[rank * len(per_function) : (rank + 1) * len(per_function)]
+        for m, part in zip(made, local.split([len(m["input_ids"]) for m in made]), strict=True):
+            m["advantages"] = part.to(device)
+        self._record(gathered, weights, gathered_lengths)
+        return made
+
+    def _generate(
+        self, run: RunParts, rows: list[dict[str, Any]], where: tuple[int, int, int]
+    ) -> dict[str, Any]:
+        """One micro-batch: G sampled completions of each prompt in ``rows``, scored."""
+        made = generate(run, rows, self.settings, self.generation_seed(*where))
+        repeated = [row for row in rows for _ in range(self.settings.num_generations)]
+        made.batch["rewards_per_function"] = score(
+            self.rewards, repeated, [r["prompt"] for r in repeated], made.texts, made.ids
+        )
+        return made.batch
+
+    def generation_seed(self, step: int, rank: int, index: int) -> int:
+        """The seed of one micro-batch's sampling (``step`` -1: the evaluation's, the same at
+        every evaluation)."""
+        return ((self.seed * 1_000_003 + step) * 10_007 + rank) * 10_007 + index
+
+    def _record(self, per_function: torch.Tensor, weights: torch.Tensor, lengths: Any) -> None:
+        """The step's metrics, by TRL's names, and its mean reward into the history."""
+        import torch
+
+        rewards = weighted_rewards(per_function, weights)
+        metrics = {
+            "reward": float(torch.nanmean(rewards)),
+            "reward_std": float(nanstd(rewards)),
+            "completions/mean_length": float(lengths.mean()),
+        }
+        for column, reward in enumerate(self.rewards):
+            metrics[f"rewards/{reward.name}/mean"] = float(torch.nanmean(per_function[:, column]))
+        self._window.append(metrics)
+        self.reward_history.append(metrics["reward"])
+
+    def window_metrics(self, accelerator: Accelerator) -> dict[str, float]:
+        """The means of the steps' metrics since the last log line (every process has the
+        gathered rewards already), and ``clip_ratio/region_mean``, as TRL logs them."""
+        if not self._window:
+            return {}
+        names = list(self._window[0])
+        metrics = {n: sum(m[n] for m in self._window) / len(self._window) for n in names}
+        if self._clip:
+            metrics["clip_ratio/region_mean"] = sum(self._clip) / len(self._clip)
+        self._window, self._clip = [], []
+        return metrics
+
+    def describe(self) -> list[str]:
+        s = self.settings
+        names = ", ".join(f"{r.name} x{w:g}" for r, w in zip(self.rewards, s.weights, strict=True))
+        return [
+            f"GRPO ({s.loss_type} loss): {s.num_generations} completions per prompt, up to "
+            f"{s.max_completion_length} tokens, temperature {s.temperature:g}, top-p "
+            f"{s.top_p:g}; rewards: {names}"
+        ]
+
+    def to_dict(self) -> dict[str, Any]:
+        s = self.settings
+        return {
+            "implementation": self.name,
+            "weighting": "step token mean" if self.token_weighted else "micro-batch",
+            "loss_type": s.loss_type,
+            "num_generations": s.num_generations,
+            "max_completion_length": s.max_completion_length,
+            "rewards": [r.source for r in self.rewards],
+            "reward_weights": list(s.weights),
+        }
+
+    def histories(self) -> dict[str, list[float]]:
+        return {"reward_history": list(self.reward_history)}
+
+    def save_extra(self, run: RunParts, folder: Path) -> None:
+        if run.accelerator.is_main_process:
+            (folder / STATE_FILE).write_text(json.dumps({"reward_history": self.reward_history}))
+
+    def load_extra(self, run: RunParts, folder: Path) -> None:
+        state = json.loads((folder / STATE_FILE).read_text())
+        self.reward_history = [float(r) for r in state["reward_history"]]
+
+
+class Generated(NamedTuple):
+    batch: dict[str, Any]
+    """Prompt + completion rows: ``input_ids``, ``attention_mask``, ``labels`` (the
+    completions'), ``completion_ids`` and ``completion_mask``."""
+    texts: list[str]
+    """Each completion decoded, special tokens left out."""
+    ids: list[list[int]]
+    """Each completion's token ids (up to its eos, kept)."""
+
+
+def generate(
+    run: RunParts,
+    rows: list[dict[str, Any]],
+    settings: GrpoSettings,
+    seed: int,
+    group: int | None = None,
+) -> Generated:
+    """``group`` (default G) completions of each prompt in ``rows``, sampled from ``seed``, on
+    the unwrapped model in eval mode; the global RNG is left as it was."""
+    import torch
+
+    tokenizer, device = run.tokenizer, run.accelerator.device
+    assert tokenizer is not None  # only an estimate has none, and GRPO is not estimated
+    group = group or settings.num_generations
+    prompts = [row["prompt"] for row in rows]
+    encoded = tokenizer(
+        prompt_texts(prompts, tokenizer),
+        return_tensors="pt",
+        padding=True,
+        padding_side="left",
+        add_special_tokens=not is_conversation(prompts[0]),  # a chat template writes its own
+    ).to(device)
+    prompt_ids = encoded["input_ids"].repeat_interleave(group, dim=0)
+    prompt_mask = encoded["attention_mask"].repeat_interleave(group, dim=0)
+    model = run.accelerator.unwrap_model(run.model)
+    was_training = model.training
+    model.eval()  # no dropout, no gradient checkpointing: the KV cache stays on
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        torch.manual_seed(seed)
+        output = model.generate(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            max_new_tokens=settings.max_completion_length,
+            use_cache=True,  # off for training (effitrain.models), on for generating
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            do_sample=True,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            top_k=0,  # off, as TRL's
+        )
+    model.train(was_training)
+    completion_ids, completion_mask = _completions(
+        output[:, prompt_ids.shape[1] :], tokenizer.eos_token_id, tokenizer.pad_token_id
+    )
+    lengths = completion_mask.sum(1).tolist()
+    ids = [row[:n] for row, n in zip(completion_ids.tolist(), lengths, strict=True)]
+    labels = completion_ids.masked_fill(completion_mask == 0, IGNORE_INDEX)
+    batch = {
+        "input_ids": torch.cat([prompt_ids, completion_ids], dim=1),
+        "attention_mask": torch.cat([prompt_mask, completion_mask], dim=1),
+        "labels": torch.cat([torch.full_like(prompt_ids, IGNORE_INDEX), labels], dim=1),
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+    }
+    return Generated(batch, tokenizer.batch_decode(ids, skip_special_tokens=True), ids)
+
+
+def evaluate_grpo(run: RunParts) -> dict[str, Any]:
+    """One sampled completion of each validation prompt, scored: the mean reward, each
+    function's, the mean length, and the first prompt's completion under ``"sample"``. The
+    sampling is seeded alike at every evaluation (greedy decoding would show one token repeated
+    long before the policy prefers it)."""
+    import torch
+
+    loss = run.loss
+    assert isinstance(loss, GrpoLoss)  # the task's
+    scored: list[torch.Tensor] = []
+    lengths: list[int] = []
+    sample = ""
+    for index, batch in enumerate(run.eval_loader):
+        rows = batch["rows"]
+        seed = loss.generation_seed(-1, run.accelerator.process_index, index)
+        made = generate(run, rows, loss.settings, seed, group=1)
+        prompts = [row["prompt"] for row in rows]
+        scored.append(score(loss.rewards, rows, prompts, made.texts, made.ids))
+        lengths.extend(len(ids) for ids in made.ids)
+        if not sample:  # a chat's last turn stands for it
+            first = prompts[0] if isinstance(prompts[0], str) else prompts[0][-1]["content"]
+            sample = f"{first} -> {made.texts[0]}"
+    device = run.accelerator.device
+    per_function = run.accelerator.gather_for_metrics(torch.cat(scored).to(device)).cpu()
+    counts = run.accelerator.gather_for_metrics(torch.tensor(lengths, device=device)).cpu()
+    rewards = weighted_rewards(per_function, torch.tensor(loss.settings.weights))
+    metrics: dict[str, Any] = {
+        "reward": float(torch.nanmean(rewards)),
+        "completions/mean_length": float(counts.float().mean()),
+        "examples": len(rewards),
+    }
+    for column, reward in enumerate(loss.rewards):
+        metrics[f"rewards/{reward.name}/mean"] = float(torch.nanmean(per_function[:, column]))
+    metrics["sample"] = sample
+    return metrics
+
+
+def _completions(generated: torch.Tensor, eos: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The completions cut after their first eos (kept), padded with ``pad`` to the longest
+    one, and their mask, as TRL's."""
+    import torch
+
+    is_eos = generated == eos
+    ends = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1), generated.shape[1])
+    positions = torch.arange(generated.shape[1], device=generated.device)
+    mask = (positions.unsqueeze(0) <= ends.unsqueeze(1)).long()
+    width = max(int(mask.sum(1).max()), 1)
+    return generated.masked_fill(mask == 0, pad)[:, :width], mask[:, :width]

@@ -1,0 +1,331 @@
+"""GRPO (``--task grpo``): the loss and its gradients equal TRL 1.16's ``GRPOTrainer._compute_loss``
+for each loss type on the same completions, masks and advantages; the log-probs equal TRL's
+``selective_log_softmax`` of the logits over the temperature; advantages as TRL normalises
+them; reward functions called as TRL calls them, with one-line errors; a tiny run end to end,
+its metrics by TRL's names, and an exact resume.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from effitrain.tasks.grpo_loss import (
+    GrpoSettings,
+    completion_logps,
+    group_advantages,
+    nanstd,
+    policy_loss,
+)
+from effitrain.tasks.grpo_rewards import RewardFunction, load_reward, score
+from effitrain.tasks.lm_loss import step_scale
+from tests.checkpoint_helpers import assert_identical, load_tensors
+
+
+@pytest.fixture(scope="module")
+def trl():
+    """TRL's GRPO trainer and helpers, imported once, where a test needs them (seconds)."""
+    pytest.importorskip("trl")
+    from trl.trainer import utils
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    return SimpleNamespace(
+        GRPOTrainer=GRPOTrainer,
+        selective_log_softmax=utils.selective_log_softmax,
+        nanstd=utils.nanstd,
+    )
+
+
+def _settings(loss_type: str, length: int = 6) -> GrpoSettings:
+    return GrpoSettings(4, length, 0.7, 1.0, loss_type, "group", 0.2, 0.28, (1.0,))
+
+
+def _tiny_model() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
+    return LlamaForCausalLM(config).float()
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    """Four left-padded prompts of 3 tokens and right-padded completions up to 5 tokens."""
+    generator = torch.Generator().manual_seed(1)
+    prompt_ids = torch.randint(4, 50, (4, 3), generator=generator)
+    prompt_mask = torch.tensor([[1, 1, 1], [0, 1, 1], [1, 1, 1], [0, 0, 1]])
+    completion_ids = torch.randint(4, 50, (4, 5), generator=generator)
+    completion_mask = torch.tensor(
+        [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 0, 0, 0, 0]]
+    )
+    return {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "input_ids": torch.cat([prompt_ids, completion_ids], 1),
+        "attention_mask": torch.cat([prompt_mask, completion_mask], 1),
+        "labels": torch.cat(
+            [
+                torch.full_like(prompt_ids, -100),
+                completion_ids.masked_fill(completion_mask == 0, -100),
+            ],
+            1,
+        ),
+        "advantages": torch.tensor([1.3, -0.4, 0.2, -1.1]),
+    }
+
+
+def _trl_trainer(settings: GrpoSettings, model: torch.nn.Module) -> SimpleNamespace:
+    """The attributes TRL's ``_compute_loss`` reads, for one process and no accumulation; its
+    log-probs are effitrain's (compared with TRL's own separately)."""
+    accelerator = SimpleNamespace(
+        num_processes=1,
+        reduce=lambda t, reduction: t,
+        gather=lambda t: t,
+        gather_for_metrics=lambda t: t,
+    )
+    args = SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1)
+    return SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda model, input_ids, attention_mask, width, **_: (
+            completion_logps(
+                model,
+                {
+                    "input_ids": input_ids,
+                    "attention_mask": attention_mask,
+                    "completion_ids": input_ids[:, -width:],
+                },
+                settings.temperature,
+            ),
+            torch.zeros(input_ids.shape[0], width),
+            None,
+        ),
+        aux_loss_enabled=False,
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        importance_sampling_level="token",
+        beta=0.0,
+        loss_type=settings.loss_type,
+        epsilon_low=settings.epsilon_low,
+        epsilon_high=settings.epsilon_high,
+        args=args,
+        use_vllm=False,
+        vllm_importance_sampling_correction=False,
+        model=model,
+        current_gradient_accumulation_steps=1,
+        max_completion_length=settings.max_completion_length,
+        accelerator=accelerator,
+        _entropy_bonus_enabled=False,
+        _metrics={"train": __import__("collections").defaultdict(list)},
+    )
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "bnpo"])
+def test_loss_and_gradients_equal_trl(loss_type, trl):
+    settings, model, batch = _settings(loss_type), _tiny_model(), _batch()
+    trl_inputs = {
+        k: batch[k]
+        for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
+    }
+    trl_inputs["num_items_in_batch"] = batch["completion_mask"].sum()
+    theirs = trl.GRPOTrainer._compute_loss(_trl_trainer(settings, model), model, trl_inputs)
+    their_grads = torch.autograd.grad(theirs, list(model.parameters()))
+
+    logps = completion_logps(model, batch, settings.temperature)
+    ours, _ = policy_loss(
+        logps, logps.detach(), batch["advantages"], batch["completion_mask"], settings
+    )
+    if loss_type == "dapo":  # a sum, weighed by the step's tokens as the loop weighs it
+        ours = ours * step_scale(
+            [batch], SimpleNamespace(num_processes=1, gradient_accumulation_steps=1)
+        )
+    our_grads = torch.autograd.grad(ours, list(model.parameters()))
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-7)
+    for a, b in zip(our_grads, their_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+    assert any(g.abs().sum() > 0 for g in our_grads)
+
+
+def test_log_probs_equal_trl_on_the_logits_over_the_temperature(trl):
+    model, batch = _tiny_model(), _batch()
+    width = batch["completion_ids"].shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        theirs = trl.selective_log_softmax(
+            logits[:, -width - 1 : -1], batch["completion_ids"], temperature=0.7
+        )
+        ours = completion_logps(model, batch, 0.7)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_advantages_as_trl(trl):
+    rewards = torch.tensor([[1.0, 0.0], [0.0, 0.0], [0.5, 1.0], [0.5, 1.0]])
+    weights = torch.tensor([1.0, 2.0])
+    # Weighted: [1, 0, 2.5, 2.5]; group 1 mean 0.5, std 0.7071; group 2 has no spread.
+    group = group_advantages(rewards, weights, 2, "group")
+    torch.testing.assert_close(
+        group,
+        torch.tensor([0.5, -0.5, 0.0, 0.0])
+        / torch.tensor([0.70711 + 1e-4, 0.70711 + 1e-4, 1e-4, 1e-4]),
+        rtol=1e-4,
+        atol=1e-6,
+    )
+    none = group_advantages(rewards, weights, 2, "none")
+    torch.testing.assert_close(none, torch.tensor([0.5, -0.5, 0.0, 0.0]))
+    batch = group_advantages(rewards, weights, 2, "batch")
+    std = float(torch.tensor([1.0, 0.0, 2.5, 2.5]).std())
+    torch.testing.assert_close(batch, torch.tensor([0.5, -0.5, 0.0, 0.0]) / (std + 1e-4))
+    # A completion every function refused (None) is out of its group's mean, advantage 0.
+    refused = torch.tensor([[1.0], [math.nan], [0.0], [2.0]])
+    torch.testing.assert_close(
+        group_advantages(refused, torch.tensor([1.0]), 2, "none"),
+        torch.tensor([0.0, 0.0, -1.0, 1.0]),
+    )
+    values = torch.tensor([[1.0, math.nan, 3.0], [2.0, 2.0, math.nan]])
+    torch.testing.assert_close(nanstd(values, dim=1), trl.nanstd(values, dim=1), equal_nan=True)
+    torch.testing.assert_close(nanstd(values), trl.nanstd(values))
+
+
+def test_reward_functions_called_as_trl(tmp_path):
+    file = tmp_path / "rewards.py"
+    file.write_text(
+        "def by_answer(prompts, completions, completion_ids, answer, **kwargs):\n"
+        "    return [None if a == 'skip' else float(c == a) + len(i) for c, a, i in zip(completions, answer, completion_ids)]\n"
+        "def broken(completions, **kwargs):\n"
+        "    return [1.0]\n"
+        "def wrong_type(completions, **kwargs):\n"
+        "    return 'good'\n"
+        "def raises(completions, **kwargs):\n"
+        "    raise ValueError('no answer column')\n"
+    )
+    reward = load_reward(f"{file}:by_answer")
+    rows = [{"prompt": "p", "answer": "x"}, {"prompt": "q", "answer": "skip"}]
+    table = score([reward], rows, ["p", "q"], ["x", "y"], [[1, 2], [3]])
+    assert table.shape == (2, 1) and table[0, 0] == 3.0 and math.isnan(table[1, 0])
+    from effitrain.errors import EffitrainError
+
+    for spec, fragment in (
+        (f"{file}:missing", "has no function 'missing'"),
+        (f"{tmp_path}/none.py:f", "no such file"),
+        ("rewards:f", "expected FILE.py:FUNCTION"),
+    ):
+        with pytest.raises(EffitrainError, match=fragment):
+            load_reward(spec)
+    for name, fragment in (
+        ("broken", "returned 1 rewards"),
+        ("wrong_type", "returned str"),
+        ("raises", "raised ValueError: no answer column"),
+    ):
+        with pytest.raises(EffitrainError, match=fragment):
+            score([load_reward(f"{file}:{name}")], rows, ["p", "q"], ["x", "y"], [[1], [2]])
+    assert RewardFunction  # the type the task holds
+
+
+def test_refusals(train_cli):
+    cli = train_cli
+    from tests.conftest import assert_clean_error
+
+    for args, fragment in (
+        (["--beta", "0.1"], "needs the reference model: not yet"),
+        (
+            ["--batch-size", "6", "--num-generations", "4"],
+            "must be a multiple of --num-generations",
+        ),
+        (["--packing"], "--packing does not apply to --task grpo"),
+        (["--chunked-loss", "torch"], "--chunked-loss does not apply to --task grpo"),
+        (["--reward", "x.txt"], "expected FILE.py:FUNCTION"),
+    ):
+        assert_clean_error(cli("train", "--task", "grpo", *args), fragment)
+    assert_clean_error(
+        cli("train", "--task", "causal-lm", "--num-generations", "4"),
+        "--num-generations needs --task grpo",
+    )
+    assert_clean_error(
+        cli("estimate", "--task", "grpo"), "the generation phase is not modelled yet"
+    )
+    assert_clean_error(
+        cli("plan", "--memory", "1GB", "--task", "grpo"), "the generation phase is not modelled yet"
+    )
+
+
+GRPO_RUN = (
+    "--task",
+    "grpo",
+    "--batch-size",
+    "4",
+    "--num-generations",
+    "2",
+    "--max-completion-length",
+    "4",
+    "--log-every",
+    "1",
+)
+
+
+def test_train_logs_trl_names_and_resumes_exactly(train_cli, tmp_path):
+    """A straight run saving at step 2 and a run resumed from its checkpoint end with the same
+    weights and the same reward history: generation is seeded from the step and the rank."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    common = (*GRPO_RUN, "--max-steps", "3", "--save-every", "2")
+    proc = train_cli(
+        "train", *common, "--output-dir", str(straight), "--metrics-json", str(tmp_path / "a.json")
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name in (
+        "reward",
+        "reward_std",
+        "rewards/letter_share/mean",
+        "completions/mean_length",
+        "clip_ratio/region_mean",
+    ):
+        assert f" {name} " in proc.stdout, name
+    resumed.mkdir()
+    shutil.copytree(straight / "checkpoint-2", resumed / "checkpoint-2")
+    proc = train_cli(
+        "train",
+        *common,
+        "--output-dir",
+        str(resumed),
+        "--metrics-json",
+        str(tmp_path / "b.json"),
+        "--resume",
+        "latest",
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("a", "b"))
+    assert len(a["reward_history"]) == 3 and a["reward_history"] == b["reward_history"]
+    assert a["loss_history"][-1]["reward"] == a["reward_history"][-1]
+    assert_identical(load_tensors(straight / "final"), load_tensors(resumed / "final"))
+
+
+def test_prompts_strings_or_chats_with_their_columns(tmp_path):
+    from effitrain.config import TrainConfig
+    from effitrain.demo.lm import build_lm_tokenizer
+    from effitrain.errors import EffitrainError
+    from effitrain.tasks.grpo_data import load_prompt_data, prompt_texts
+
+    chats = tmp_path / "chats.jsonl"
+    rows = [
+        {"prompt": [{"role": "user", "content": f"Say {n}"}], "answer": str(n)} for n in range(10)
+    ]
+    chats.write_text("\n".join(json.dumps(r) for r in rows))
+    data = load_prompt_data(TrainConfig(task="grpo", train_file=str(chats)))
+    assert data.conversational and "answer" in data.train.column_names
+    text = prompt_texts([rows[0]["prompt"]], build_lm_tokenizer())[0]
+    assert text.startswith("<|im_start|>user\nSay 0") and text.endswith("<|im_start|>assistant\n")
+    assert prompt_texts(["plain"], build_lm_tokenizer()) == ["plain"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "x"}))
+    with pytest.raises(EffitrainError, match="no 'prompt' column"):
+        load_prompt_data(TrainConfig(task="grpo", train_file=str(bad)))
