@@ -337,6 +337,10 @@ def measure_shapes(args: argparse.Namespace, device: str) -> common.Run:
     ladder = [(label, extra) for label, extra in LADDER if not missing & set(extra)]
     for model in (names[m.lower()] for m in args.models):
         folder = write_config(args.work_dir / "models", model)
+        # Named from the repository (the commands run there): the recorded commands hold
+        # no machine's absolute path.
+        if folder.resolve().is_relative_to(common.REPO):
+            folder = folder.resolve().relative_to(common.REPO)
         for mode in args.modes:
             base = {"model": model, "mode": mode}
             for label, extra in ladder if args.what == "levers" else []:
