@@ -23,9 +23,10 @@ count and its peak, bytes and FLOPs are those of every tile run (:func:`runs`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from effitrain.errors import EffitrainError
@@ -147,7 +148,7 @@ def run_tiles(
 def _function() -> type[torch.autograd.Function]:
     """The autograd Function (made on first use: torch is not imported with the levers)."""
     import torch
-    from torch.utils.checkpoint import get_device_states, set_device_states
+    from torch.utils.checkpoint import get_device_states
 
     from effitrain.cost import Recompute, Repeated
 
@@ -183,15 +184,7 @@ def _function() -> type[torch.autograd.Function]:
             grad_input = torch.empty_like(hidden_states) if wants_input else None
             sums: list[torch.Tensor | None] = [None] * len(trained)
             enabled, dtype = ctx.autocast
-            with (
-                torch.random.fork_rng(devices=ctx.devices, device_type=ctx.device_type),
-                # Outer saved-tensor hooks (the activation offload's) are not for a tile's
-                # tensors, which live only until its gradients are taken.
-                torch.autograd.graph.saved_tensors_hooks(_same, _same),
-            ):
-                # The tiles draw the random numbers they drew in forward (LoRA's dropout).
-                torch.set_rng_state(ctx.cpu_rng)
-                set_device_states(ctx.devices, ctx.device_rng, device_type=ctx.device_type)
+            with _replaying(ctx):
                 # Each tile a view of one detached input: not a leaf, which module hooks that
                 # watch gradients (FlopCounterMode's, the memory probe's) refuse in autograd.grad.
                 source = hidden_states.detach().requires_grad_(wants_input)
@@ -225,6 +218,23 @@ def _function() -> type[torch.autograd.Function]:
             return (None, None, None, grad_input, *sums)
 
     return TiledFunction
+
+
+@contextlib.contextmanager
+def _replaying(ctx: Any) -> Iterator[None]:
+    """Backward's recompute as forward ran: the random state forward drew from (LoRA's dropout
+    draws the same masks), restored after; outer saved-tensor hooks (the activation offload's)
+    off, as they are not for a tile's tensors, which live only until its gradients are taken."""
+    import torch
+    from torch.utils.checkpoint import set_device_states
+
+    with (
+        torch.random.fork_rng(devices=ctx.devices, device_type=ctx.device_type),
+        torch.autograd.graph.saved_tensors_hooks(_same, _same),
+    ):
+        torch.set_rng_state(ctx.cpu_rng)
+        set_device_states(ctx.devices, ctx.device_rng, device_type=ctx.device_type)
+        yield
 
 
 def _same(tensor: torch.Tensor) -> torch.Tensor:
