@@ -106,6 +106,17 @@ def weighted_rewards(per_function: torch.Tensor, weights: torch.Tensor) -> torch
     return torch.where(torch.isnan(per_function).all(dim=1), math.nan, rewards)
 
 
+def function_means(rewards: list[RewardFunction], per_function: torch.Tensor) -> dict[str, float]:
+    """Each reward function's mean over the completions (``[N, functions]``), None's left
+    out, by TRL's name ``rewards/<name>/mean``."""
+    import torch
+
+    return {
+        f"rewards/{reward.name}/mean": float(torch.nanmean(per_function[:, column]))
+        for column, reward in enumerate(rewards)
+    }
+
+
 def group_advantages(
     per_function: torch.Tensor, weights: torch.Tensor, group: int, scale: str
 ) -> torch.Tensor:
@@ -247,9 +258,8 @@ class GrpoLoss(LossMoments):
             "reward": float(torch.nanmean(rewards)),
             "reward_std": float(nanstd(rewards)),
             "completions/mean_length": float(lengths.mean()),
+            **function_means(self.rewards, per_function),
         }
-        for column, reward in enumerate(self.rewards):
-            metrics[f"rewards/{reward.name}/mean"] = float(torch.nanmean(per_function[:, column]))
         self._window.append(metrics)
         self.reward_history.append(metrics["reward"])
 
@@ -393,15 +403,13 @@ def evaluate_grpo(run: RunParts) -> dict[str, Any]:
     per_function = run.accelerator.gather_for_metrics(torch.cat(scored).to(device)).cpu()
     counts = run.accelerator.gather_for_metrics(torch.tensor(lengths, device=device)).cpu()
     rewards = weighted_rewards(per_function, torch.tensor(loss.settings.weights))
-    metrics: dict[str, Any] = {
+    return {
         "reward": float(torch.nanmean(rewards)),
         "completions/mean_length": float(counts.float().mean()),
         "examples": len(rewards),
+        **function_means(loss.rewards, per_function),
+        "sample": sample,
     }
-    for column, reward in enumerate(loss.rewards):
-        metrics[f"rewards/{reward.name}/mean"] = float(torch.nanmean(per_function[:, column]))
-    metrics["sample"] = sample
-    return metrics
 
 
 def _completions(generated: torch.Tensor, eos: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
