@@ -1,7 +1,7 @@
 """The plan's layer screens: a configuration's figures estimated with the model cut to one and
 to two layers, extended along that line to the model's depth (a decoder's layers are alike, so
-every part of a step grows by the same amount per layer), and what a full estimate's peak per
-device is."""
+every part of a step grows by the same amount per layer), a screen's peak at a larger
+micro-batch, and what a full estimate's peak per device is."""
 
 from __future__ import annotations
 
@@ -29,12 +29,42 @@ class Screen:
     parameters: int
     trainable: int
     cost: StepCost | None
+    phases: tuple[int, int] | None = None
+    """A step in two phases (GRPO): the training phase's peak and the generation phase's
+    (``peak`` is the larger); None: one phase."""
+
+    def peak_at(self, units: int) -> int:
+        """The peak at ``units`` times the screened micro-batch (:meth:`phase_peaks`)."""
+        training, generating = self.phase_peaks(units)
+        return max(training, generating or 0)
+
+    def peak_phase(self, units: int) -> str | None:
+        """``generation`` or ``training``: the phase of :meth:`peak_at`'s peak (None: one
+        phase)."""
+        training, generating = self.phase_peaks(units)
+        if generating is None:
+            return None
+        return "generation" if generating > training else "training"
+
+    def phase_peaks(self, units: int) -> tuple[int, int | None]:
+        """The training and the generation phase's peaks (None: one phase) at ``units`` times
+        the screened micro-batch: the parameters, gradients and state once, ``units`` times
+        the rest (an upper bound: the rest is activations and working tensors, at most
+        proportional to the tokens); generating holds the parameters and state, no
+        gradients."""
+        training = self.phases[0] if self.phases else self.peak
+        at_training = self.static + units * max(training - self.static, 0)
+        if self.phases is None:
+            return at_training, None
+        held = self.parameters + self.state
+        return at_training, held + units * max(self.phases[1] - held, 0)
 
 
 def device_peak(result: Estimate) -> int:
-    """An estimate's peak tensor bytes per device (the whole run's where it has one device)."""
+    """An estimate's peak tensor bytes per device (the whole run's where it has one device;
+    a generation phase counted whole, as one process holds it without sharding)."""
     if result.per_device is not None and result.per_device.peak_tensor_bytes is not None:
-        return result.per_device.peak_tensor_bytes
+        return max(result.per_device.peak_tensor_bytes, result.memory.generation_peak_bytes or 0)
     return result.memory.peak_tensor_bytes or 0
 
 
@@ -49,8 +79,18 @@ def screen_of(result: Estimate) -> Screen:
         state = memory.optimizer_state.bytes
         static = memory.parameter_bytes + memory.gradient_bytes + state
     parameters = per.parameter_bytes if per is not None else memory.parameter_bytes
+    phases = None
+    if memory.generation_peak_bytes is not None and memory.step_memory is not None:
+        training = per.peak_tensor_bytes if per is not None else None
+        phases = (training or memory.step_memory.peak_tensor_bytes, memory.generation_peak_bytes)
     return Screen(
-        device_peak(result), static, state, parameters, memory.trainable_parameters, result.cost
+        device_peak(result),
+        static,
+        state,
+        parameters,
+        memory.trainable_parameters,
+        result.cost,
+        phases,
     )
 
 
@@ -71,6 +111,11 @@ def extend(one: Screen, two: Screen, depth: int) -> Screen:
         parameters=at(one.parameters, two.parameters),
         trainable=at(one.trainable, two.trainable),
         cost=cost,
+        phases=(
+            (at(one.phases[0], two.phases[0]), at(one.phases[1], two.phases[1]))
+            if one.phases is not None and two.phases is not None
+            else None
+        ),
     )
 
 

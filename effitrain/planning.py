@@ -20,9 +20,12 @@ decides which configurations to estimate, and how to estimate many of them quick
 - **Optimizers.** One is estimated per lever set (of those that run it, the one with the most
   state); the others' state is its measured state scaled by their measured bytes per parameter
   (``effitrain/optim/state_bytes.json``).
-- **Micro-batches.** Estimated at micro-batch 1; a micro-batch of m holds the parameters,
-  gradients and state once and m times the rest of the peak (an upper bound: the rest is
-  activations and the step's working tensors, at most proportional to the tokens).
+- **Micro-batches.** Estimated at the task's smallest micro-batch (1; GRPO: one prompt's
+  group of G completions); m of those hold the parameters, gradients and state once and m
+  times the rest of the peak (an upper bound: the rest is activations and the step's working
+  tensors, at most proportional to the tokens). A step in two phases (GRPO: its completions
+  generated, then trained on) is screened so phase by phase, and its peak is the larger
+  (:meth:`effitrain.plan_screens.Screen.peak_at`).
 
 Those are screens, not results: the candidates that rank first are **verified** by a full
 estimate of the exact configuration, and the ranking uses the verified figures (a candidate
@@ -70,8 +73,6 @@ STEP_DOWNS = 3
 """Lengths verified at most after the first, where the longest's full estimates do not fit."""
 SHOWN = 10
 """Candidates kept in the result, best first."""
-ONE_BY_ONE = {"batch_size": 1, "grad_accum": 1}
-"""The split every screen is estimated at."""
 CUDA_CONTEXT = 512 * 2**20
 CUDA_CACHE_SHARE = 0.10
 
@@ -118,6 +119,8 @@ class Option:
     full_parameter: bool
     peak: int
     cost: StepCost | None
+    phase: str | None = None
+    """The phase of its peak where a step has two (GRPO's ``generation`` or ``training``)."""
 
 
 def plan(
@@ -155,11 +158,16 @@ def plan(
 
     for name in names:
         get_spec(name)
-    task = _task(config, launch)
+    task, unit = _task(config, launch)
+    if longest and unit > 1:
+        raise EffitrainError(
+            f"--max-length longest is not searched for --task {task}: give the prompts' "
+            "length (--max-length N) and --max-completion-length"
+        )
     if longest:
         workers = 0  # one round of verification: warming workers would cost more than it saves
     search = _Search(
-        config, launch, budget, names, without, given or {}, workers, worker_setup, task
+        config, launch, budget, names, without, given or {}, workers, worker_setup, task, unit
     )
     command = functools.partial(_command, launch, config_file, given or {})
     if longest:
@@ -347,9 +355,10 @@ def _longest_note(length: int, screened: int, found: Found, positions: int) -> s
     )
 
 
-def _task(config: TrainConfig, launch: Launch) -> str:
-    """The run's task, with the model's config read first (its one line where it cannot be:
-    "no such folder", as ``effitrain estimate`` says), and the launch one a run can have.
+def _task(config: TrainConfig, launch: Launch) -> tuple[str, int]:
+    """The run's task and the micro-batch every one of its micro-batches is a multiple of
+    (``Task.batch_unit``), with the model's config read first (its one line where it cannot
+    be: "no such folder", as ``effitrain estimate`` says), and the launch one a run can have.
 
     Raises:
         EffitrainError: the model or the task cannot be resolved, or the launch is one that
@@ -365,7 +374,8 @@ def _task(config: TrainConfig, launch: Launch) -> str:
             f"--sharding {launch.strategy} runs on GPUs only (effitrain train refuses it on CPU "
             "processes): plan for GPUs with --device cuda, or use --sharding ddp"
         )
-    return resolve_task(config).name
+    task = resolve_task(config)
+    return task.name, task.batch_unit(config)
 
 
 def _candidate(
@@ -385,6 +395,7 @@ def _candidate(
         batch_size=screened.changes["batch_size"],
         grad_accum=screened.changes["grad_accum"],
         peak_tensor_bytes=peak,
+        peak_phase=verification.memory.peak_phase if verification else screened.phase,
         # The host model's figure where an estimate verified it (screens do not model it).
         host_peak_bytes=_host_peak(verification),
         flops_per_step=cost.flops_per_step if cost is not None else None,
@@ -455,6 +466,7 @@ class _Search:
         workers: int | None = None,
         worker_setup: Callable[[], None] | None = None,
         task: str = "",
+        unit: int = 1,
     ) -> None:
         self.config = config
         self.given = given
@@ -471,6 +483,8 @@ class _Search:
         self.left_out: dict[str, dict[str, list[str]]] = {}
         """Install line -> the options it would add -> the optimizers they were left out for."""
         self.task = task
+        self.one_by_one = {"batch_size": unit, "grad_accum": 1}
+        """The split every screen is estimated at: the task's smallest micro-batch."""
         self.global_batch = config.batch_size * config.grad_accum
         self.verifiers = Verifiers(launch, workers, worker_setup)
 
@@ -635,7 +649,7 @@ class _Search:
         install = self._missing({**values, "optim": name})
         if not install:
             return False
-        if self._valid({**values, "optim": name, **ONE_BY_ONE}, missing_ok=True):
+        if self._valid({**values, "optim": name, **self.one_by_one}, missing_ok=True):
             what = shlex.join(to_arguments(added))
             self.left_out.setdefault(install, {}).setdefault(what, []).append(name)
         return True
@@ -709,18 +723,19 @@ class _Search:
         name: str,
     ) -> list[Option]:
         """One option per split of the batch that optimizer ``name`` takes with these levers
-        (``screen``: ``name``'s)."""
+        (``screen``: ``name``'s, at the screens' micro-batch)."""
         out = []
-        dynamic = max(screen.peak - screen.static, 0)
+        unit = self.one_by_one["batch_size"]
         for micro in _divisors(self.global_batch):
             split = {"batch_size": micro, "grad_accum": self.global_batch // micro}
             values = {**changes, "optim": name, **split}
-            if not self._valid(values):
+            if micro % unit or not self._valid(values):
                 continue
-            peak = screen.static + micro * dynamic
+            peak = screen.peak_at(micro // unit)
             self.smallest = min(self.smallest, peak)
-            cost = _scaled(screen.cost, micro, self.global_batch, values, self.config)
-            out.append(Option(values, dict(reasons), full, peak, cost))
+            cost = _scaled(screen.cost, micro, self.global_batch, values, self.config, unit)
+            phase = screen.peak_phase(micro // unit)
+            out.append(Option(values, dict(reasons), full, peak, cost, phase))
         return out
 
     def _state(self, screen: Screen, reference: str, name: str) -> int | None:
@@ -761,7 +776,7 @@ class _Search:
 
     def _runs(self, values: dict[str, Any]) -> bool:
         """Whether ``values`` (at micro-batch 1) are installed and taken by the checks."""
-        return self._missing(values) is None and self._valid({**values, **ONE_BY_ONE})
+        return self._missing(values) is None and self._valid({**values, **self.one_by_one})
 
     def _valid(self, values: dict[str, Any], missing_ok: bool = False) -> bool:
         """Whether the checks take ``values`` (``missing_ok``: all but a missing package)."""
@@ -793,11 +808,14 @@ class _Search:
                 state = self._state(screen, reference, name)
                 if state is None:
                     return None
+                change = state - screen.state
+                phases = screen.phases
                 return dataclasses.replace(
                     screen,
-                    peak=screen.peak - screen.state + state,
-                    static=screen.static - screen.state + state,
+                    peak=screen.peak + change,
+                    static=screen.static + change,
                     state=state,
+                    phases=(phases[0] + change, phases[1] + change) if phases else None,
                 )
         return None
 
@@ -808,7 +826,7 @@ class _Search:
         if key in self._screens:
             return self._screens[key]
         screen = None
-        values = {**changes, "optim": reference, **ONE_BY_ONE}
+        values = {**changes, "optim": reference, **self.one_by_one}
         try:
             screen = self._extended(self._config(values))
         except EffitrainError as exc:
@@ -851,13 +869,19 @@ class _Search:
 
 
 def _scaled(
-    cost: StepCost | None, micro: int, batch: int, values: dict[str, Any], config: TrainConfig
+    cost: StepCost | None,
+    micro: int,
+    batch: int,
+    values: dict[str, Any],
+    config: TrainConfig,
+    unit: int = 1,
 ) -> StepCost | None:
-    """A micro-batch-1 step's cost as one optimizer step of ``batch`` examples in micro-batches
-    of ``micro``: the FLOPs and bytes of ``batch`` examples, the operator calls of
-    ``batch / micro`` micro-batches, the activations' offload per example."""
+    """A step's cost at micro-batch ``unit`` as one optimizer step of ``batch`` examples in
+    micro-batches of ``micro``: the FLOPs and bytes of ``batch`` examples, the operator calls
+    of ``batch / micro`` micro-batches, the activations' offload per example."""
     if cost is None:
         return None
+    batch //= unit  # in the screen's micro-batches
     per_example = any(
         lever.search is not None and lever.search.offload_per_example
         for lever in lever_registry.active(dataclasses.replace(config, **values))
@@ -868,7 +892,7 @@ def _scaled(
         recompute_flops=cost.recompute_flops * batch,
         half_precision_flops=cost.half_precision_flops * batch,
         elementwise_bytes=cost.elementwise_bytes * batch,
-        operator_calls=cost.operator_calls * batch // micro,
+        operator_calls=cost.operator_calls * batch * unit // micro,
         offload_bytes_per_step=cost.offload_bytes_per_step * (batch if per_example else 1),
     )
 

@@ -455,6 +455,9 @@ class PlanCandidate:
     grad_accum: int
     peak_tensor_bytes: int
     """Per device: verified by a full estimate where ``verified``, else screened."""
+    peak_phase: str | None
+    """Where a step has two phases (GRPO): ``generation`` or ``training``, the one of the
+    peak; else None."""
     host_peak_bytes: int | None
     """The host RAM one machine needs (``Estimate.host``), where a full estimate verified the
     candidate; None for a screened one."""

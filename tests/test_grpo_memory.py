@@ -51,3 +51,16 @@ def test_estimate_and_plan_refuse_the_kl_penalty():
     for command in ("estimate", "plan"):
         with pytest.raises(EffitrainError, match=f"effitrain {command} does not take --task grpo "):
             refuse_planning(TrainConfig(task="grpo", beta=0.1), command)
+
+
+def test_plan_screens_each_phase_at_larger_micro_batches():
+    """The generation phase holds the weights and state but no gradients; each phase grows
+    with the micro-batch on its own, and the peak can change phase as it grows."""
+    from effitrain.plan_screens import Screen, extend
+
+    one = Screen(70, 40, 10, 20, 1, None, phases=(70, 65))  # static: 20 + 10 gradients + 10
+    assert (one.peak_at(1), one.peak_phase(1)) == (70, "training")
+    assert (one.peak_at(3), one.peak_phase(3)) == (30 + 3 * 35, "generation")
+    assert Screen(70, 40, 10, 20, 1, None).peak_phase(3) is None
+    two = Screen(140, 80, 20, 40, 2, None, phases=(140, 130))
+    assert extend(one, two, 4).phases == (280, 260)

@@ -205,7 +205,8 @@ def _length(value: str | None, config_file: Path | None, overrides: dict[str, An
         overrides["max_length"] = int(value)
         return False
     overrides["max_length"] = default_for("max_length")
-    if "batch_size" not in overrides and "batch_size" not in in_file:
+    grpo = "grpo" in (overrides.get("task"), in_file.get("task"))  # refused by the plan itself
+    if "batch_size" not in overrides and "batch_size" not in in_file and not grpo:
         overrides["batch_size"] = 1
     return True
 

@@ -45,10 +45,11 @@ def print_plan(result: PlanResult, console: Console | None = None) -> None:
             f", {format_flops(candidate.flops_per_step)}/step" if candidate.flops_per_step else ""
         )
         kind = "full-parameter" if candidate.full_parameter else "adapters"
+        phase = f" in {candidate.peak_phase}" if candidate.peak_phase else ""
         console.print(
             f"[bold]{rank}.[/] {candidate.optimizer}, {kind}, micro-batch "
-            f"{candidate.batch_size} x {candidate.grad_accum}: peak {peak} ({checked}){flops}, "
-            f"time x{candidate.relative_step_time:.2f}"
+            f"{candidate.batch_size} x {candidate.grad_accum}: peak {peak}{phase} ({checked})"
+            f"{flops}, time x{candidate.relative_step_time:.2f}"
         )
         for lever, why in candidate.levers.items():
             console.print(f"     {lever}: {escape(why)}")

@@ -153,6 +153,10 @@ class Task:
         caps it)."""
         return config.batch_size, length
 
+    def batch_unit(self, config: TrainConfig) -> int:
+        """The micro-batch every ``--batch-size`` of this task is a multiple of (1: any)."""
+        return 1
+
     def check_model(self, config: TrainConfig, data: Any, model: PreTrainedModel) -> None:
         """Fit the data options to the loaded model (may change ``data``, add notes)."""
 

@@ -114,6 +114,9 @@ class GrpoTask(DecoderTask):
     def load_data(self, config: TrainConfig) -> PromptData:
         return load_prompt_data(config)
 
+    def batch_unit(self, config: TrainConfig) -> int:
+        return config.num_generations  # each prompt's group in one micro-batch
+
     def estimate_reads_data(self, config: TrainConfig) -> bool:
         return not _prompt_length_given(config)  # the data's longest prompt, else
 

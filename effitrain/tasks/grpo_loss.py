@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -389,7 +389,8 @@ def sample(
     and ``completion_mask``); the global RNG is left as it was.
 
     On fake tensors (``effitrain estimate``), the worst case: no value says where an eos was
-    sampled, so every completion runs to ``--max-completion-length`` (:func:`_to_the_end`)."""
+    sampled, so every completion runs to ``--max-completion-length``
+    (:func:`_first_and_last_steps`)."""
     import torch
     from torch._subclasses.fake_tensor import is_fake
 
@@ -402,24 +403,28 @@ def sample(
     model.eval()  # no dropout, no gradient checkpointing: the KV cache stays on
     device = prompt_ids.device
     devices = [device.index or 0] if device.type == "cuda" else []
-    with ExitStack() as scope:
-        scope.enter_context(torch.random.fork_rng(devices=devices))
-        scope.enter_context(torch.no_grad())
-        if fake:
-            scope.enter_context(_to_the_end(settings.max_completion_length))
+    options = {
+        "use_cache": True,  # off for training (effitrain.models), on for generating
+        "pad_token_id": pad,
+        "eos_token_id": eos,
+        "do_sample": True,
+        "temperature": settings.temperature,
+        "top_p": settings.top_p,
+        "top_k": 0,  # off, as TRL's
+    }
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
         torch.manual_seed(seed)
-        output = model.generate(
-            input_ids=prompt_ids,
-            attention_mask=prompt_mask,
-            max_new_tokens=settings.max_completion_length,
-            use_cache=True,  # off for training (effitrain.models), on for generating
-            pad_token_id=pad,
-            eos_token_id=eos,
-            do_sample=True,
-            temperature=settings.temperature,
-            top_p=settings.top_p,
-            top_k=0,  # off, as TRL's
-        )
+        if fake:
+            output = _first_and_last_steps(
+                model, prompt_ids, prompt_mask, settings.max_completion_length, options
+            )
+        else:
+            output = model.generate(
+                input_ids=prompt_ids,
+                attention_mask=prompt_mask,
+                max_new_tokens=settings.max_completion_length,
+                **options,
+            )
     model.train(was_training)
     generated = output[:, prompt_ids.shape[1] :]
     if fake:
@@ -449,6 +454,51 @@ def _special_ids(tokenizer: Any, model: torch.nn.Module) -> tuple[int | None, in
     eos = eos[0] if isinstance(eos, list) else eos
     pad = getattr(config, "pad_token_id", None)
     return eos, eos if pad is None else pad
+
+
+STEPS_RUN_WHOLE = 4
+"""Up to this many new tokens, an estimate generates every one; past it, the first and the
+last steps (:func:`_first_and_last_steps`)."""
+
+
+def _first_and_last_steps(
+    model: Any,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    new_tokens: int,
+    options: dict[str, Any],
+) -> torch.Tensor:
+    """``generate``'s worst case on fake tensors: every completion ``new_tokens`` long. Its
+    decode steps are alike, each holding a longer KV cache than the one before, so the phase's
+    peak is in its first forward (the prompts') or its last: both are run by ``generate``
+    itself, the last from a cache grown to its length then (the prompts' cache, each layer's
+    keys and values as long as the last step finds them), with the step before it, whose
+    logits and sampling tensors are still alive in the last. Returns prompt + completion ids.
+    A cache other than transformers' plain dynamic one (sliding windows) is generated whole."""
+    import torch
+    from transformers.cache_utils import DynamicLayer
+
+    def generate(ids: torch.Tensor, mask: torch.Tensor, tokens: int, **more: Any) -> Any:
+        with _to_the_end(tokens):
+            return model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=tokens, **options, **more
+            )
+
+    if new_tokens <= STEPS_RUN_WHOLE:
+        return generate(prompt_ids, prompt_mask, new_tokens)
+    first = generate(prompt_ids, prompt_mask, 1, return_dict_in_generate=True)
+    name = "cache" if "cache" in first else "past_key_values"  # transformers 5.x renamed it
+    cache = first[name]
+    del first
+    if any(type(layer) is not DynamicLayer for layer in getattr(cache, "layers", [None])):
+        return generate(prompt_ids, prompt_mask, new_tokens)
+    rows, length = prompt_ids.shape[0], prompt_ids.shape[1] + new_tokens
+    for layer in cache.layers:  # as long as the step before the last finds it
+        shape = (*layer.keys.shape[:2], length - 3, layer.keys.shape[3])
+        layer.keys = layer.keys.new_empty(shape)
+        layer.values = layer.values.new_empty(shape)
+    ids = prompt_ids.new_zeros(rows, length - 2)
+    return generate(ids, torch.ones_like(ids), 2, **{name: cache})
 
 
 @contextmanager
