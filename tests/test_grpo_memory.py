@@ -1,7 +1,8 @@
 """GRPO's memory in two phases (issue 47, item 3): ``effitrain estimate --task grpo`` runs the
 run's own generation on fake tensors (every completion to its full length) and the training
 step on its completions; each phase's peak is within 2 % of what a run measures, at two
-completion lengths; ``estimate`` and ``plan`` refuse ``--beta`` > 0 in one line."""
+completion lengths; ``plan`` keeps each prompt's group in one micro-batch and names the peak's
+phase; ``estimate`` and ``plan`` refuse ``--beta`` > 0 in one line."""
 
 from __future__ import annotations
 
@@ -64,3 +65,17 @@ def test_plan_screens_each_phase_at_larger_micro_batches():
     assert Screen(70, 40, 10, 20, 1, None).peak_phase(3) is None
     two = Screen(140, 80, 20, 40, 2, None, phases=(140, 130))
     assert extend(one, two, 4).phases == (280, 260)
+
+
+@pytest.mark.slow
+def test_plan_splits_the_batch_into_whole_groups_and_names_the_peak_phase(train_cli):
+    proc = train_cli(
+        "plan", "--task", "grpo", "--model", "tiny-llama", "--memory", "64MiB",
+        "--batch-size", "8", "--num-generations", "4", "--max-length", "8",
+        "--max-completion-length", "8", "--optim", "adamw", "--json",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    candidates = json.loads(proc.stdout)["candidates"]
+    assert candidates and all(c["batch_size"] % 4 == 0 for c in candidates)
+    assert {c["peak_phase"] for c in candidates} <= {"generation", "training"}
+    assert all(c["batch_size"] * c["grad_accum"] == 8 for c in candidates)
