@@ -140,7 +140,7 @@ def test_loss_and_gradients_equal_trl(loss_type, beta, trl):
     the reference lever's provider) against TRL's ``_compute_loss``, given the same reference
     log-probs; TRL's ``kl`` metric too."""
     from effitrain.config import TrainConfig
-    from effitrain.tasks.reference import FrozenCopy
+    from effitrain.tasks.reference_model import FrozenCopy
 
     settings, model, batch = _settings(loss_type, beta=beta), _tiny_model(), _batch()
     trl_inputs = {

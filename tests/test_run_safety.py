@@ -169,7 +169,7 @@ def test_sigterm_during_the_reference_pass_stops_in_one_line(
     the stopped line and 128 + 15, and releases the folder."""
     import os
 
-    import effitrain.tasks.reference as reference
+    import effitrain.tasks.reference_model as reference
 
     rows = [
         {"prompt": f"Report {i}:", "chosen": f" apples at stall {i}.", "rejected": f" stall {i}."}

@@ -4,11 +4,11 @@ adapters|precompute|copy`` and ``--reference-dtype``, what they resolve to (:fun
 JSON's ``reference``, its memory table row, the estimate's note) and checks before a resume.
 
 The reference itself (its providers, the precomputed table kept in checkpoints, the frozen copy)
-belongs to the loss, which builds it once the run is prepared: :mod:`effitrain.tasks.reference`.
-The lever is on whenever the run trains with ``--task preference --preference-loss dpo`` or
-``--task grpo --beta`` above 0; ORPO, SimPO and GRPO with ``--beta`` 0 need no reference, and
-``--reference`` with them is refused, as ``precompute`` is under GRPO (its completions are
-generated during training).
+belongs to the loss, which builds it once the run is prepared:
+:mod:`effitrain.tasks.reference_model`. The lever is on whenever the run trains with ``--task
+preference --preference-loss dpo`` or ``--task grpo --beta`` above 0; ORPO, SimPO and GRPO with
+``--beta`` 0 need no reference, and ``--reference`` with them is refused, as ``precompute`` is
+under GRPO (its completions are generated during training).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class ReferenceOptions(OptionGroup):
         panel=MEMORY_LEVERS,
         metavar="HOW",
         choices=REFERENCES,
-        default_text="adapters with --lora-rank, else precompute (grpo: copy)",
+        default_text="adapters with --lora-rank, else precompute (dpo) or copy (grpo)",
     )
     reference_dtype: str | None = option_field(
         None,
@@ -95,7 +95,7 @@ def _instead(config: TrainConfig) -> str:
 
 
 class ShownReference(Protocol):
-    """What the lever shows of a reference (``tasks.reference.Provider``)."""
+    """What the lever shows of a reference (``tasks.reference_model.Provider``)."""
 
     @property
     def dtype(self) -> str | None: ...

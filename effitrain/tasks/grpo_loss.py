@@ -25,9 +25,10 @@ log-probs are of the logits over ``--temperature``, for the completion tokens on
 **KL to the reference** (``--beta`` > 0, :func:`per_token_kl`): TRL's k3 estimator
 ``exp(ref - logp) - (ref - logp) - 1`` per completion token, ``beta`` times it added to the
 per-token loss before the reduction; the reference's log-probs (the same forward, no grad, in
-eval mode) come from the ``--reference`` lever's provider (:mod:`effitrain.tasks.reference`:
-the adapters switched off, or a frozen copy of the model as it starts), built by
-:meth:`GrpoLoss.after_prepare` and run in the step, before the policy's forward.
+eval mode) come from the ``--reference`` lever's provider
+(:mod:`effitrain.tasks.reference_model`: the adapters switched off, or a frozen copy of the
+model as it starts), built by :meth:`GrpoLoss.after_prepare` and run in the step, before the
+policy's forward.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
 
     from effitrain.config import TrainConfig
     from effitrain.parts import RunParts
-    from effitrain.tasks.reference import Provider
+    from effitrain.tasks.reference_model import Provider
 
 COMPLETION_LENGTH, DEMO_COMPLETION_LENGTH = 512, 16
 """``--max-completion-length`` when not given: TRL's default; the built-in demo's."""
@@ -211,7 +212,7 @@ def policy_loss(
 
 class GrpoLoss(LossMoments):
     """GRPO's loss, with the generation and scoring that feed it, and TRL's metrics. With
-    ``--beta`` > 0, ``reference`` (:mod:`effitrain.tasks.reference`) is built by
+    ``--beta`` > 0, ``reference`` (:mod:`effitrain.tasks.reference_model`) is built by
     :meth:`after_prepare`."""
 
     name = "grpo"
@@ -258,7 +259,7 @@ class GrpoLoss(LossMoments):
         """``--beta`` > 0: build the reference, as ``--reference`` says; a copy is made here,
         before any step or resume (the model as it starts)."""
         if self.settings.beta:
-            from effitrain.tasks.reference import make_provider
+            from effitrain.tasks.reference_model import make_provider
 
             self.reference = make_provider(run, self)
 
