@@ -263,7 +263,7 @@ class TrainConfig:
     beta: float | None = option_field(
         None,
         "preference: the loss's beta (dpo 0.1, orpo 0.1, simpo 2.0 as TRL's defaults); grpo: "
-        "the KL penalty's (0, TRL's default).",
+        "the KL penalty's (0, TRL's default: no reference model; see --reference).",
         panel=PREFERENCE,
         metavar="BETA",
         default_text="per loss",

@@ -5,8 +5,9 @@ prompts :mod:`.grpo_data`, the rewards :mod:`.grpo_rewards`).
 
 The model and its loading are the causal LM's. ``--batch-size`` counts completions, as TRL's
 ``per_device_train_batch_size`` does: a micro-batch holds batch-size / G prompts. This first
-slice generates with transformers' ``generate``, trains one iteration per generation, and has
-no reference model (``--beta`` 0, TRL's default); ``effitrain estimate`` and ``plan`` do not
+slice generates with transformers' ``generate`` and trains one iteration per generation; with
+``--beta`` above 0 (TRL's default is 0) the KL to a reference model joins the loss, the
+reference taken through the ``--reference`` lever. ``effitrain estimate`` and ``plan`` do not
 model the generation phase yet, and refuse the task.
 """
 
@@ -66,10 +67,10 @@ class GrpoTask(DecoderTask):
         given = [option(n) for n in REFUSED_OPTIONS if getattr(config, n) != default_for(n)]
         if given:
             raise EffitrainError(f"{given[0]} does not apply to --task grpo; drop it")
-        if config.beta:
+        if config.beta is not None and not config.beta >= 0:
             raise EffitrainError(
-                f"--beta {config.beta:g}: GRPO's KL penalty needs the reference model: not yet "
-                "(use --beta 0, TRL's default)"
+                f"--beta must be 0 or more under --task grpo (got {config.beta:g}): the KL "
+                "penalty's coefficient"
             )
         group = config.num_generations
         if group < 2:

@@ -21,6 +21,14 @@ current ones, detached, so the ratio is 1 and its gradient that of the log-probs
 the sum over completions x max completion length, ``dapo`` (TRL's default) a token mean over
 the optimizer step on all processes (the loop's token weighting: ``token_weighted``). The
 log-probs are of the logits over ``--temperature``, for the completion tokens only.
+
+**KL to the reference** (``--beta`` > 0, :func:`per_token_kl`): TRL's k3 estimator
+``exp(ref - logp) - (ref - logp) - 1`` per completion token, ``beta`` times it added to the
+per-token loss before the reduction; the reference's log-probs (the same forward, no grad, in
+eval mode) come from the ``--reference`` lever's provider
+(:mod:`effitrain.tasks.reference_model`: the adapters switched off, or a frozen copy of the
+model as it starts), built by :meth:`GrpoLoss.after_prepare` and run in the step, before the
+policy's forward.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ if TYPE_CHECKING:
 
     from effitrain.config import TrainConfig
     from effitrain.parts import RunParts
+    from effitrain.tasks.reference_model import Provider
 
 COMPLETION_LENGTH, DEMO_COMPLETION_LENGTH = 512, 16
 """``--max-completion-length`` when not given: TRL's default; the built-in demo's."""
@@ -66,6 +75,8 @@ class GrpoSettings:
     epsilon_high: float
     weights: tuple[float, ...]
     """One per reward function."""
+    beta: float = 0.0
+    """The KL penalty's coefficient (0: no reference)."""
 
     @classmethod
     def of(cls, config: TrainConfig, weights: list[float]) -> GrpoSettings:
@@ -82,6 +93,7 @@ class GrpoSettings:
             config.epsilon,
             config.epsilon if config.epsilon_high is None else config.epsilon_high,
             tuple(weights),
+            config.beta or 0.0,
         )
 
 
@@ -155,22 +167,35 @@ def completion_logps(
     return logps.gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
 
 
+def per_token_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    """Each token's KL to the reference as TRL estimates it (k3, non-negative):
+    ``exp(ref - logp) - (ref - logp) - 1``."""
+    import torch
+
+    return torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+
+
 def policy_loss(
     logps: torch.Tensor,
     old_logps: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     settings: GrpoSettings,
+    kl: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The micro-batch's loss as TRL's ``_compute_loss`` (before its division by the
     accumulation steps, which the loop's backward makes; ``dapo``: the sum, which the loop
-    weighs by the step's tokens), and its tokens whose ratio was clipped (``[B, T]``, bool)."""
+    weighs by the step's tokens), and its tokens whose ratio was clipped (``[B, T]``, bool).
+    ``kl`` (``[B, T]``, :func:`per_token_kl`): ``settings.beta`` times it joins each token's
+    loss before the reduction."""
     import torch
 
     advantages = advantages.unsqueeze(1)
     ratio = torch.exp(logps - old_logps)
     clipped_ratio = torch.clamp(ratio, 1 - settings.epsilon_low, 1 + settings.epsilon_high)
     per_token = -torch.min(ratio * advantages, clipped_ratio * advantages)
+    if kl is not None:
+        per_token = per_token + settings.beta * kl
     mask = mask.to(per_token.dtype)
     if settings.loss_type == "grpo":
         loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
@@ -186,7 +211,9 @@ def policy_loss(
 
 
 class GrpoLoss(LossMoments):
-    """GRPO's loss, with the generation and scoring that feed it, and TRL's metrics."""
+    """GRPO's loss, with the generation and scoring that feed it, and TRL's metrics. With
+    ``--beta`` > 0, ``reference`` (:mod:`effitrain.tasks.reference_model`) is built by
+    :meth:`after_prepare`."""
 
     name = "grpo"
     chunked = False
@@ -199,17 +226,45 @@ class GrpoLoss(LossMoments):
         """The mean reward of each optimizer step's completions, in order."""
         self._window: list[dict[str, float]] = []
         self._clip: list[float] = []
+        self.reference: Provider | None = None
+        self._kl: list[torch.Tensor] = []
+        """Each micro-batch's (KL sum over its completion tokens, their count), on the device."""
 
     @property
     def token_weighted(self) -> bool:
         return self.settings.loss_type == "dapo"
 
     def __call__(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-        logps = completion_logps(model, batch, self.settings.temperature)
+        import torch
+
         mask = batch["completion_mask"]
-        loss, clipped = policy_loss(logps, logps.detach(), batch["advantages"], mask, self.settings)
+        # The reference's forward first: what it holds is freed before the policy's forward.
+        ref_logps = self.reference.logps(model, batch) if self.reference is not None else None
+        logps = completion_logps(model, batch, self.settings.temperature)
+        kl = None if ref_logps is None else per_token_kl(logps, ref_logps)
+        if kl is not None:  # summed on the device: no sync
+            self._kl.append(torch.stack([(kl.detach() * mask).sum(), mask.sum().float()]))
+        loss, clipped = policy_loss(
+            logps, logps.detach(), batch["advantages"], mask, self.settings, kl
+        )
         self._clip.append(float(clipped.sum()) / max(int(mask.sum()), 1))
         return loss
+
+    def reference_logps(self, model: Any, unwrapped: Any, batch: dict[str, Any]) -> torch.Tensor:
+        """Each completion token's log-prob, as the reference scores it (its provider calls
+        this under no grad, in eval mode)."""
+        return completion_logps(model, batch, self.settings.temperature)
+
+    def after_prepare(self, run: RunParts) -> None:
+        """``--beta`` > 0: build the reference, as ``--reference`` says; a copy is made here,
+        before any step or resume (the model as it starts)."""
+        if self.settings.beta:
+            from effitrain.tasks.reference_model import make_provider
+
+            self.reference = make_provider(run, self)
+
+    def step_tensors(self) -> list[Any]:
+        return self.reference.step_tensors() if self.reference is not None else []
 
     def step_batches(self, run: RunParts, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Generate each batch's completions and score them; the advantages are normalised
@@ -265,23 +320,34 @@ class GrpoLoss(LossMoments):
 
     def window_metrics(self, accelerator: Accelerator) -> dict[str, float]:
         """The means of the steps' metrics since the last log line (every process has the
-        gathered rewards already), and ``clip_ratio/region_mean``, as TRL logs them."""
-        if not self._window:
-            return {}
-        names = list(self._window[0])
+        gathered rewards already), ``kl`` and ``clip_ratio/region_mean``, as TRL logs them."""
+        names = list(self._window[0]) if self._window else []
         metrics = {n: sum(m[n] for m in self._window) / len(self._window) for n in names}
+        if self._kl:
+            metrics["kl"] = self._kl_mean(accelerator)
         if self._clip:
             metrics["clip_ratio/region_mean"] = sum(self._clip) / len(self._clip)
-        self._window, self._clip = [], []
+        self._window, self._clip, self._kl = [], [], []
         return metrics
+
+    def _kl_mean(self, accelerator: Accelerator) -> float:
+        """TRL's ``kl``: each micro-batch's token mean over all processes (one reduce for the
+        window), averaged over the window's micro-batches."""
+        import torch
+
+        sums = torch.stack(self._kl)
+        if accelerator.num_processes > 1:
+            sums = accelerator.reduce(sums, "sum")
+        return float((sums[:, 0] / sums[:, 1].clamp(min=1.0)).mean())
 
     def describe(self) -> list[str]:
         s = self.settings
         names = ", ".join(f"{r.name} x{w:g}" for r, w in zip(self.rewards, s.weights, strict=True))
+        kl = f"; KL to the reference x beta {s.beta:g}" if s.beta else ""
         return [
             f"GRPO ({s.loss_type} loss): {s.num_generations} completions per prompt, up to "
             f"{s.max_completion_length} tokens, temperature {s.temperature:g}, top-p "
-            f"{s.top_p:g}; rewards: {names}"
+            f"{s.top_p:g}; rewards: {names}{kl}"
         ]
 
     def to_dict(self) -> dict[str, Any]:
@@ -290,6 +356,7 @@ class GrpoLoss(LossMoments):
             "implementation": self.name,
             "weighting": "step token mean" if self.token_weighted else "micro-batch",
             "loss_type": s.loss_type,
+            "beta": s.beta,
             "num_generations": s.num_generations,
             "max_completion_length": s.max_completion_length,
             "rewards": [r.source for r in self.rewards],
