@@ -9,7 +9,10 @@ the loop's own :func:`effitrain.loop.train_steps` (forward, ``accelerator.backwa
 the guard, ``optimizer.step()``), twice. The second step is measured by the same
 :class:`effitrain.memory.step.StepMemoryProbe` that a real run uses, and the result is summed up
 by the same :func:`effitrain.measure.memory_record`. So the estimate is not a model of memory: it
-is the measurement, made on tensors that do not exist.
+is the measurement, made on tensors that do not exist. A loss that generates before the step's
+first forward (GRPO) generates here too, with its own code, from a fake batch of prompts
+(the task's :meth:`~effitrain.tasks.base.Task.estimate_shape`), and the probe measures that
+generation as the step's generation phase.
 
 What only a real launch has is stood in for: the data (one fake batch, every example full
 length), the processes (the estimate describes the launch it is told about, ``--num-processes``,
@@ -199,15 +202,13 @@ def estimate(config: TrainConfig, launch: Launch | None = None) -> Estimate:
         build_quantization_maps()  # cached for the process: never from fake values
     # As the tasks tokenize (classification.tokenize, lm_data.tokenize_lm): capped by the
     # tokenizer's model_max_length (without a tokenizer, by the model's positions).
-    length = min(config.max_length, max_tokens)
+    rows, length = task.estimate_shape(config, data, tokenizer, min(config.max_length, max_tokens))
     model_type = getattr(getattr(model, "config", None), "model_type", "")
     # Collated outside the fake mode, as the run's collator does it: its host-side facts (where
     # each row's documents lie) come from the token tensors' values, which fakes do not have.
     # One rank's share of each sequence: --context-parallel's ranks each hold L/N tokens.
     rank_length = context_parallel.rank_length(config, length)
-    collated = task.fake_batch(
-        tokenizer, config.batch_size, rank_length, packed=packs(config, model_type)
-    )
+    collated = task.fake_batch(tokenizer, rows, rank_length, packed=packs(config, model_type))
     with ExitStack() as scope:
         scope.enter_context(_own_accelerate_state())
         scope.enter_context(_fake_mode())
@@ -232,7 +233,7 @@ def estimate(config: TrainConfig, launch: Launch | None = None) -> Estimate:
         optimizer_class=spec.class_path,
         lr=run.hyperparameters.lr,
         memory=memory,
-        settings=_settings(config, length, len(batch["input_ids"]) // config.batch_size),
+        settings=_settings(config, length, len(batch["input_ids"]) // rows),
         per_device=per,
         notes=notes,
         cost=progress.step_cost,

@@ -19,10 +19,11 @@ Every process computes; only the main process prints (through the reporter).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
-from collections.abc import Iterable, Iterator
-from contextlib import ExitStack
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import effitrain.checkpoint as checkpoint
@@ -230,7 +231,8 @@ def train_steps(
     counter: StepCounter | None = None
     micro_batches = 0
     try:
-        for batch, weights in step_batches(run, batches):
+        generating = functools.partial(generation_probe, run, progress, probe)
+        for batch, weights in step_batches(run, batches, generating):
             if group_start and measure_now(run, progress, probe):
                 probe.start()
             elif probe.running:
@@ -249,8 +251,9 @@ def train_steps(
                 progress.step_cost = counted.cost(**levers.step_cost(run, micro_batches))
             measured = probe.running
             if measured:
-                step_memory = probe.stop()
+                step_memory, generated = probe.stop(), probe.generation_memory
                 progress.step_memory = step_memory.to_dict() if step_memory else {}
+                progress.generation_memory = generated.to_dict() if generated else {}
             progress.step_done()
             yield StepDone(outcome.stop, measured)
     finally:
@@ -333,6 +336,16 @@ def measure_now(run: Run, progress: TrainingProgress, probe: StepMemoryProbe) ->
     return run.config.memory_breakdown and progress.global_step >= run.plan.measured_step
 
 
+def generation_probe(
+    run: Run, progress: TrainingProgress, probe: StepMemoryProbe
+) -> AbstractContextManager[None]:
+    """Where the loss generates (GRPO), the generation of the step about to be measured is
+    measured by ``probe`` as that step's generation phase; else nothing is."""
+    if run.loss.generates and measure_now(run, progress, probe):
+        return probe.generation()
+    return nullcontext()
+
+
 def budget_step(run: Run) -> int:
     """The step (0-based) whose peak ``--max-memory`` is checked against, the first of this run
     at or after it: one that starts with the optimizer's state in place, as every later step
@@ -360,10 +373,13 @@ def epoch_batches(run: Run, progress: TrainingProgress) -> Iterable[dict[str, An
 
 
 def step_batches(
-    run: Run, batches: Iterable[dict[str, Any]]
+    run: Run,
+    batches: Iterable[dict[str, Any]],
+    generating: Callable[[], AbstractContextManager[None]] = nullcontext,
 ) -> Iterator[tuple[dict[str, Any], Weights | None]]:
     """The micro-batches, one optimizer step's worth at a time, each with its token weights
-    (None where the loss is the model's per-micro-batch mean).
+    (None where the loss is the model's per-micro-batch mean); ``generating``: the context
+    the loss's own work on a step's batches runs in (:func:`generation_probe`).
 
     A step's batches are read before its first forward, so that its labelled tokens are known
     on every process (one all-reduce). Accelerate's accumulation counter is set so that the
@@ -374,7 +390,8 @@ def step_batches(
     accelerator, per_step = run.accelerator, run.config.grad_accum
     iterator = iter(batches)
     while group := list(itertools.islice(iterator, per_step)):
-        group = run.loss.step_batches(run, group)  # GRPO generates and scores here
+        with generating():
+            group = run.loss.step_batches(run, group)  # GRPO generates and scores here
         accelerator.step = per_step - len(group)
         weights = None
         if run.loss.token_weighted:
@@ -439,13 +456,16 @@ def _stop(
 
 def measured_peak(run: Run, progress: TrainingProgress) -> int | None:
     """The peak ``--max-memory`` is checked against: CUDA's reserved bytes, else the measured
-    step's peak tensor bytes (None: not measured)."""
+    step's peak tensor bytes, its generation phase's where that is higher (None: not
+    measured)."""
     import torch
 
     device = run.accelerator.device
     if device.type == "cuda":
         return torch.cuda.max_memory_reserved(device)
-    return (progress.step_memory or {}).get("peak_tensor_bytes")
+    peak = (progress.step_memory or {}).get("peak_tensor_bytes")
+    generation = (progress.generation_memory or {}).get("peak_tensor_bytes")
+    return max(peak, generation) if peak is not None and generation is not None else peak
 
 
 def check_measured_budget(

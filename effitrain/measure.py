@@ -42,6 +42,7 @@ def memory_record(run: Run, progress: TrainingProgress) -> MemoryRecord:
         levers=levers.in_use(run),
         loss=run.loss.to_dict(),
         step_memory=step,
+        generation_memory=StepMemory.from_dict(progress.generation_memory),
         lever_fields=lever_fields,
         lever_rows=levers.memory_rows(lever_fields, step),
     )

@@ -55,6 +55,9 @@ class TrainingProgress:
     step_memory: dict[str, Any] = field(default_factory=dict)
     """The measured optimizer step's tensor memory by kind (``StepMemory.to_dict()``; empty
     when not measured)."""
+    generation_memory: dict[str, Any] = field(default_factory=dict)
+    """The measured step's generation phase, alike (GRPO; empty where the loss generates
+    nothing)."""
     loss_history: list[dict[str, float]] = field(default_factory=list)
     """Every log line's ``{"step", "loss"}`` (the mean loss since the previous one)."""
 
@@ -197,7 +200,7 @@ class TrainingProgress:
 
 
 _WINDOW = 4
-MEASURED = frozenset({"gradient_bytes", "step_memory"})
+MEASURED = frozenset({"gradient_bytes", "step_memory", "generation_memory"})
 """Measurements of the run that saved a checkpoint, not counters: a resumed run (other levers,
 other processes) measures its own, so they are not restored."""
 

@@ -122,7 +122,11 @@ class MemoryRecord:
     """How the loss was computed: ``implementation`` (model, torch, liger, cce or off: full
     logits), ``weighting`` (tokens or micro-batch mean), and ``why`` a chunked loss was not."""
     step_memory: StepMemory | None = None
-    """The measured step's tensor memory by kind (None: not measured)."""
+    """The measured step's tensor memory by kind (None: not measured); with a generation phase,
+    its training phase."""
+    generation_memory: StepMemory | None = None
+    """The measured step's generation phase (GRPO: the step's completions sampled before its
+    first forward), by kind; None where the loss generates nothing."""
     lever_fields: dict[str, Any] = field(default_factory=dict)
     """The levers' own metrics fields (the 4-bit weights' bytes, where the offloaded state
     lives …), each written and read by its lever (``Lever.metrics``, ``Lever.memory_rows``)."""
@@ -136,8 +140,47 @@ class MemoryRecord:
 
     @property
     def peak_tensor_bytes(self) -> int | None:
-        """Most live tensor bytes at once in the measured step (None: not measured)."""
-        return self.step_memory.peak_tensor_bytes if self.step_memory else None
+        """Most live tensor bytes at once in the measured step, its generation phase included
+        (None: not measured)."""
+        if self.step_memory is None:
+            return None
+        return max(self.step_memory.peak_tensor_bytes, self.generation_peak_bytes or 0)
+
+    @property
+    def generation_peak_bytes(self) -> int | None:
+        """The generation phase's peak (None: no generation phase)."""
+        return self.generation_memory.peak_tensor_bytes if self.generation_memory else None
+
+    @property
+    def generation_bytes(self) -> int | None:
+        """What generating held at its phase's peak besides the weights and the optimizer
+        state: the KV cache, the logits, sampling's tensors (None: no generation phase)."""
+        if self.generation_memory is None:
+            return None
+        held = ("parameters", "buffers", "optimizer_state", "gradients")
+        at_peak = self.generation_memory.at_peak
+        return sum(v for kind, v in at_peak.items() if kind not in held)
+
+    @property
+    def peak_phase(self) -> str | None:
+        """``generation`` or ``training``: the phase of the step's peak (None: no generation
+        phase, or not measured)."""
+        if self.step_memory is None or self.generation_memory is None:
+            return None
+        generating = self.generation_memory.peak_tensor_bytes
+        return "generation" if generating > self.step_memory.peak_tensor_bytes else "training"
+
+    def phases(self) -> dict[str, Any]:
+        """The metrics JSON's fields of the two phases (empty without a generation phase)."""
+        if self.generation_memory is None:
+            return {}
+        return {
+            "generation_memory": self.generation_memory.to_dict(),
+            "generation_bytes": self.generation_bytes,
+            "generation_peak_bytes": self.generation_peak_bytes,
+            "training_peak_bytes": self.step_memory.peak_tensor_bytes if self.step_memory else None,
+            "peak_phase": self.peak_phase,
+        }
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -151,6 +194,7 @@ class MemoryRecord:
             "activation_bytes": self.activation_bytes,
             "peak_tensor_bytes": self.peak_tensor_bytes,
             "step_memory": self.step_memory.to_dict() if self.step_memory else {},
+            **self.phases(),
             "levers": list(self.levers),
             "loss": dict(self.loss),
             "baseline": self.baseline.to_dict(),

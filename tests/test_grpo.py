@@ -279,12 +279,6 @@ def test_refusals(train_cli):
         cli("train", "--task", "causal-lm", "--num-generations", "4"),
         "--num-generations needs --task grpo",
     )
-    assert_clean_error(
-        cli("estimate", "--task", "grpo"), "the generation phase is not modelled yet"
-    )
-    assert_clean_error(
-        cli("plan", "--memory", "1GB", "--task", "grpo"), "the generation phase is not modelled yet"
-    )
 
 
 GRPO_RUN = (

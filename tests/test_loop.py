@@ -321,6 +321,7 @@ def test_progress_state_dict_round_trip():
         "eval_history": [{"accuracy": 0.5, "epoch": 1, "step": 2}],
         "gradient_bytes": 0,
         "step_memory": {"peak_tensor_bytes": 10, "at_peak": {"activations": 6}},
+        "generation_memory": {},
         "loss_history": [{"step": 2, "loss": 0.5}],
         "window": [1.0, 1.0, 2.0, 0.0],
     }

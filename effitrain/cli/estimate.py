@@ -218,10 +218,10 @@ def _against(results: list[Any], measured: dict[str, Any], path: Path) -> dict[s
 
 def _errors(result: dict[str, Any], measured: dict[str, Any]) -> dict[str, float | None]:
     """(estimate - measured) / measured, per field of the two metrics JSONs."""
-    from effitrain.report.estimate_tables import ESTIMATE_FIELDS, metrics_field
+    from effitrain.report.estimate_tables import estimate_fields, metrics_field
 
     out: dict[str, float | None] = {}
-    for _, key in ESTIMATE_FIELDS:
+    for _, key in estimate_fields(result):
         estimate, truth = metrics_field(result, key), metrics_field(measured, key)
         out[key] = (estimate - truth) / truth if estimate is not None and truth else None
     return out

@@ -28,13 +28,18 @@ with the library baseline. ``MemTracker`` gives the peak and its parts in one pa
 Tensors created before the step and not owned by the model or the optimizer (the batch, RNG
 states) are not counted: they are a few KiB. What a lever holds through every step besides them
 (DPO's frozen reference copy, its precomputed table) is given to the probe (``extra``) and counted.
+
+Where the loss generates before the step's first forward (GRPO's completions), that generation is
+measured apart, by the same tracker, as the step's generation phase
+(:meth:`StepMemoryProbe.generation`).
 """
 
 from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -166,14 +171,7 @@ class StepMemoryProbe:
         if not available() or self.compiled_step:
             return
         self._warnings = _quiet_tracker_warnings()
-        tracker = _make_tracker()
-        tracker.track_external(self.model, self.optimizer, *self.extra)
-        if getattr(self.device, "type", str(self.device)) == "cuda":
-            ledger.reset_cuda_peak(self.device)  # this step's peak; the run's is kept
-        else:
-            return_freed_heap()
-        tracker.__enter__()
-        self._tracker = tracker
+        self._tracker = self._started()
 
     def next_micro_batch(self) -> None:
         """Another forward of the same step (gradient accumulation): MemTracker keeps per-module
@@ -181,15 +179,54 @@ class StepMemoryProbe:
         if self._tracker is not None:
             self._tracker.reset_mod_stats()
 
+    @contextmanager
+    def generation(self) -> Iterator[None]:
+        """Measures what runs inside it as the generation phase of the step about to be
+        measured (GRPO samples a whole step's completions before its first forward), into
+        :attr:`generation_memory`: the weights and optimizer state, and what generating holds
+        (the KV cache, the logits, sampling's tensors), by the same tracker as the step."""
+        if not available() or self.compiled_step:
+            yield
+            return
+        self._warnings = _quiet_tracker_warnings()
+        tracker = self._started()
+        try:
+            yield
+        finally:
+            tracker.__exit__(None, None, None)
+            self._restore_warnings()
+        self.generation_memory = self._measured(tracker)
+
+    generation_memory: StepMemory | None = None
+    """The measured step's generation phase (None: the loss does not generate, or it was not
+    measured)."""
+
+    def _started(self) -> Any:
+        """A tracker of the model, the optimizer and ``extra``, entered, with the device's peak
+        reset (on the CPU: the heap's free pages given back first)."""
+        tracker = _make_tracker()
+        tracker.track_external(self.model, self.optimizer, *self.extra)
+        if getattr(self.device, "type", str(self.device)) == "cuda":
+            ledger.reset_cuda_peak(self.device)  # this step's peak; the run's is kept
+        else:
+            return_freed_heap()
+        tracker.__enter__()
+        return tracker
+
     def stop(self) -> StepMemory | None:
         """The step's :class:`StepMemory` (None when it could not be measured)."""
-        import torch
-
         tracker, self._tracker = self._tracker, None
         if tracker is None:
             return None
         tracker.__exit__(None, None, None)
         self._restore_warnings()
+        return self._measured(tracker)
+
+    def _measured(self, tracker: Any) -> StepMemory:
+        """What ``tracker`` (exited) saw, by kind, and on CUDA the allocator's peak since it
+        started."""
+        import torch
+
         snapshot = _device_snapshot(tracker.get_tracker_snapshot("peak"), self.device)
         at_peak = {kind: snapshot.get(kind, 0) for kind in KINDS}
         peaks = _device_snapshot(getattr(tracker, "kind_peaks", {}), self.device)

@@ -24,6 +24,22 @@ ESTIMATE_FIELDS = (
 )
 """The parts an estimate gives: a label and the metrics JSON's field (dotted: nested)."""
 
+PHASE_FIELDS = (
+    ("generation: KV cache, logits", "generation_bytes"),
+    ("generation phase peak", "generation_peak_bytes"),
+    ("training phase peak", "training_peak_bytes"),
+)
+"""A step's two phases where the loss generates (GRPO), before its peak."""
+
+
+def estimate_fields(result: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """The fields of an estimate's (or a run's) metrics JSON: :data:`ESTIMATE_FIELDS`, with
+    :data:`PHASE_FIELDS` before the peak where it has a generation phase."""
+    if result.get("generation_peak_bytes") is None:
+        return ESTIMATE_FIELDS
+    return ESTIMATE_FIELDS[:-1] + PHASE_FIELDS + ESTIMATE_FIELDS[-1:]
+
+
 PER_DEVICE_FIELDS = (
     ("parameters", "parameter_bytes"),
     ("gradients", "gradient_bytes"),
@@ -66,10 +82,18 @@ def print_estimates(
     if results[0].host is not None:
         which = f" ({results[0].optimizer})" if len(results) > 1 else ""
         console.print(host_line(results[0].host, which))
+    assumed = "Every example is assumed --max-length tokens long."
+    if results[0].memory.generation_memory is not None:
+        assumed = (
+            "The step's generation phase (its completions sampled, before its first forward) "
+            "and its training phase are measured apart; the peak is the larger. Every prompt "
+            "is assumed as long as the data's longest (--max-length where given), every "
+            "completion --max-completion-length (no early eos)."
+        )
     console.print(
         "Peak tensor memory: the most bytes of live tensors at once in one optimizer step (the "
         "run's memory table); a process holds more (libraries, the CUDA context, allocator "
-        "caching). Every example is assumed --max-length tokens long."
+        f"caching). {assumed}"
     )
     notes = [*dict.fromkeys(n for r in results for n in r.notes)]
     notes += (against or {}).get("mismatches", []) + (skipped or [])
@@ -83,6 +107,14 @@ def _estimate_title(first: Estimate) -> str:
     batch = f"{settings.batch_size}"
     if settings.sequences_per_example == 2:
         batch = f"{settings.batch_size} pairs ({2 * settings.batch_size} sequences)"
+    loss = first.memory.loss
+    if "max_completion_length" in loss:  # GRPO: prompts and their completions
+        prompts = settings.batch_size // loss["num_generations"]
+        return (
+            f"Estimate: {settings.model}, batch {settings.batch_size} completions ({prompts} "
+            f"prompts x {loss['num_generations']}) of {settings.max_length} + "
+            f"{loss['max_completion_length']} tokens{micro}"
+        )
     return f"Estimate: {settings.model}, batch {batch} x {settings.max_length} tokens{micro}"
 
 
@@ -101,7 +133,7 @@ def estimates_table(results: list[Estimate], against: dict[str, Any] | None = No
         table.add_column("measured", justify="right")
         table.add_column(f"error ({against['optimizer']})", justify="right")
     fields = [result.to_dict() for result in results]
-    for label, key in ESTIMATE_FIELDS:
+    for label, key in estimate_fields(fields[0]):
         cells = [format_bytes(metrics_field(f, key) or 0) for f in fields]
         if against is not None:
             truth = metrics_field(against["measured"], key)
@@ -114,6 +146,9 @@ def estimates_table(results: list[Estimate], against: dict[str, Any] | None = No
         part = {"trainable_parameter_bytes": "parameters"}.get(key)
         for row_label in _lever_row_labels(results, part) if part else []:
             table.add_row(row_label, *_lever_cells(results, row_label, against))
+    if fields[0].get("peak_phase"):
+        measured = [(against["measured"].get("peak_phase") or "-"), ""] if against else []
+        table.add_row("peak phase", *(f.get("peak_phase") or "-" for f in fields), *measured)
     for row_label in _lever_row_labels(results, None):  # host memory, not in the device's peak
         table.add_row(f"host: {row_label}", *_lever_cells(results, row_label, against))
     if any(result.host is not None for result in results):

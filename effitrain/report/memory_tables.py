@@ -116,14 +116,25 @@ def _add_part_rows(table: Table, memory: MemoryRecord, optimizer: str) -> None:
     other = at_peak.get("buffers", 0) + at_peak.get("other", 0)
     if other:
         table.add_row("buffers, other", "", format_bytes(other), "")
+    if memory.generation_bytes is not None:
+        table.add_row(
+            "generation: KV cache, logits", format_bytes(memory.generation_bytes), "—", ""
+        )
 
 
 def _add_peak_rows(table: Table, memory: MemoryRecord, run: TrainResult | None) -> None:
     """The peaks: of the step's tensors, of what the tracker saw beside CUDA's, of the run."""
     step = memory.step_memory
+    phase = memory.peak_phase
+    if step and phase is not None:
+        for name, peak in (
+            ("generation", memory.generation_peak_bytes),
+            ("training", step.peak_tensor_bytes),
+        ):
+            table.add_row(f"{name} phase peak", "", format_bytes(peak or 0), "")
     if memory.peak_tensor_bytes is not None:
         table.add_row(
-            "[bold]peak tensor memory[/]",
+            f"[bold]peak tensor memory[/]{f' ({phase})' if phase else ''}",
             "",
             f"[bold]{format_bytes(memory.peak_tensor_bytes)}[/]",
             "—",
@@ -161,6 +172,12 @@ def _memory_caption(memory: MemoryRecord) -> str:
             "activations and peak tensor memory not measured (--no-memory-breakdown, a run "
             "stopped before its last steps, torch < 2.5, or a step torch.compile runs: torchao's "
             "optimizers compile theirs)"
+        )
+    if memory.generation_memory:
+        lines.append(
+            "the step's generation phase (its completions sampled before its first forward: "
+            "the weights, the optimizer state, the KV cache and logits) is measured apart from "
+            "its training phase (the parts above); the step's peak is the larger"
         )
     return "\n".join(lines)
 

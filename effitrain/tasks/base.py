@@ -49,6 +49,8 @@ class LossMoments:
     """A loss's moments of the run besides computing the loss (:class:`effitrain.parts.Loss`
     says what each is for), each doing nothing: what a loss that holds nothing besides the model does at them."""
 
+    generates = False
+
     def after_prepare(self, run: RunParts) -> None:
         pass
 
@@ -138,6 +140,18 @@ class Task:
         """Whether ``effitrain estimate`` must load the data (a classifier's head is sized from
         its labels); a task whose shapes come from the model alone needs none."""
         return True
+
+    def estimate_shape(
+        self,
+        config: TrainConfig,
+        data: Any,
+        tokenizer: PreTrainedTokenizerBase | None,
+        length: int,
+    ) -> tuple[int, int]:
+        """The rows and the length of ``effitrain estimate``'s micro-batch (:meth:`fake_batch`):
+        ``--batch-size`` examples, ``length`` tokens long (``--max-length``, capped as the run
+        caps it)."""
+        return config.batch_size, length
 
     def check_model(self, config: TrainConfig, data: Any, model: PreTrainedModel) -> None:
         """Fit the data options to the loaded model (may change ``data``, add notes)."""

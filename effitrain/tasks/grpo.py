@@ -7,8 +7,9 @@ The model and its loading are the causal LM's. ``--batch-size`` counts completio
 ``per_device_train_batch_size`` does: a micro-batch holds batch-size / G prompts. This first
 slice generates with transformers' ``generate`` and trains one iteration per generation; with
 ``--beta`` above 0 (TRL's default is 0) the KL to a reference model joins the loss, the
-reference taken through the ``--reference`` lever. ``effitrain estimate`` and ``plan`` do not
-model the generation phase yet, and refuse the task.
+reference taken through the ``--reference`` lever. ``effitrain estimate`` and ``plan`` count
+both phases of a step: the generation (the run's own, on fake tensors, every completion full
+length) and the training step on its completions.
 """
 
 from __future__ import annotations
@@ -20,7 +21,12 @@ from effitrain.errors import EffitrainError
 from effitrain.optim import LrDivisor
 from effitrain.tasks.base import CAUSAL_LM_OPTIONS, GRPO
 from effitrain.tasks.causal_lm import DecoderTask
-from effitrain.tasks.grpo_data import PromptData, build_prompt_dataloaders, load_prompt_data
+from effitrain.tasks.grpo_data import (
+    PromptData,
+    build_prompt_dataloaders,
+    load_prompt_data,
+    longest_prompt,
+)
 from effitrain.tasks.grpo_rewards import check_reward_spec, check_weights
 
 if TYPE_CHECKING:
@@ -41,18 +47,26 @@ REFUSED_OPTIONS = (
 )
 """Options GRPO does not take: the causal LM's data shaping and sample, the preference losses',
 and the chunked loss (its log-probs come from the completion's logits, not chunk by chunk, yet)."""
-NOT_YET = "the generation phase is not modelled yet"
-"""Why ``estimate`` and ``plan`` refuse ``--task grpo`` (issue 47, item 3)."""
+NOT_YET = "the reference model's memory in the generation and training phases is not modelled yet"
+"""Why ``estimate`` and ``plan`` refuse ``--task grpo`` with ``--beta`` > 0."""
+
+
+def _prompt_length_given(config: TrainConfig) -> bool:
+    """Whether ``--max-length`` was given: an estimate's prompt length (generation does not
+    truncate prompts)."""
+    return bool(config.max_length != default_for("max_length"))
 
 
 def refuse_planning(config: TrainConfig, command: str) -> None:
-    """``effitrain estimate`` and ``plan`` refuse GRPO, in one line.
+    """``effitrain estimate`` and ``plan`` refuse GRPO's KL penalty, in one line.
 
     Raises:
-        EffitrainError: ``--task grpo``.
+        EffitrainError: ``--task grpo`` with ``--beta`` > 0.
     """
-    if config.task == GRPO:
-        raise EffitrainError(f"effitrain {command} does not take --task grpo yet: {NOT_YET}")
+    if config.task == GRPO and config.beta:
+        raise EffitrainError(
+            f"effitrain {command} does not take --task grpo with --beta > 0 yet: {NOT_YET}"
+        )
 
 
 class GrpoTask(DecoderTask):
@@ -100,6 +114,25 @@ class GrpoTask(DecoderTask):
 
     def load_data(self, config: TrainConfig) -> PromptData:
         return load_prompt_data(config)
+
+    def estimate_reads_data(self, config: TrainConfig) -> bool:
+        return not _prompt_length_given(config)  # the data's longest prompt, else
+
+    def estimate_shape(
+        self, config: TrainConfig, data: Any, tokenizer: Any, length: int
+    ) -> tuple[int, int]:
+        """The micro-batch's batch-size / G prompts, which the run's own generation samples
+        G completions of (:meth:`GrpoLoss.step_batches`): ``--max-length`` tokens long where
+        given, else as long as the data's longest."""
+        prompts = config.batch_size // config.num_generations
+        if _prompt_length_given(config):
+            return prompts, length
+        if tokenizer is None:
+            raise EffitrainError(
+                f"no tokenizer for '{config.model}' to measure the prompts with: give "
+                "--max-length, the prompts' length in tokens"
+            )
+        return prompts, longest_prompt(data, tokenizer)
 
     def dataloaders(
         self,

@@ -132,6 +132,13 @@ def prompt_texts(prompts: list[Any], tokenizer: PreTrainedTokenizerBase) -> list
     ]
 
 
+def longest_prompt(data: PromptData, tokenizer: PreTrainedTokenizerBase) -> int:
+    """The training data's longest prompt, in tokens, as generation tokenizes it."""
+    texts = prompt_texts(list(data.train["prompt"]), tokenizer)
+    encoded = tokenizer(texts, add_special_tokens=not data.conversational)["input_ids"]
+    return max(len(ids) for ids in encoded)
+
+
 def collate_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """A batch of prompts: the rows as they are (``rows``), for generation and the rewards."""
     return {"rows": rows}

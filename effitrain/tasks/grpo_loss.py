@@ -35,9 +35,12 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from effitrain.errors import EffitrainError
 from effitrain.tasks.base import LossMoments
 from effitrain.tasks.grpo_data import prompt_texts
 from effitrain.tasks.grpo_rewards import RewardFunction, score
@@ -217,6 +220,7 @@ class GrpoLoss(LossMoments):
 
     name = "grpo"
     chunked = False
+    generates = True
 
     def __init__(self, settings: GrpoSettings, rewards: list[RewardFunction], seed: int):
         self.settings = settings
@@ -272,6 +276,8 @@ class GrpoLoss(LossMoments):
         import torch
 
         step, rank = len(self.reward_history), run.accelerator.process_index
+        if "rows" not in batches[0]:  # the estimate's prompts, fake token ids: nothing to score
+            return [self._estimated(run, b, (step, rank, i)) for i, b in enumerate(batches)]
         made = [self._generate(run, b["rows"], (step, rank, i)) for i, b in enumerate(batches)]
         per_function = torch.cat([m.pop("rewards_per_function") for m in made])
         lengths = torch.cat([m["completion_mask"].sum(1).cpu() for m in made]).float()
@@ -298,6 +304,25 @@ class GrpoLoss(LossMoments):
             self.rewards, repeated, [r["prompt"] for r in repeated], made.texts, made.ids
         )
         return made.batch
+
+    def _estimated(
+        self, run: RunParts, batch: dict[str, Any], where: tuple[int, int, int]
+    ) -> dict[str, Any]:
+        """One micro-batch of ``effitrain estimate``: G completions of each prompt its batch
+        holds (fake token ids, as the tokenizer gives them), sampled by the run's own
+        :func:`sample`, to full length; no text to score, so advantages of zero."""
+        import torch
+
+        made = sample(
+            run,
+            batch["input_ids"],
+            batch["attention_mask"],
+            self.settings,
+            self.generation_seed(*where),
+            self.settings.num_generations,
+        )
+        made["advantages"] = torch.zeros(len(made["input_ids"]), device=run.accelerator.device)
+        return made
 
     def generation_seed(self, step: int, rank: int, index: int) -> int:
         """The seed of one micro-batch's sampling (``step`` -1: the evaluation's, the same at
@@ -392,13 +417,10 @@ def generate(
     seed: int,
     group: int | None = None,
 ) -> Generated:
-    """``group`` (default G) completions of each prompt in ``rows``, sampled from ``seed``, on
-    the unwrapped model in eval mode; the global RNG is left as it was."""
-    import torch
-
-    tokenizer, device = run.tokenizer, run.accelerator.device
-    assert tokenizer is not None  # only an estimate has none, and GRPO is not estimated
-    group = group or settings.num_generations
+    """``group`` (default G) completions of each prompt in ``rows``, tokenized (left-padded)
+    and sampled by :func:`sample`, and decoded."""
+    tokenizer = run.tokenizer
+    assert tokenizer is not None  # a run's: an estimate samples from its prompts' token ids
     prompts = [row["prompt"] for row in rows]
     encoded = tokenizer(
         prompt_texts(prompts, tokenizer),
@@ -406,42 +428,118 @@ def generate(
         padding=True,
         padding_side="left",
         add_special_tokens=not is_conversation(prompts[0]),  # a chat template writes its own
-    ).to(device)
-    prompt_ids = encoded["input_ids"].repeat_interleave(group, dim=0)
-    prompt_mask = encoded["attention_mask"].repeat_interleave(group, dim=0)
+    ).to(run.accelerator.device)
+    batch = sample(
+        run,
+        encoded["input_ids"],
+        encoded["attention_mask"],
+        settings,
+        seed,
+        group or settings.num_generations,
+    )
+    lengths = batch["completion_mask"].sum(1).tolist()
+    ids = [row[:n] for row, n in zip(batch["completion_ids"].tolist(), lengths, strict=True)]
+    return Generated(batch, tokenizer.batch_decode(ids, skip_special_tokens=True), ids)
+
+
+def sample(
+    run: RunParts,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    settings: GrpoSettings,
+    seed: int,
+    group: int,
+) -> dict[str, Any]:
+    """``group`` completions of each prompt (``prompt_ids``, left-padded), sampled from
+    ``seed`` on the unwrapped model in eval mode, as the training batch (prompt + completion
+    rows: ``input_ids``, ``attention_mask``, ``labels`` (the completions'), ``completion_ids``
+    and ``completion_mask``); the global RNG is left as it was.
+
+    On fake tensors (``effitrain estimate``), the worst case: no value says where an eos was
+    sampled, so every completion runs to ``--max-completion-length`` (:func:`_to_the_end`)."""
+    import torch
+    from torch._subclasses.fake_tensor import is_fake
+
+    fake = is_fake(prompt_ids)
     model = run.accelerator.unwrap_model(run.model)
+    eos, pad = _special_ids(run.tokenizer, model)
+    prompt_ids = prompt_ids.repeat_interleave(group, dim=0)
+    prompt_mask = prompt_mask.repeat_interleave(group, dim=0)
     was_training = model.training
     model.eval()  # no dropout, no gradient checkpointing: the KV cache stays on
+    device = prompt_ids.device
     devices = [device.index or 0] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
+    with ExitStack() as scope:
+        scope.enter_context(torch.random.fork_rng(devices=devices))
+        scope.enter_context(torch.no_grad())
+        if fake:
+            scope.enter_context(_to_the_end(settings.max_completion_length))
         torch.manual_seed(seed)
         output = model.generate(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
             max_new_tokens=settings.max_completion_length,
             use_cache=True,  # off for training (effitrain.models), on for generating
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=pad,
+            eos_token_id=eos,
             do_sample=True,
             temperature=settings.temperature,
             top_p=settings.top_p,
             top_k=0,  # off, as TRL's
         )
     model.train(was_training)
-    completion_ids, completion_mask = _completions(
-        output[:, prompt_ids.shape[1] :], tokenizer.eos_token_id, tokenizer.pad_token_id
-    )
-    lengths = completion_mask.sum(1).tolist()
-    ids = [row[:n] for row, n in zip(completion_ids.tolist(), lengths, strict=True)]
+    generated = output[:, prompt_ids.shape[1] :]
+    if fake:
+        completion_ids, completion_mask = generated, torch.ones_like(generated)
+    else:
+        assert eos is not None and pad is not None  # a run's tokenizer has both
+        completion_ids, completion_mask = _completions(generated, eos, pad)
     labels = completion_ids.masked_fill(completion_mask == 0, IGNORE_INDEX)
-    batch = {
+    return {
         "input_ids": torch.cat([prompt_ids, completion_ids], dim=1),
         "attention_mask": torch.cat([prompt_mask, completion_mask], dim=1),
         "labels": torch.cat([torch.full_like(prompt_ids, IGNORE_INDEX), labels], dim=1),
         "completion_ids": completion_ids,
         "completion_mask": completion_mask,
     }
-    return Generated(batch, tokenizer.batch_decode(ids, skip_special_tokens=True), ids)
+
+
+def _special_ids(tokenizer: Any, model: torch.nn.Module) -> tuple[int | None, int | None]:
+    """The eos and pad ids generation uses: the tokenizer's (one without a pad token pads
+    with its eos, as the task sets it up), or, for an estimate of a model known by its config
+    alone, the config's."""
+    if tokenizer is not None:
+        eos = tokenizer.eos_token_id
+        return eos, eos if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+    config = getattr(model, "config", None)
+    eos = getattr(config, "eos_token_id", None)
+    eos = eos[0] if isinstance(eos, list) else eos
+    pad = getattr(config, "pad_token_id", None)
+    return eos, eos if pad is None else pad
+
+
+@contextmanager
+def _to_the_end(new_tokens: int) -> Iterator[None]:
+    """transformers' ``generate`` stops after exactly ``new_tokens`` tokens: on fake tensors
+    its check for unfinished sequences (a value read back, which a fake tensor has not) would
+    stop it at the first; here the check answers by count alone, once per token."""
+    from unittest import mock
+
+    from transformers.generation.utils import GenerationMixin
+
+    left = [new_tokens]
+
+    def unfinished(*_args: Any, **_kwargs: Any) -> bool:
+        left[0] -= 1
+        return left[0] >= 0
+
+    with mock.patch.object(GenerationMixin, "_has_unfinished_sequences", unfinished):
+        yield
+    if left[0] != -1:
+        raise EffitrainError(
+            "cannot estimate GRPO's generation with this transformers version: its generate() "
+            f"did not run {new_tokens} steps"
+        )
 
 
 def evaluate_grpo(run: RunParts) -> dict[str, Any]:
