@@ -89,6 +89,10 @@ class GrpoTask(DecoderTask):
             raise EffitrainError(f"--temperature must be greater than 0 (got {config.temperature})")
         if not 0 < config.top_p <= 1:
             raise EffitrainError(f"--top-p must be above 0 and at most 1 (got {config.top_p})")
+        if config.num_iterations < 1:
+            raise EffitrainError(
+                f"--num-iterations must be 1 or more (got {config.num_iterations})"
+            )
         for name in ("epsilon", "epsilon_high"):
             value = getattr(config, name)
             if value is not None and not value >= 0:
