@@ -280,6 +280,7 @@ def test_refusals(train_cli):
         (["--packing"], "--packing does not apply to --task grpo"),
         (["--chunked-loss", "torch"], "--chunked-loss does not apply to --task grpo"),
         (["--reward", "x.txt"], "expected FILE.py:FUNCTION"),
+        (["--num-iterations", "0"], "--num-iterations must be 1 or more"),
     ):
         assert_clean_error(cli("train", "--task", "grpo", *args), fragment)
     assert_clean_error(
@@ -354,6 +355,16 @@ def test_train_logs_trl_names_and_resumes_exactly(train_cli, tmp_path):
     assert a["loss_history"][1]["clip_ratio/region_mean"] > 0  # their ratio moved
     assert a["loss_history"][1:] == b["loss_history"][1:]
     assert_identical(load_tensors(straight / "final"), load_tensors(resumed / "final"))
+    # Saved by 2 processes (say): each kept its own completions; one process cannot go on.
+    state = json.loads((straight / "checkpoint-1" / "grpo_state.json").read_text())
+    (straight / "checkpoint-1" / "grpo_state.json").write_text(json.dumps(state | {"processes": 2}))
+    proc = train_cli(
+        "train", *common, "--output-dir", str(tmp_path / "other"), "--resume",
+        str(straight / "checkpoint-1"),
+    )  # fmt: skip
+    from tests.conftest import assert_clean_error
+
+    assert_clean_error(proc, "saved 1 of --num-iterations 2 steps into a generation")
 
 
 def test_prompts_strings_or_chats_with_their_columns(tmp_path):

@@ -5,9 +5,9 @@ prompts :mod:`.grpo_data`, the rewards :mod:`.grpo_rewards`).
 
 The model and its loading are the causal LM's. ``--batch-size`` counts completions, as TRL's
 ``per_device_train_batch_size`` does: a micro-batch holds batch-size / G prompts. This first
-slice generates with transformers' ``generate``, trains one iteration per generation, and has
-no reference model (``--beta`` 0, TRL's default); ``effitrain estimate`` and ``plan`` do not
-model the generation phase yet, and refuse the task.
+slice generates with transformers' ``generate`` (each generation trained on for
+``--num-iterations`` steps), and has no reference model (``--beta`` 0, TRL's default);
+``effitrain estimate`` and ``plan`` do not model the generation phase yet, and refuse the task.
 """
 
 from __future__ import annotations

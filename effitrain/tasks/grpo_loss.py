@@ -217,10 +217,10 @@ class GrpoLoss(LossMoments):
         self.rewards = rewards
         self.seed = seed
         self.reward_history: list[float] = []
-        """The mean reward of each optimizer step's completions, in order."""
+        """The mean reward of each generation's completions, in order."""
         self._window: list[dict[str, float]] = []
-        self._clip: list[torch.Tensor] = []
-        """Per micro-batch: its tokens clipped low, high, either, and all (on the device)."""
+        self._clip: torch.Tensor | None = None
+        """The window's completion tokens clipped low, high, either, and all (on the device)."""
         self._buffer: list[dict[str, Any]] | None = None
         """The last generation's micro-batches, while they serve their N steps."""
         self._uses = 0
@@ -237,8 +237,9 @@ class GrpoLoss(LossMoments):
         mask = batch["completion_mask"]
         old = batch.get("old_logps", logps.detach())  # absent: one iteration, the ratio is 1
         terms = policy_loss(logps, old, batch["advantages"], mask, self.settings)
-        counts = [terms.low.sum(), terms.high.sum(), (terms.low | terms.high).sum(), mask.sum()]
-        self._clip.append(torch.stack(counts).float())  # on the device: no sync
+        clipped = [terms.low.sum(), terms.high.sum(), (terms.low | terms.high).sum(), mask.sum()]
+        counts = torch.stack(clipped).float()  # summed on the device: no sync
+        self._clip = counts if self._clip is None else self._clip + counts
         return terms.loss
 
     def step_batches(
@@ -319,22 +320,22 @@ class GrpoLoss(LossMoments):
 
     def window_metrics(self, accelerator: Accelerator) -> dict[str, float]:
         """The means of the generations' metrics since the last log line (every process has
-        the gathered rewards already), and the clipped tokens' shares, as TRL logs them: each
-        micro-batch's over all processes (one all-reduce), averaged."""
-        import torch
-
+        the gathered rewards already), and the shares of the completion tokens whose ratio
+        was clipped, by TRL's names: of the window's tokens on all processes (one
+        all-reduce), so that N processes log what one does (TRL averages each micro-batch's
+        share: the same where a log line has one micro-batch)."""
         metrics: dict[str, float] = {}
         if self._window:
             names = list(self._window[0])
             metrics = {n: sum(m[n] for m in self._window) / len(self._window) for n in names}
-        if self._clip:
-            counts = torch.stack(self._clip)
+        if self._clip is not None:
+            counts = self._clip
             if accelerator.num_processes > 1:
                 counts = accelerator.reduce(counts, "sum")
-            shares = (counts[:, :3] / counts[:, 3:].clamp(min=1.0)).mean(0).tolist()
+            shares = (counts[:3] / counts[3].clamp(min=1.0)).tolist()
             for name, share in zip(("low", "high", "region"), shares, strict=True):
                 metrics[f"clip_ratio/{name}_mean"] = share
-        self._window, self._clip = [], []
+        self._window, self._clip = [], None
         return metrics
 
     def describe(self) -> list[str]:
@@ -370,7 +371,11 @@ class GrpoLoss(LossMoments):
         if uses >= self.settings.num_iterations:
             uses = 0  # served: the next step generates
         if run.accelerator.is_main_process:
-            state = {"reward_history": self.reward_history, "buffer_uses": uses}
+            state = {
+                "reward_history": self.reward_history,
+                "buffer_uses": uses,
+                "processes": run.accelerator.num_processes,
+            }
             (folder / STATE_FILE).write_text(json.dumps(state))
         if uses and self._buffer is not None:
             tensors = {
@@ -384,8 +389,9 @@ class GrpoLoss(LossMoments):
         """Read back what :meth:`save_extra` wrote.
 
         Raises:
-            EffitrainError: the checkpoint falls between the N steps of a generation and this
-                process has none of its completions (it was saved by fewer processes).
+            EffitrainError: the checkpoint falls between the N steps of a generation, and was
+                saved by another number of processes (each kept its own completions) or this
+                process's file is missing.
         """
         from safetensors.torch import load_file
 
@@ -396,11 +402,14 @@ class GrpoLoss(LossMoments):
         if not 0 < uses < self.settings.num_iterations:
             return
         path = folder / BUFFER_FILE.format(rank=run.accelerator.process_index)
-        if not path.exists():
+        saved = state.get("processes", 1)
+        if saved != run.accelerator.num_processes or not path.exists():
             raise EffitrainError(
                 f"cannot resume from {folder}: it was saved {uses} of --num-iterations "
-                f"{self.settings.num_iterations} steps into a generation, and {path.name} (this "
-                "process's completions) is missing; resume with the processes it was saved with"
+                f"{self.settings.num_iterations} steps into a generation, whose completions its "
+                f"{saved} process(es) kept ({path.name} for this one); resume it with "
+                f"{saved} process(es), or resume a checkpoint whose step is a multiple of "
+                f"{self.settings.num_iterations}"
             )
         tensors = load_file(str(path), device=str(run.accelerator.device))
         buffer: dict[int, dict[str, Any]] = {}
