@@ -341,9 +341,10 @@ class GrpoLoss(LossMoments):
     def describe(self) -> list[str]:
         s = self.settings
         names = ", ".join(f"{r.name} x{w:g}" for r, w in zip(self.rewards, s.weights, strict=True))
+        reused = f", each trained on for {s.num_iterations} steps" if s.num_iterations > 1 else ""
         return [
-            f"GRPO ({s.loss_type} loss): {s.num_generations} completions per prompt, up to "
-            f"{s.max_completion_length} tokens, temperature {s.temperature:g}, top-p "
+            f"GRPO ({s.loss_type} loss): {s.num_generations} completions per prompt{reused}, up "
+            f"to {s.max_completion_length} tokens, temperature {s.temperature:g}, top-p "
             f"{s.top_p:g}; rewards: {names}"
         ]
 
@@ -355,6 +356,7 @@ class GrpoLoss(LossMoments):
             "loss_type": s.loss_type,
             "num_generations": s.num_generations,
             "max_completion_length": s.max_completion_length,
+            "num_iterations": s.num_iterations,
             "rewards": [r.source for r in self.rewards],
             "reward_weights": list(s.weights),
         }
