@@ -348,6 +348,14 @@ class TrainConfig:
         panel=GRPO,
         metavar="EPS",
     )
+    num_iterations: int = option_field(
+        1,
+        "grpo: optimizer steps on each step's generated completions (TRL's num_iterations, mu); "
+        "above 1 the ratio to the log-probs at generation is clipped, and an epoch is as many "
+        "times longer.",
+        panel=GRPO,
+        metavar="N",
+    )
 
     # --- optimizer and schedule ---
     optim: str = option_field(

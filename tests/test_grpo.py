@@ -177,6 +177,40 @@ def test_loss_and_gradients_equal_trl(loss_type, beta, trl):
         assert "kl" not in metrics and "kl" not in trainer._metrics["train"]
 
 
+def test_loss_and_clip_ratios_equal_trl_with_old_log_probs(trl):
+    """``--num-iterations`` > 1: the old log-probs (the policy's at generation) differ from the
+    current ones, so the ratio moves and is clipped on both sides; loss, gradients and TRL's
+    ``clip_ratio/*`` metrics equal TRL's (dapo, its default)."""
+    settings, model, batch = _settings("dapo"), _tiny_model(), _batch()
+    with torch.no_grad():
+        current = completion_logps(model, batch, settings.temperature)
+    noise = torch.randn(current.shape, generator=torch.Generator().manual_seed(2))
+    batch["old_logps"] = current + 0.3 * noise
+    trl_inputs = {
+        k: batch[k]
+        for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
+    }
+    trl_inputs["num_items_in_batch"] = batch["completion_mask"].sum()
+    trl_inputs["old_per_token_logps"] = batch["old_logps"]
+    trainer = _trl_trainer(settings, model)
+    theirs = trl.GRPOTrainer._compute_loss(trainer, model, trl_inputs)
+    their_grads = torch.autograd.grad(theirs, list(model.parameters()))
+
+    loss = GrpoLoss(settings, [], seed=0)
+    ours = loss(model, batch) * step_scale(
+        [batch], SimpleNamespace(num_processes=1, gradient_accumulation_steps=1)
+    )
+    our_grads = torch.autograd.grad(ours, list(model.parameters()))
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-7)
+    for a, b in zip(our_grads, their_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+    metrics = loss.window_metrics(SimpleNamespace(num_processes=1))
+    for name in ("low", "high", "region"):
+        key = f"clip_ratio/{name}_mean"
+        assert metrics[key] == pytest.approx(trainer._metrics["train"][key][0], abs=1e-7), key
+        assert metrics[key] > 0, key  # clipped on both sides
+
+
 def test_log_probs_equal_trl_on_the_logits_over_the_temperature(trl):
     model, batch = _tiny_model(), _batch()
     width = batch["completion_ids"].shape[1]
@@ -273,6 +307,7 @@ def test_refusals(train_cli):
         (["--packing"], "--packing does not apply to --task grpo"),
         (["--chunked-loss", "torch"], "--chunked-loss does not apply to --task grpo"),
         (["--reward", "x.txt"], "expected FILE.py:FUNCTION"),
+        (["--num-iterations", "0"], "--num-iterations must be 1 or more"),
     ):
         assert_clean_error(cli("train", "--task", "grpo", *args), fragment)
     assert_clean_error(
@@ -297,16 +332,19 @@ GRPO_RUN = (
 
 @pytest.mark.parametrize(
     "reference",
-    [(), pytest.param(("--beta", "0.04", "--warmup-steps", "0"), marks=pytest.mark.slow)],
+    [(), pytest.param(("--beta", "0.04"), marks=pytest.mark.slow)],
     ids=["no-reference", "copy"],
 )
 def test_train_logs_trl_names_and_resumes_exactly(train_cli, tmp_path, reference):
-    """A straight run saving at step 2 and a run resumed from its checkpoint end with the same
-    weights and the same reward history: generation is seeded from the step and the rank.
-    With --beta > 0 (a full fine-tune: a frozen copy), the same KL at step 3: the resumed run's
-    reference is the model as the run started, not as it was resumed."""
+    """Each generation serves 2 optimizer steps (``--num-iterations 2``): a straight run saving
+    every step, and a run resumed from its step-1 checkpoint, between the two steps of the
+    first generation (its completions and old log-probs kept), end with the same weights,
+    reward history and logged metrics; generation is seeded from its number. With --beta > 0
+    (a full fine-tune: a frozen copy), the same KL at step 3: the resumed run's reference is
+    the model as the run started, not as it was resumed."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    common = (*GRPO_RUN, *reference, "--max-steps", "3", "--save-every", "2")
+    common = (*GRPO_RUN, *reference, "--max-steps", "3", "--save-every", "1",
+              "--num-iterations", "2", "--lr", "1e-2", "--warmup-steps", "0")  # fmt: skip
     proc = train_cli(
         "train", *common, "--output-dir", str(straight), "--metrics-json", str(tmp_path / "a.json")
     )
@@ -316,12 +354,17 @@ def test_train_logs_trl_names_and_resumes_exactly(train_cli, tmp_path, reference
         "reward_std",
         "rewards/letter_share/mean",
         "completions/mean_length",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
         "clip_ratio/region_mean",
     ):
         assert f" {name} " in proc.stdout, name
     assert (" kl " in proc.stdout) == bool(reference)
+    # Between the two steps of a generation, its completions are kept; after them, not.
+    assert (straight / "checkpoint-1" / "grpo_buffer.rank0.safetensors").exists()
+    assert not list((straight / "checkpoint-2").glob("grpo_buffer*"))
     resumed.mkdir()
-    shutil.copytree(straight / "checkpoint-2", resumed / "checkpoint-2")
+    shutil.copytree(straight / "checkpoint-1", resumed / "checkpoint-1")
     proc = train_cli(
         "train",
         *common,
@@ -334,13 +377,28 @@ def test_train_logs_trl_names_and_resumes_exactly(train_cli, tmp_path, reference
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("a", "b"))
-    assert len(a["reward_history"]) == 3 and a["reward_history"] == b["reward_history"]
+    # Two generations for three steps: one per two steps.
+    assert len(a["reward_history"]) == 2 and a["reward_history"] == b["reward_history"]
     assert a["loss_history"][-1]["reward"] == a["reward_history"][-1]
+    assert "reward" not in a["loss_history"][1]  # step 2 reused step 1's completions
+    assert a["loss_history"][1]["clip_ratio/region_mean"] > 0  # their ratio moved
+    assert a["loss_history"][1:] == b["loss_history"][1:]
     assert_identical(load_tensors(straight / "final"), load_tensors(resumed / "final"))
     if reference:
         kl = [entry["kl"] for entry in a["loss_history"]]
         assert kl[0] == 0.0 and kl[2] > 0 and b["loss_history"][-1]["kl"] == kl[2]
         assert a["reference"] == {"how": "copy", "dtype": "fp32", "bytes": a["parameter_bytes"]}
+        return
+    # Saved by 2 processes (say): each kept its own completions; one process cannot go on.
+    state = json.loads((straight / "checkpoint-1" / "grpo_state.json").read_text())
+    (straight / "checkpoint-1" / "grpo_state.json").write_text(json.dumps(state | {"processes": 2}))
+    proc = train_cli(
+        "train", *common, "--output-dir", str(tmp_path / "other"), "--resume",
+        str(straight / "checkpoint-1"),
+    )  # fmt: skip
+    from tests.conftest import assert_clean_error
+
+    assert_clean_error(proc, "saved 1 of --num-iterations 2 steps into a generation")
 
 
 def test_kl_to_the_adapters_off_reference(train_cli, tmp_path):

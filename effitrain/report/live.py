@@ -276,7 +276,7 @@ def _rewards_text(metrics: dict[str, Any]) -> str:
     """A preference loss's reward accuracy and margin (`` · reward acc 0.625 · margin
     +0.041``), GRPO's rewards, lengths and clipped share by TRL's names, or '' for other
     losses."""
-    if "reward" in metrics:
+    if "reward" in metrics or "clip_ratio/region_mean" in metrics:  # GRPO (no generation: clip)
         return "".join(f" · {name} {value:.4g}" for name, value in metrics.items())
     if "rewards/accuracies" not in metrics:
         return ""
