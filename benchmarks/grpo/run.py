@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -33,8 +34,6 @@ from benchmarks import common
 TOPIC = common.Topic.of(__file__)
 TRL = [sys.executable, "-m", "benchmarks.grpo.trl_side"]
 """The TRL side's program (its options are its own, not ``effitrain train``'s)."""
-SMOKE_ARGS = ["--seeds", "0", "--steps", "4"]
-"""A trial of the plumbing: one seed, four steps."""
 INIT_SEED = 42
 """The seed the model folder's random weights are drawn from (the demo's default seed)."""
 WINDOW = 10
@@ -132,6 +131,7 @@ def measure(args: argparse.Namespace, device: str) -> common.Run:
 
     folder = model_folder(CACHE)
     data = write_prompts(args.work_dir / "data")
+    shutil.rmtree(args.work_dir / "output", ignore_errors=True)  # effitrain keeps its models
     # The same thread count for both sides (the machine is shared: ratios are what compare).
     env = {**common.device_env(device), **threads_env(args.threads)}
     rows = []
