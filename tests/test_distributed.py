@@ -145,9 +145,11 @@ GRPO = [
     "train", "--task", "grpo", "--batch-size", "4", "--num-generations", "2",
     "--max-completion-length", "4", "--max-steps", "3", "--num-iterations", "2",
     "--scale-rewards", "batch", "--lr", "1e-2", "--warmup-steps", "0", "--log-every", "1",
+    "--beta", "0.04",
 ]  # fmt: skip
-"""GRPO on its demo, each generation serving 2 steps, the rewards scaled over the whole batch:
-two processes x one micro-batch of 2 prompts, or one process x two accumulated."""
+"""GRPO on its demo, each generation serving 2 steps, the rewards scaled over the whole batch,
+the KL to a frozen copy: two processes x one micro-batch of 2 prompts, or one process x two
+accumulated."""
 
 
 @pytest.fixture(scope="module")
@@ -538,8 +540,8 @@ def test_preference_under_two_processes_matches_one_process(ddp_runs, train_cli,
 def test_grpo_under_two_processes_matches_one_process(ddp_runs, train_cli, tmp_path):
     """Each micro-batch's completions are sampled from its place in the global batch, wherever
     it runs: two processes draw the completions one process draws from the same prompts, and
-    train to the same weights, rewards, losses and clipped shares (the rewards gathered for
-    the batch's std, the dapo token mean over both processes' tokens)."""
+    train to the same weights, rewards, losses, clipped shares and KL (the rewards gathered for
+    the batch's std, the dapo token mean and the KL's over both processes' tokens)."""
     ddp_runs.launched.assert_ran("grpo")
     data = json.loads((ddp_runs.out / "grpo.json").read_text())
     assert data["num_processes"] == 2
@@ -556,6 +558,7 @@ def test_grpo_under_two_processes_matches_one_process(ddp_runs, train_cli, tmp_p
         for key, value in one_step.items():
             assert two_step[key] == pytest.approx(value, abs=1e-6), key
     assert data["loss_history"][1]["clip_ratio/region_mean"] > 0  # the ratio moved
+    assert data["loss_history"][2]["kl"] > 0  # the policy moved from the copy
     for key in ("reward", "completions/mean_length"):
         assert data["eval"][key] == pytest.approx(single["eval"][key], abs=1e-6), key
     difference = max_abs_difference(
