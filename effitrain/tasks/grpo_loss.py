@@ -666,7 +666,8 @@ def _to_the_end(new_tokens: int) -> Iterator[None]:
 
 def evaluate_grpo(run: RunParts) -> dict[str, Any]:
     """One sampled completion of each validation prompt, scored: the mean reward, each
-    function's, the mean length, and the first prompt's completion under ``"sample"``. The
+    function's, the mean length, and the first prompt's completion under ``"sample"``, its
+    reward (the weighted sum) under ``"sample_reward"``. The
     sampling is seeded alike at every evaluation (greedy decoding would show one token repeated
     long before the policy prefers it)."""
     import torch
@@ -690,13 +691,16 @@ def evaluate_grpo(run: RunParts) -> dict[str, Any]:
     device = run.accelerator.device
     per_function = run.accelerator.gather_for_metrics(torch.cat(scored).to(device)).cpu()
     counts = run.accelerator.gather_for_metrics(torch.tensor(lengths, device=device)).cpu()
-    rewards = weighted_rewards(per_function, torch.tensor(loss.settings.weights))
+    weights = torch.tensor(loss.settings.weights)
+    rewards = weighted_rewards(per_function, weights)
+    first = weighted_rewards(scored[0][:1], weights) if scored else torch.tensor([math.nan])
     return {
         "reward": float(torch.nanmean(rewards)),
         "completions/mean_length": float(counts.float().mean()),
         "examples": len(rewards),
         **function_means(loss.rewards, per_function),
         "sample": sample,
+        "sample_reward": float(first[0]),
     }
 
 
