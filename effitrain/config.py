@@ -263,7 +263,7 @@ class TrainConfig:
     beta: float | None = option_field(
         None,
         "preference: the loss's beta (dpo 0.1, orpo 0.1, simpo 2.0 as TRL's defaults); grpo: "
-        "the KL penalty's (0, TRL's default).",
+        "the KL penalty's (0, TRL's default: no reference model; see --reference).",
         panel=PREFERENCE,
         metavar="BETA",
         default_text="per loss",
@@ -347,6 +347,14 @@ class TrainConfig:
         "grpo: the clipped ratio's upper bound, 1 + epsilon_high (TRL's; default: --epsilon).",
         panel=GRPO,
         metavar="EPS",
+    )
+    num_iterations: int = option_field(
+        1,
+        "grpo: optimizer steps on each step's generated completions (TRL's num_iterations, mu); "
+        "above 1 the ratio to the log-probs at generation is clipped, and an epoch is as many "
+        "times longer.",
+        panel=GRPO,
+        metavar="N",
     )
 
     # --- optimizer and schedule ---

@@ -362,12 +362,14 @@ def _finished(run: Run, progress: TrainingProgress) -> bool:
 def epoch_batches(run: Run, progress: TrainingProgress) -> Iterable[dict[str, Any]]:
     """This epoch's batches; a resumed epoch skips the ones it already trained on.
 
-    Data order depends only on (seed, epoch), so the skipped batches are the same ones.
+    Data order depends only on (seed, epoch), so the skipped batches are the same ones. Under
+    ``--num-iterations`` N each step's batches serve N steps: a run resumed between them reads
+    its step's batches again, and the loss goes on with what it generated from them.
     """
     # Accelerate's prepared loader (untyped: mypy sees the DataLoader) seeds its order here.
     run.train_loader.set_epoch(progress.epoch)  # type: ignore[attr-defined]
-    if progress.step_in_epoch:
-        skip = progress.step_in_epoch * run.config.grad_accum
+    skip = progress.step_in_epoch // run.config.num_iterations * run.config.grad_accum
+    if skip:
         return run.accelerator.skip_first_batches(run.train_loader, skip)
     return run.train_loader
 
@@ -383,22 +385,23 @@ def step_batches(
 
     A step's batches are read before its first forward, so that its labelled tokens are known
     on every process (one all-reduce). Accelerate's accumulation counter is set so that the
-    step's last micro-batch syncs and steps, also for an epoch's shorter last step.
+    step's last micro-batch syncs and steps, also for an epoch's shorter last step. The loss
+    makes the read batches into one or more steps' (GRPO: ``--num-iterations`` of them).
     """
     from effitrain.tasks.lm_loss import step_scale
 
     accelerator, per_step = run.accelerator, run.config.grad_accum
     iterator = iter(batches)
-    while group := list(itertools.islice(iterator, per_step)):
-        with generating():
-            group = run.loss.step_batches(run, group)  # GRPO generates and scores here
-        accelerator.step = per_step - len(group)
-        weights = None
-        if run.loss.token_weighted:
-            backward = step_scale(group, accelerator)
-            weights = Weights(backward, backward * len(group) / per_step)
-        for batch in group:
-            yield batch, weights
+    while read := list(itertools.islice(iterator, per_step)):
+        # GRPO generates and scores here, inside ``generating``
+        for group in run.loss.step_batches(run, read, generating):
+            accelerator.step = per_step - len(group)
+            weights = None
+            if run.loss.token_weighted:
+                backward = step_scale(group, accelerator)
+                weights = Weights(backward, backward * len(group) / per_step)
+            for batch in group:
+                yield batch, weights
 
 
 def log_line(run: Run, progress: TrainingProgress, timer: Stopwatch) -> StepLog:

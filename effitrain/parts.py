@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
     from contextlib import AbstractContextManager
     from pathlib import Path
 
@@ -109,9 +110,16 @@ class Loss(Protocol):
         probe tracks them, so that they are in the measured peak."""
         ...
 
-    def step_batches(self, run: RunParts, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """One optimizer step's micro-batches as the loss trains on them, read before the
-        step's first forward (GRPO: each batch of prompts becomes its scored completions)."""
+    def step_batches(
+        self,
+        run: RunParts,
+        batches: list[dict[str, Any]],
+        generating: Callable[[], AbstractContextManager[None]],
+    ) -> Iterator[list[dict[str, Any]]]:
+        """The micro-batches of each optimizer step that one step's read batches make, as the
+        loss trains on them, each made before its step's first forward (GRPO: each batch of
+        prompts becomes its scored completions inside ``generating``, the context that measures
+        the generation phase, and is trained on ``--num-iterations`` times)."""
         ...
 
     def histories(self) -> dict[str, list[float]]:

@@ -38,7 +38,9 @@ class Plan:
         """
         from effitrain.tasks.sources import steps_per_epoch
 
-        per_epoch = steps_per_epoch(num_batches, config.grad_accum)
+        # GRPO trains on each step's generated completions --num-iterations times (TRL's
+        # RepeatSampler makes its epochs as many times longer); 1 for every other task.
+        per_epoch = steps_per_epoch(num_batches, config.grad_accum) * config.num_iterations
         if per_epoch == 0:
             raise EffitrainError(
                 "the training set yields no batches; check --batch-size and the data"

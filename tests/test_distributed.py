@@ -141,6 +141,15 @@ LORA_DDP = (
 
 PREFERENCE = ["train", "--task", "preference", "--max-steps", "3", "--max-length", "40"]
 """DPO (precomputed reference) on the preference demo: two processes x 4 pairs or one x 8."""
+GRPO = [
+    "train", "--task", "grpo", "--batch-size", "4", "--num-generations", "2",
+    "--max-completion-length", "4", "--max-steps", "3", "--num-iterations", "2",
+    "--scale-rewards", "batch", "--lr", "1e-2", "--warmup-steps", "0", "--log-every", "1",
+    "--beta", "0.04",
+]  # fmt: skip
+"""GRPO on its demo, each generation serving 2 steps, the rewards scaled over the whole batch,
+the KL to a frozen copy: two processes x one micro-batch of 2 prompts, or one process x two
+accumulated."""
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +164,8 @@ def ddp_runs(tmp_path_factory, no_dropout_model_dir, lm_model_dir):
     - ``token-weighted``: one SGD step of two processes x two micro-batches of 2 uneven texts;
     - ``lora``: LoRA under DDP (where peft is installed);
     - ``causal-lm``: the causal-LM task with a sample prompt;
-    - ``preference``: DPO on the preference demo, its reference log-probs precomputed.
+    - ``preference``: DPO on the preference demo, its reference log-probs precomputed;
+    - ``grpo``: GRPO on its demo.
 
     Without ``ACCELERATE_USE_CPU`` where there is no GPU: the config file alone must give two
     processes that train together.
@@ -249,6 +259,8 @@ def ddp_runs(tmp_path_factory, no_dropout_model_dir, lm_model_dir):
     runs.append(
         {"name": "preference", "args": [*preference, "--metrics-json", str(out / "pref.json")]}
     )
+    grpo = [*GRPO, "--output-dir", str(out / "grpo")]
+    runs.append({"name": "grpo", "args": [*grpo, "--metrics-json", str(out / "grpo.json")]})
     if importlib.util.find_spec("peft") is not None:
         lora = ["train", "--model", model, *LORA_DDP, "--batch-size", "8"]
         runs.append({"name": "lora", "args": [*lora, "--output-dir", str(out / "lora")]})
@@ -522,6 +534,38 @@ def test_preference_under_two_processes_matches_one_process(ddp_runs, train_cli,
         load_parameters(tmp_path / "one" / "final"),
     )
     assert difference < 1e-5
+
+
+@pytest.mark.slow
+def test_grpo_under_two_processes_matches_one_process(ddp_runs, train_cli, tmp_path):
+    """Each micro-batch's completions are sampled from its place in the global batch, wherever
+    it runs: two processes draw the completions one process draws from the same prompts, and
+    train to the same weights, rewards, losses, clipped shares and KL (the rewards gathered for
+    the batch's std, the dapo token mean and the KL's over both processes' tokens)."""
+    ddp_runs.launched.assert_ran("grpo")
+    data = json.loads((ddp_runs.out / "grpo.json").read_text())
+    assert data["num_processes"] == 2
+    one = train_cli(
+        *GRPO, "--grad-accum", "2", "--output-dir", str(tmp_path / "one"),
+        "--metrics-json", str(tmp_path / "one.json"),
+    )  # fmt: skip
+    assert one.returncode == 0, one.stdout + one.stderr
+    single = json.loads((tmp_path / "one.json").read_text())
+    assert data["reward_history"] == single["reward_history"]  # the same completions
+    assert len(data["loss_history"]) == len(single["loss_history"]) == 3
+    for two_step, one_step in zip(data["loss_history"], single["loss_history"], strict=True):
+        assert two_step.keys() == one_step.keys()
+        for key, value in one_step.items():
+            assert two_step[key] == pytest.approx(value, abs=1e-6), key
+    assert data["loss_history"][1]["clip_ratio/region_mean"] > 0  # the ratio moved
+    assert data["loss_history"][2]["kl"] > 0  # the policy moved from the copy
+    for key in ("reward", "completions/mean_length"):
+        assert data["eval"][key] == pytest.approx(single["eval"][key], abs=1e-6), key
+    difference = max_abs_difference(
+        load_parameters(ddp_runs.out / "grpo" / "final"),
+        load_parameters(tmp_path / "one" / "final"),
+    )
+    assert difference < 1e-6
 
 
 # --------------------------------------------------------------------------------------------

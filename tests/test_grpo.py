@@ -1,14 +1,17 @@
 """GRPO (``--task grpo``): the loss and its gradients equal TRL 1.16's ``GRPOTrainer._compute_loss``
-for each loss type on the same completions, masks and advantages; the log-probs equal TRL's
+for each loss type on the same completions, masks and advantages, with and without the KL to a
+reference (``--beta``, and TRL's ``kl`` metric); the log-probs equal TRL's
 ``selective_log_softmax`` of the logits over the temperature; advantages as TRL normalises
 them; reward functions called as TRL calls them, with one-line errors; a tiny run end to end,
-its metrics by TRL's names, and an exact resume.
+its metrics by TRL's names, and an exact resume (with a frozen copy as the reference too); the
+reference through the adapters switched off.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from types import SimpleNamespace
 
@@ -16,11 +19,11 @@ import pytest
 import torch
 
 from effitrain.tasks.grpo_loss import (
+    GrpoLoss,
     GrpoSettings,
     completion_logps,
     group_advantages,
     nanstd,
-    policy_loss,
 )
 from effitrain.tasks.grpo_rewards import RewardFunction, load_reward, score
 from effitrain.tasks.lm_loss import step_scale
@@ -41,14 +44,14 @@ def trl():
     )
 
 
-def _settings(loss_type: str, length: int = 6) -> GrpoSettings:
-    return GrpoSettings(4, length, 0.7, 1.0, loss_type, "group", 0.2, 0.28, (1.0,))
+def _settings(loss_type: str, length: int = 6, beta: float = 0.0) -> GrpoSettings:
+    return GrpoSettings(4, length, 0.7, 1.0, loss_type, "group", 0.2, 0.28, (1.0,), beta)
 
 
-def _tiny_model() -> torch.nn.Module:
+def _tiny_model(seed: int = 0) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=50,
         hidden_size=16,
@@ -115,7 +118,7 @@ def _trl_trainer(settings: GrpoSettings, model: torch.nn.Module) -> SimpleNamesp
         top_entropy_quantile=1.0,
         off_policy_mask_threshold=None,
         importance_sampling_level="token",
-        beta=0.0,
+        beta=settings.beta,
         loss_type=settings.loss_type,
         epsilon_low=settings.epsilon_low,
         epsilon_high=settings.epsilon_high,
@@ -131,21 +134,33 @@ def _trl_trainer(settings: GrpoSettings, model: torch.nn.Module) -> SimpleNamesp
     )
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.04], ids=["no-reference", "beta-0.04"])
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "bnpo"])
-def test_loss_and_gradients_equal_trl(loss_type, trl):
-    settings, model, batch = _settings(loss_type), _tiny_model(), _batch()
+def test_loss_and_gradients_equal_trl(loss_type, beta, trl):
+    """GrpoLoss's step (with beta > 0 its reference a frozen copy of another model, through
+    the reference lever's provider) against TRL's ``_compute_loss``, given the same reference
+    log-probs; TRL's ``kl`` metric too."""
+    from effitrain.config import TrainConfig
+    from effitrain.tasks.reference_model import FrozenCopy
+
+    settings, model, batch = _settings(loss_type, beta=beta), _tiny_model(), _batch()
     trl_inputs = {
         k: batch[k]
         for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
     }
     trl_inputs["num_items_in_batch"] = batch["completion_mask"].sum()
-    theirs = trl.GRPOTrainer._compute_loss(_trl_trainer(settings, model), model, trl_inputs)
+    loss = GrpoLoss(settings, [], seed=0)
+    if beta:
+        loss.reference = FrozenCopy(_tiny_model(seed=1), loss, TrainConfig(task="grpo"))
+        with torch.no_grad():
+            trl_inputs["ref_per_token_logps"] = completion_logps(
+                _tiny_model(seed=1), batch, settings.temperature
+            )
+    trainer = _trl_trainer(settings, model)
+    theirs = trl.GRPOTrainer._compute_loss(trainer, model, trl_inputs)
     their_grads = torch.autograd.grad(theirs, list(model.parameters()))
 
-    logps = completion_logps(model, batch, settings.temperature)
-    ours, _ = policy_loss(
-        logps, logps.detach(), batch["advantages"], batch["completion_mask"], settings
-    )
+    ours = loss(model, batch)
     if loss_type == "dapo":  # a sum, weighed by the step's tokens as the loop weighs it
         ours = ours * step_scale(
             [batch], SimpleNamespace(num_processes=1, gradient_accumulation_steps=1)
@@ -155,6 +170,46 @@ def test_loss_and_gradients_equal_trl(loss_type, trl):
     for a, b in zip(our_grads, their_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
     assert any(g.abs().sum() > 0 for g in our_grads)
+    metrics = loss.window_metrics(SimpleNamespace(num_processes=1))
+    if beta:
+        assert metrics["kl"] == pytest.approx(trainer._metrics["train"]["kl"][0], rel=1e-6)
+        assert metrics["kl"] > 1e-3  # another model: its term is far above the tolerances
+    else:
+        assert "kl" not in metrics and "kl" not in trainer._metrics["train"]
+
+
+def test_loss_and_clip_ratios_equal_trl_with_old_log_probs(trl):
+    """``--num-iterations`` > 1: the old log-probs (the policy's at generation) differ from the
+    current ones, so the ratio moves and is clipped on both sides; loss, gradients and TRL's
+    ``clip_ratio/*`` metrics equal TRL's (dapo, its default)."""
+    settings, model, batch = _settings("dapo"), _tiny_model(), _batch()
+    with torch.no_grad():
+        current = completion_logps(model, batch, settings.temperature)
+    noise = torch.randn(current.shape, generator=torch.Generator().manual_seed(2))
+    batch["old_logps"] = current + 0.3 * noise
+    trl_inputs = {
+        k: batch[k]
+        for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
+    }
+    trl_inputs["num_items_in_batch"] = batch["completion_mask"].sum()
+    trl_inputs["old_per_token_logps"] = batch["old_logps"]
+    trainer = _trl_trainer(settings, model)
+    theirs = trl.GRPOTrainer._compute_loss(trainer, model, trl_inputs)
+    their_grads = torch.autograd.grad(theirs, list(model.parameters()))
+
+    loss = GrpoLoss(settings, [], seed=0)
+    ours = loss(model, batch) * step_scale(
+        [batch], SimpleNamespace(num_processes=1, gradient_accumulation_steps=1)
+    )
+    our_grads = torch.autograd.grad(ours, list(model.parameters()))
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-7)
+    for a, b in zip(our_grads, their_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+    metrics = loss.window_metrics(SimpleNamespace(num_processes=1))
+    for name in ("low", "high", "region"):
+        key = f"clip_ratio/{name}_mean"
+        assert metrics[key] == pytest.approx(trainer._metrics["train"][key][0], abs=1e-7), key
+        assert metrics[key] > 0, key  # clipped on both sides
 
 
 def test_log_probs_equal_trl_on_the_logits_over_the_temperature(trl):
@@ -237,7 +292,15 @@ def test_refusals(train_cli):
     from tests.conftest import assert_clean_error
 
     for args, fragment in (
-        (["--beta", "0.1"], "needs the reference model: not yet"),
+        (["--beta", "-0.1"], "--beta must be 0 or more under --task grpo"),
+        (["--reference", "copy"], "--reference needs --beta above 0 under --task grpo"),
+        (["--reference-dtype", "bf16"], "--reference-dtype needs --beta above 0"),
+        (["--beta", "0.04", "--reference", "precompute"], "cannot serve --task grpo"),
+        (["--beta", "0.04", "--reference", "adapters"], "or use --reference copy"),
+        (
+            ["--beta", "0.04", "--lora-rank", "4", "--reference", "copy"],
+            "use --reference adapters",
+        ),
         (
             ["--batch-size", "6", "--num-generations", "4"],
             "must be a multiple of --num-generations",
@@ -245,6 +308,7 @@ def test_refusals(train_cli):
         (["--packing"], "--packing does not apply to --task grpo"),
         (["--chunked-loss", "torch"], "--chunked-loss does not apply to --task grpo"),
         (["--reward", "x.txt"], "expected FILE.py:FUNCTION"),
+        (["--num-iterations", "0"], "--num-iterations must be 1 or more"),
     ):
         assert_clean_error(cli("train", "--task", "grpo", *args), fragment)
     assert_clean_error(
@@ -267,11 +331,21 @@ GRPO_RUN = (
 )
 
 
-def test_train_logs_trl_names_and_resumes_exactly(train_cli, tmp_path):
-    """A straight run saving at step 2 and a run resumed from its checkpoint end with the same
-    weights and the same reward history: generation is seeded from the step and the rank."""
+@pytest.mark.parametrize(
+    "reference",
+    [(), pytest.param(("--beta", "0.04"), marks=pytest.mark.slow)],
+    ids=["no-reference", "copy"],
+)
+def test_train_logs_trl_names_and_resumes_exactly(train_cli, tmp_path, reference):
+    """Each generation serves 2 optimizer steps (``--num-iterations 2``): a straight run saving
+    every step, and a run resumed from its step-1 checkpoint, between the two steps of the
+    first generation (its completions and old log-probs kept), end with the same weights,
+    reward history and logged metrics; generation is seeded from its number. With --beta > 0
+    (a full fine-tune: a frozen copy), the same KL at step 3: the resumed run's reference is
+    the model as the run started, not as it was resumed."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    common = (*GRPO_RUN, "--max-steps", "3", "--save-every", "2")
+    common = (*GRPO_RUN, *reference, "--max-steps", "3", "--save-every", "1",
+              "--num-iterations", "2", "--lr", "1e-2", "--warmup-steps", "0")  # fmt: skip
     proc = train_cli(
         "train", *common, "--output-dir", str(straight), "--metrics-json", str(tmp_path / "a.json")
     )
@@ -281,11 +355,17 @@ def test_train_logs_trl_names_and_resumes_exactly(train_cli, tmp_path):
         "reward_std",
         "rewards/letter_share/mean",
         "completions/mean_length",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
         "clip_ratio/region_mean",
     ):
         assert f" {name} " in proc.stdout, name
+    assert (" kl " in proc.stdout) == bool(reference)
+    # Between the two steps of a generation, its completions are kept; after them, not.
+    assert (straight / "checkpoint-1" / "grpo_buffer.rank0.safetensors").exists()
+    assert not list((straight / "checkpoint-2").glob("grpo_buffer*"))
     resumed.mkdir()
-    shutil.copytree(straight / "checkpoint-2", resumed / "checkpoint-2")
+    shutil.copytree(straight / "checkpoint-1", resumed / "checkpoint-1")
     proc = train_cli(
         "train",
         *common,
@@ -298,9 +378,50 @@ def test_train_logs_trl_names_and_resumes_exactly(train_cli, tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("a", "b"))
-    assert len(a["reward_history"]) == 3 and a["reward_history"] == b["reward_history"]
+    # Two generations for three steps: one per two steps.
+    assert len(a["reward_history"]) == 2 and a["reward_history"] == b["reward_history"]
     assert a["loss_history"][-1]["reward"] == a["reward_history"][-1]
+    assert "reward" not in a["loss_history"][1]  # step 2 reused step 1's completions
+    assert a["loss_history"][1]["clip_ratio/region_mean"] > 0  # their ratio moved
+    assert a["loss_history"][1:] == b["loss_history"][1:]
+    # The evaluation's sample is shown with its reward, one of the rewards it averages.
+    assert re.search(r"  sample    '.+ -> .*'  reward \d\.\d{3}\n", proc.stdout)
+    assert 0 <= a["eval"]["sample_reward"] <= 1 and a["eval"] == b["eval"]
     assert_identical(load_tensors(straight / "final"), load_tensors(resumed / "final"))
+    if reference:
+        kl = [entry["kl"] for entry in a["loss_history"]]
+        assert kl[0] == 0.0 and kl[2] > 0 and b["loss_history"][-1]["kl"] == kl[2]
+        assert a["reference"] == {"how": "copy", "dtype": "fp32", "bytes": a["parameter_bytes"]}
+        return
+    # Saved by 2 processes (say): each kept its own completions; one process cannot go on.
+    state = json.loads((straight / "checkpoint-1" / "grpo_state.json").read_text())
+    (straight / "checkpoint-1" / "grpo_state.json").write_text(json.dumps(state | {"processes": 2}))
+    proc = train_cli(
+        "train", *common, "--output-dir", str(tmp_path / "other"), "--resume",
+        str(straight / "checkpoint-1"),
+    )  # fmt: skip
+    from tests.conftest import assert_clean_error
+
+    assert_clean_error(proc, "saved 1 of --num-iterations 2 steps into a generation")
+
+
+def test_kl_to_the_adapters_off_reference(train_cli, tmp_path):
+    """--beta with LoRA: the reference is the base with the adapters switched off (0 bytes, its
+    own row); the KL is 0 before the first update, then above 0, in the log line and the
+    metrics JSON by TRL's name."""
+    out = tmp_path / "m.json"
+    proc = train_cli(
+        "train", *GRPO_RUN, "--max-steps", "2", "--beta", "0.04", "--lora-rank", "4",
+        "--warmup-steps", "0", "--metrics-json", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "reference: the base with the adapters switched off" in proc.stdout
+    assert "+ reference: adapters switched off" in proc.stdout and " kl " in proc.stdout
+    metrics = json.loads(out.read_text())
+    assert metrics["reference"] == {"how": "adapters", "dtype": None, "bytes": 0}
+    assert metrics["loss"]["beta"] == 0.04
+    kl = [entry["kl"] for entry in metrics["loss_history"]]
+    assert kl[0] == 0.0 and kl[1] > 0
 
 
 def test_prompts_strings_or_chats_with_their_columns(tmp_path):

@@ -65,6 +65,7 @@ VALUES: dict[str, tuple[object, dict[str, object]]] = {
     "scale_rewards": ("batch", GRPO),
     "epsilon": (0.1, GRPO),
     "epsilon_high": (0.28, GRPO),
+    "num_iterations": (2, GRPO),
     "optim": ("adafactor", {}),
     "lr": (3e-4, {}),
     "weight_decay": (0.1, {}),

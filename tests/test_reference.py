@@ -86,7 +86,7 @@ def test_precompute_and_an_fp32_copy_give_the_same_gradients(pairs_file):
 
     from effitrain.build import build_run, checked_config
     from effitrain.report.live import Reporter
-    from effitrain.tasks.preference_reference import FrozenCopy, Precomputed
+    from effitrain.tasks.reference_model import FrozenCopy, Precomputed
     from tests.conftest import _reset_accelerate
 
     _reset_accelerate()
@@ -117,7 +117,7 @@ def test_precompute_and_an_fp32_copy_give_the_same_gradients(pairs_file):
 def test_resume_with_a_precomputed_reference_is_exact_and_does_not_recompute(
     train_cli, tmp_path, pairs_file, monkeypatch
 ):
-    from effitrain.tasks.preference_reference import TABLE_FILE, Precomputed
+    from effitrain.tasks.reference_model import TABLE_FILE, Precomputed
 
     passes = []
     compute = Precomputed.compute

@@ -169,7 +169,7 @@ def test_sigterm_during_the_reference_pass_stops_in_one_line(
     the stopped line and 128 + 15, and releases the folder."""
     import os
 
-    import effitrain.tasks.preference_reference as reference
+    import effitrain.tasks.reference_model as reference
 
     rows = [
         {"prompt": f"Report {i}:", "chosen": f" apples at stall {i}.", "rejected": f" stall {i}."}
@@ -177,13 +177,13 @@ def test_sigterm_during_the_reference_pass_stops_in_one_line(
     ]
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    sequence_logps = reference._sequence_logps
+    scored_logps = reference._scored_logps
 
     def terminated(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
-        return sequence_logps(*args, **kwargs)
+        return scored_logps(*args, **kwargs)
 
-    monkeypatch.setattr(reference, "_sequence_logps", terminated)
+    monkeypatch.setattr(reference, "_scored_logps", terminated)
     out = tmp_path / "out"
     proc = train_cli(
         "train", "--task", "preference", "--dataset", str(pairs), "--max-length", "32",

@@ -1,13 +1,14 @@
-"""DPO's reference model as a memory lever: ``--reference adapters|precompute|copy`` and
-``--reference-dtype``, what they resolve to (:func:`how`, :func:`copy_dtype`), their checks, and
-what the reference shows (the banner line, the metrics JSON's ``reference``, its memory table
-row, the estimate's note) and checks before a resume.
+"""The reference model (DPO's, and GRPO's KL penalty's) as a memory lever: ``--reference
+adapters|precompute|copy`` and ``--reference-dtype``, what they resolve to (:func:`how`,
+:func:`copy_dtype`), their checks, and what the reference shows (the banner line, the metrics
+JSON's ``reference``, its memory table row, the estimate's note) and checks before a resume.
 
 The reference itself (its providers, the precomputed table kept in checkpoints, the frozen copy)
-belongs to the preference loss, which builds it once the run is prepared:
-:mod:`effitrain.tasks.preference_reference`. The lever is on whenever the run trains with
-``--task preference --preference-loss dpo``; ORPO and SimPO need no reference, and
-``--reference`` with them is refused.
+belongs to the loss, which builds it once the run is prepared:
+:mod:`effitrain.tasks.reference_model`. The lever is on whenever the run trains with ``--task
+preference --preference-loss dpo`` or ``--task grpo --beta`` above 0; ORPO, SimPO and GRPO with
+``--beta`` 0 need no reference, and ``--reference`` with them is refused, as ``precompute`` is
+under GRPO (its completions are generated during training).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ TABLE_FILE = "reference_logps.safetensors"
 COPY_SHARDINGS = ("fsdp1", "fsdp2", "deepspeed")
 """The shardings a copy is refused under: its weights would be whole on every process."""
 REFERENCES = ("adapters", "precompute", "copy")
-"""``--reference``: how DPO's reference log-probs are paid for."""
+"""``--reference``: how the reference's log-probs are paid for."""
 REFERENCE_DTYPES = ("fp32", "bf16", "4bit")
 
 
@@ -47,17 +48,19 @@ class ReferenceOptions(OptionGroup):
 
     reference: str | None = option_field(
         None,
-        "preference, dpo: the reference model's log-probs from the base with the adapters "
-        "switched off (no second copy; with --lora-rank), precomputed in one pass before "
-        "training (kept with checkpoints), or a frozen copy in the step.",
+        "preference (dpo), grpo (--beta above 0): the reference model's log-probs from the "
+        "base with the adapters switched off (no second copy; with --lora-rank), precomputed "
+        "in one pass before training (dpo only; kept with checkpoints), or a frozen copy in "
+        "the step.",
         panel=MEMORY_LEVERS,
         metavar="HOW",
         choices=REFERENCES,
-        default_text="adapters with --lora-rank, else precompute",
+        default_text="adapters with --lora-rank, else precompute (dpo) or copy (grpo)",
     )
     reference_dtype: str | None = option_field(
         None,
-        "preference, --reference copy: the copy's weights: fp32, bf16 or 4bit (bitsandbytes NF4).",
+        "preference, grpo, --reference copy: the copy's weights: fp32, bf16 or 4bit "
+        "(bitsandbytes NF4).",
         panel=MEMORY_LEVERS,
         metavar="DTYPE",
         choices=REFERENCE_DTYPES,
@@ -66,11 +69,14 @@ class ReferenceOptions(OptionGroup):
 
 
 def how(config: TrainConfig) -> str:
-    """``--reference`` as used: the given one, else adapters with --lora-rank, else precompute."""
+    """``--reference`` as used: the given one, else adapters with --lora-rank, else precompute
+    (GRPO: a copy; its completions are generated during training)."""
     given = ReferenceOptions.of(config).reference
     if given is not None:
         return given
-    return "adapters" if adapters_on(config) else "precompute"
+    if adapters_on(config):
+        return "adapters"
+    return "copy" if config.task == "grpo" else "precompute"
 
 
 def copy_dtype(config: TrainConfig) -> str:
@@ -81,8 +87,15 @@ def copy_dtype(config: TrainConfig) -> str:
     return "bf16" if Bf16WeightsOptions.of(config).weights_dtype == "bf16" else "fp32"
 
 
+def _instead(config: TrainConfig) -> str:
+    """The reference to suggest where a copy cannot serve (GRPO cannot precompute)."""
+    if config.task == "grpo":
+        return "--lora-rank R (the adapters-off reference)"
+    return "--reference precompute"
+
+
 class ShownReference(Protocol):
-    """What the lever shows of a reference (``tasks.preference_reference.Provider``)."""
+    """What the lever shows of a reference (``tasks.reference_model.Provider``)."""
 
     @property
     def dtype(self) -> str | None: ...
@@ -92,8 +105,8 @@ class ShownReference(Protocol):
 
 @runtime_checkable
 class HoldsReference(Protocol):
-    """The loss that holds the reference (``tasks.preference_loss.PreferenceLoss``, a layer
-    above the levers: named here by its shape)."""
+    """The loss that holds the reference (``tasks.preference_loss.PreferenceLoss``,
+    ``tasks.grpo_loss.GrpoLoss``, a layer above the levers: named here by its shape)."""
 
     @property
     def reference(self) -> ShownReference | None: ...
@@ -103,23 +116,38 @@ class Reference(Lever):
     name = "reference"
     options = ReferenceOptions
     removes = (
-        "the second model a DPO reference would hold (adapters, precompute), or part of it (a "
-        "bf16 or 4-bit copy)"
+        "the second model a DPO or GRPO reference would hold (adapters, precompute), or part "
+        "of it (a bf16 or 4-bit copy)"
     )
-    task = "preference"
+    task = ("preference", "grpo")
     time_cost = (
         "adapters and copy: one no-grad forward per micro-batch; precompute: one no-grad pass "
         "over the data before training"
     )
 
     def is_on(self, config: TrainConfig) -> bool:
+        if config.task == "grpo":
+            return (config.beta or 0.0) > 0
         return config.task == "preference" and config.preference_loss == "dpo"
 
     def check(self, config: TrainConfig) -> None:
-        if config.preference_loss != "dpo" and ReferenceOptions.of(config).reference is not None:
+        options = ReferenceOptions.of(config)
+        given = "--reference" if options.reference is not None else "--reference-dtype"
+        if config.task == "grpo" and not self.is_on(config):
+            raise EffitrainError(
+                f"{given} needs --beta above 0 under --task grpo (--beta 0 uses no reference "
+                f"model); drop {given}"
+            )
+        if config.preference_loss != "dpo" and options.reference is not None:
             raise EffitrainError(
                 f"--reference needs --preference-loss dpo ({config.preference_loss} uses no "
                 "reference model); drop --reference"
+            )
+        if config.task == "grpo" and options.reference == "precompute":
+            raise EffitrainError(
+                "--reference precompute cannot serve --task grpo: its completions are generated "
+                "during training, after any pass before it; use --reference copy, or adapters "
+                "with --lora-rank"
             )
         if ReferenceOptions.of(config).reference_dtype is not None and how(config) != "copy":
             raise EffitrainError(
@@ -135,14 +163,15 @@ class Reference(Lever):
         if ReferenceOptions.of(config).reference == "adapters" and not adapters_on(config):
             raise EffitrainError(
                 "--reference adapters needs --lora-rank R (the base with the adapters switched "
-                "off is the reference); add --lora-rank 8, or use --reference precompute"
+                "off is the reference); add --lora-rank 8, or use --reference "
+                + ("copy" if config.task == "grpo" else "precompute")
             )
 
     def check_launch(self, config: TrainConfig, launch: Launch) -> None:
         if how(config) == "copy" and launch.sharding.kind in COPY_SHARDINGS:
             raise EffitrainError(
                 f"--reference copy is not supported under {launch.sharding.description}: the "
-                "copy's weights would be whole on every process; use --reference precompute"
+                f"copy's weights would be whole on every process; use {_instead(config)}"
             )
         if how(config) == "copy" and copy_dtype(config) == "4bit":
             from effitrain.levers.qlora_bnb import require_bitsandbytes
@@ -159,7 +188,7 @@ class Reference(Lever):
 
     def metrics(self, run: RunParts) -> dict[str, Any]:
         loss = run.loss
-        assert isinstance(loss, HoldsReference) and loss.reference is not None  # DPO's loss
+        assert isinstance(loss, HoldsReference) and loss.reference is not None  # DPO's, GRPO's
         provider = loss.reference
         return {
             "reference": {

@@ -168,7 +168,10 @@ class Reporter:
         if "sample" in metrics:
             from rich.markup import escape
 
-            self._line(f"  sample    {escape(repr(metrics['sample']))}")
+            scored = (
+                f"  reward {metrics['sample_reward']:.3f}" if "sample_reward" in metrics else ""
+            )
+            self._line(f"  sample    {escape(repr(metrics['sample']))}{scored}")
 
     def progress_finished(self) -> None:
         if self._progress is not None:
@@ -276,7 +279,7 @@ def _rewards_text(metrics: dict[str, Any]) -> str:
     """A preference loss's reward accuracy and margin (`` · reward acc 0.625 · margin
     +0.041``), GRPO's rewards, lengths and clipped share by TRL's names, or '' for other
     losses."""
-    if "reward" in metrics:
+    if "reward" in metrics or "clip_ratio/region_mean" in metrics:  # GRPO (no generation: clip)
         return "".join(f" · {name} {value:.4g}" for name, value in metrics.items())
     if "rewards/accuracies" not in metrics:
         return ""
@@ -289,8 +292,9 @@ def _rewards_text(metrics: dict[str, Any]) -> str:
 def _eval_text(metrics: dict[str, Any], loss_first: bool = False) -> str:
     """An evaluation's numbers: loss and perplexity (causal-lm), loss and reward accuracy
     (preference), GRPO's rewards (no loss), or accuracy, F1 and loss."""
-    if "loss" not in metrics:  # GRPO's: its numbers, less the sample and the count
-        numbers = {k: v for k, v in metrics.items() if k not in ("sample", "examples")}
+    if "loss" not in metrics:  # GRPO's: its numbers, less the sample, its reward and the count
+        left_out = ("sample", "sample_reward", "examples")
+        numbers = {k: v for k, v in metrics.items() if k not in left_out}
         return _rewards_text(numbers).removeprefix(" · ")
     loss = f"loss {metrics['loss']:.4f}"
     if "rewards/accuracies" in metrics:

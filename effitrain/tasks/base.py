@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from contextlib import AbstractContextManager
     from pathlib import Path
 
     import torch
@@ -41,6 +43,7 @@ GRPO_OPTIONS = (
     "scale_rewards",
     "epsilon",
     "epsilon_high",
+    "num_iterations",
 )
 """Config fields that only GRPO takes."""
 
@@ -60,8 +63,13 @@ class LossMoments:
     def step_tensors(self) -> list[torch.nn.Module | torch.Tensor]:
         return []
 
-    def step_batches(self, run: RunParts, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return batches
+    def step_batches(
+        self,
+        run: RunParts,
+        batches: list[dict[str, Any]],
+        generating: Callable[[], AbstractContextManager[None]],
+    ) -> Iterator[list[dict[str, Any]]]:
+        yield batches
 
     def histories(self) -> dict[str, list[float]]:
         return {}

@@ -5,10 +5,11 @@ prompts :mod:`.grpo_data`, the rewards :mod:`.grpo_rewards`).
 
 The model and its loading are the causal LM's. ``--batch-size`` counts completions, as TRL's
 ``per_device_train_batch_size`` does: a micro-batch holds batch-size / G prompts. This first
-slice generates with transformers' ``generate``, trains one iteration per generation, and has
-no reference model (``--beta`` 0, TRL's default). ``effitrain estimate`` and ``plan`` count
-both phases of a step: the generation (the run's own, on fake tensors, every completion full
-length) and the training step on its completions.
+slice generates with transformers' ``generate`` (each generation trained on for
+``--num-iterations`` steps); with ``--beta`` above 0 (TRL's default is 0) the KL to a reference
+model joins the loss, the reference taken through the ``--reference`` lever. ``effitrain
+estimate`` and ``plan`` count both phases of a step: the generation (the run's own, on fake
+tensors, every completion full length) and the training step on its completions.
 """
 
 from __future__ import annotations
@@ -80,10 +81,10 @@ class GrpoTask(DecoderTask):
         given = [option(n) for n in REFUSED_OPTIONS if getattr(config, n) != default_for(n)]
         if given:
             raise EffitrainError(f"{given[0]} does not apply to --task grpo; drop it")
-        if config.beta:
+        if config.beta is not None and not config.beta >= 0:
             raise EffitrainError(
-                f"--beta {config.beta:g}: GRPO's KL penalty needs the reference model: not yet "
-                "(use --beta 0, TRL's default)"
+                f"--beta must be 0 or more under --task grpo (got {config.beta:g}): the KL "
+                "penalty's coefficient"
             )
         group = config.num_generations
         if group < 2:
@@ -103,6 +104,10 @@ class GrpoTask(DecoderTask):
             raise EffitrainError(f"--temperature must be greater than 0 (got {config.temperature})")
         if not 0 < config.top_p <= 1:
             raise EffitrainError(f"--top-p must be above 0 and at most 1 (got {config.top_p})")
+        if config.num_iterations < 1:
+            raise EffitrainError(
+                f"--num-iterations must be 1 or more (got {config.num_iterations})"
+            )
         for name in ("epsilon", "epsilon_high"):
             value = getattr(config, name)
             if value is not None and not value >= 0:

@@ -7,20 +7,33 @@ generates a whole step's completions at once): transformers' ``generate`` on the
 (adapters on, the policy's dtype, KV cache on, no gradient, in eval mode so that neither dropout
 nor gradient checkpointing acts), prompts left-padded, sampled with ``--temperature`` and
 ``--top-p`` (top-k off, as TRL's). Each micro-batch is sampled from its own seed, drawn from
-(``--seed``, optimizer step, process, micro-batch), so a resumed run draws what the uninterrupted
-one drew; the global RNG is left as it was. A completion ends at its first eos, which it keeps.
+(``--seed``, the generation's number, the micro-batch's place among the step's on all
+processes), so a resumed run draws what the uninterrupted one drew, and N processes draw what
+one process draws from the same global batch; the global RNG is left as it was. A completion
+ends at its first eos, which it keeps. The step's completions serve ``--num-iterations`` N
+optimizer steps (TRL's ``num_iterations``); a checkpoint between them keeps them.
 
 **Advantages** (:func:`group_advantages`): the rewards' weighted ``nansum`` over functions (NaN
 where every function returned None: no advantage), minus the group's mean, over the group's std
 (``--scale-rewards group``), the whole step's (``batch``) or not divided (``none``), + 1e-4.
 
 **Loss** (:func:`policy_loss`): with one iteration per generation the old log-probs are the
-current ones, detached, so the ratio is 1 and its gradient that of the log-probs;
+current ones, detached, so the ratio is 1 and its gradient that of the log-probs; with N > 1
+they are the policy's at generation (a forward without gradient, as TRL's), so the ratio
+moves away from 1 as the N steps go and the clip bites;
 ``-min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)`` per token, reduced as TRL's
 ``loss_type``: ``grpo`` a mean of sequence means, ``bnpo`` the micro-batch's token mean, ``dr_grpo``
 the sum over completions x max completion length, ``dapo`` (TRL's default) a token mean over
 the optimizer step on all processes (the loop's token weighting: ``token_weighted``). The
 log-probs are of the logits over ``--temperature``, for the completion tokens only.
+
+**KL to the reference** (``--beta`` > 0, :func:`per_token_kl`): TRL's k3 estimator
+``exp(ref - logp) - (ref - logp) - 1`` per completion token, ``beta`` times it added to the
+per-token loss before the reduction; the reference's log-probs (the same forward, no grad, in
+eval mode) come from the ``--reference`` lever's provider
+(:mod:`effitrain.tasks.reference_model`: the adapters switched off, or a frozen copy of the
+model as it starts), built by :meth:`GrpoLoss.after_prepare` and run in the step, before the
+policy's forward.
 """
 
 from __future__ import annotations
@@ -39,6 +52,8 @@ from effitrain.tasks.grpo_rewards import RewardFunction, score
 from effitrain.tasks.lm_data import IGNORE_INDEX, is_conversation
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from contextlib import AbstractContextManager
     from pathlib import Path
 
     import torch
@@ -46,11 +61,15 @@ if TYPE_CHECKING:
 
     from effitrain.config import TrainConfig
     from effitrain.parts import RunParts
+    from effitrain.tasks.reference_model import Provider
 
 COMPLETION_LENGTH, DEMO_COMPLETION_LENGTH = 512, 16
 """``--max-completion-length`` when not given: TRL's default; the built-in demo's."""
 STATE_FILE = "grpo_state.json"
-"""What a checkpoint keeps of GRPO's own: the reward history."""
+"""What a checkpoint keeps of GRPO's own: the reward history, and how many of
+``--num-iterations`` steps the last generation has served."""
+BUFFER_FILE = "grpo_buffer.rank{rank}.safetensors"
+"""Each process's generated micro-batches, where a checkpoint falls between their N steps."""
 ADVANTAGE_EPS = 1e-4
 """What TRL adds to the std that divides the advantages."""
 
@@ -69,6 +88,10 @@ class GrpoSettings:
     epsilon_high: float
     weights: tuple[float, ...]
     """One per reward function."""
+    beta: float = 0.0
+    """The KL penalty's coefficient (0: no reference)."""
+    num_iterations: int = 1
+    """Optimizer steps on each generation's completions (TRL's ``num_iterations``)."""
 
     @classmethod
     def of(cls, config: TrainConfig, weights: list[float]) -> GrpoSettings:
@@ -85,6 +108,8 @@ class GrpoSettings:
             config.epsilon,
             config.epsilon if config.epsilon_high is None else config.epsilon_high,
             tuple(weights),
+            beta=config.beta or 0.0,
+            num_iterations=config.num_iterations,
         )
 
 
@@ -158,22 +183,43 @@ def completion_logps(
     return logps.gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
 
 
+def per_token_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    """Each token's KL to the reference as TRL estimates it (k3, non-negative):
+    ``exp(ref - logp) - (ref - logp) - 1``."""
+    import torch
+
+    return torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+
+
+class PolicyLoss(NamedTuple):
+    loss: torch.Tensor
+    low: torch.Tensor
+    """The tokens whose ratio was clipped below (``[B, T]``, bool): under 1 - eps, A < 0."""
+    high: torch.Tensor
+    """The tokens whose ratio was clipped above: over 1 + eps_high, A > 0."""
+
+
 def policy_loss(
     logps: torch.Tensor,
     old_logps: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     settings: GrpoSettings,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    kl: torch.Tensor | None = None,
+) -> PolicyLoss:
     """The micro-batch's loss as TRL's ``_compute_loss`` (before its division by the
     accumulation steps, which the loop's backward makes; ``dapo``: the sum, which the loop
-    weighs by the step's tokens), and its tokens whose ratio was clipped (``[B, T]``, bool)."""
+    weighs by the step's tokens), and its tokens whose ratio was clipped, as TRL counts them.
+    ``kl`` (``[B, T]``, :func:`per_token_kl`): ``settings.beta`` times it joins each token's
+    loss before the reduction."""
     import torch
 
     advantages = advantages.unsqueeze(1)
     ratio = torch.exp(logps - old_logps)
     clipped_ratio = torch.clamp(ratio, 1 - settings.epsilon_low, 1 + settings.epsilon_high)
     per_token = -torch.min(ratio * advantages, clipped_ratio * advantages)
+    if kl is not None:
+        per_token = per_token + settings.beta * kl
     mask = mask.to(per_token.dtype)
     if settings.loss_type == "grpo":
         loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
@@ -185,11 +231,13 @@ def policy_loss(
         loss = (per_token * mask).sum()
     low = (ratio < 1 - settings.epsilon_low) & (advantages < 0)
     high = (ratio > 1 + settings.epsilon_high) & (advantages > 0)
-    return loss, (low | high) & mask.bool()
+    return PolicyLoss(loss, low & mask.bool(), high & mask.bool())
 
 
 class GrpoLoss(LossMoments):
-    """GRPO's loss, with the generation and scoring that feed it, and TRL's metrics."""
+    """GRPO's loss, with the generation and scoring that feed it, and TRL's metrics. With
+    ``--beta`` > 0, ``reference`` (:mod:`effitrain.tasks.reference_model`) is built by
+    :meth:`after_prepare`."""
 
     name = "grpo"
     chunked = False
@@ -200,30 +248,88 @@ class GrpoLoss(LossMoments):
         self.rewards = rewards
         self.seed = seed
         self.reward_history: list[float] = []
-        """The mean reward of each optimizer step's completions, in order."""
+        """The mean reward of each generation's completions, in order."""
         self._window: list[dict[str, float]] = []
-        self._clip: list[float] = []
+        self._clip: torch.Tensor | None = None
+        """The window's completion tokens clipped low, high, either, and all (on the device)."""
+        self.reference: Provider | None = None
+        self._kl: list[torch.Tensor] = []
+        """Each micro-batch's (KL sum over its completion tokens, their count), on the device."""
+        self._buffer: list[dict[str, Any]] | None = None
+        """The last generation's micro-batches, while they serve their N steps."""
+        self._uses = 0
+        """How many optimizer steps ``_buffer`` has served."""
 
     @property
     def token_weighted(self) -> bool:
         return self.settings.loss_type == "dapo"
 
     def __call__(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-        logps = completion_logps(model, batch, self.settings.temperature)
-        mask = batch["completion_mask"]
-        loss, clipped = policy_loss(logps, logps.detach(), batch["advantages"], mask, self.settings)
-        self._clip.append(float(clipped.sum()) / max(int(mask.sum()), 1))
-        return loss
+        import torch
 
-    def step_batches(self, run: RunParts, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        mask = batch["completion_mask"]
+        # The reference's forward first: what it holds is freed before the policy's forward.
+        ref_logps = self.reference.logps(model, batch) if self.reference is not None else None
+        logps = completion_logps(model, batch, self.settings.temperature)
+        kl = None if ref_logps is None else per_token_kl(logps, ref_logps)
+        if kl is not None:  # summed on the device: no sync
+            self._kl.append(torch.stack([(kl.detach() * mask).sum(), mask.sum().float()]))
+        old = batch.get("old_logps", logps.detach())  # absent: one iteration, the ratio is 1
+        terms = policy_loss(logps, old, batch["advantages"], mask, self.settings, kl)
+        clipped = [terms.low.sum(), terms.high.sum(), (terms.low | terms.high).sum(), mask.sum()]
+        counts = torch.stack(clipped).float()  # summed on the device: no sync
+        self._clip = counts if self._clip is None else self._clip + counts
+        return terms.loss
+
+    def reference_logps(self, model: Any, unwrapped: Any, batch: dict[str, Any]) -> torch.Tensor:
+        """Each completion token's log-prob, as the reference scores it (its provider calls
+        this under no grad, in eval mode)."""
+        return completion_logps(model, batch, self.settings.temperature)
+
+    def after_prepare(self, run: RunParts) -> None:
+        """``--beta`` > 0: build the reference, as ``--reference`` says; a copy is made here,
+        before any step or resume (the model as it starts)."""
+        if self.settings.beta:
+            from effitrain.tasks.reference_model import make_provider
+
+            self.reference = make_provider(run, self)
+
+    def step_tensors(self) -> list[Any]:
+        return self.reference.step_tensors() if self.reference is not None else []
+
+    def step_batches(
+        self,
+        run: RunParts,
+        batches: list[dict[str, Any]],
+        generating: Callable[[], AbstractContextManager[None]],
+    ) -> Iterator[list[dict[str, Any]]]:
+        """The batches' completions, generated (inside ``generating``) and scored, for each of
+        ``--num-iterations`` optimizer steps, as TRL's buffered inputs (after a resume between
+        those steps: the ones the checkpoint kept, for the steps left)."""
+        if self._buffer is None:
+            with generating():
+                self._buffer, self._uses = self._generate_step(run, batches), 0
+        while self._uses < self.settings.num_iterations:
+            self._uses += 1  # before the step: a checkpoint after it counts it
+            yield self._buffer
+        self._buffer = None
+
+    def _generate_step(self, run: RunParts, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Generate each batch's completions and score them; the advantages are normalised
-        over the groups of every process (a gather), as TRL's."""
+        over the groups of every process (a gather), as TRL's. With N > 1 iterations, the old
+        log-probs too, as TRL computes them: the policy's now, without gradient."""
         import torch
 
         step, rank = len(self.reward_history), run.accelerator.process_index
+        processes = run.accelerator.num_processes
+        # Accelerate deals the loader's batches out in turn: this process's i-th is the
+        # global i x processes + rank, wherever it runs.
+        where = [(step, i * processes + rank) for i in range(len(batches))]
         if "rows" not in batches[0]:  # the estimate's prompts, fake token ids: nothing to score
-            return [self._estimated(run, b, (step, rank, i)) for i, b in enumerate(batches)]
-        made = [self._generate(run, b["rows"], (step, rank, i)) for i, b in enumerate(batches)]
+            made = [self._estimated(run, b, w) for b, w in zip(batches, where, strict=True)]
+            self._old_logps(run, made)
+            return made
+        made = [self._generate(run, b["rows"], w) for b, w in zip(batches, where, strict=True)]
         per_function = torch.cat([m.pop("rewards_per_function") for m in made])
         lengths = torch.cat([m["completion_mask"].sum(1).cpu() for m in made]).float()
         device = run.accelerator.device
@@ -236,11 +342,12 @@ class GrpoLoss(LossMoments):
         local = advantages[rank * len(per_function) : (rank + 1) * len(per_function)]
         for m, part in zip(made, local.split([len(m["input_ids"]) for m in made]), strict=True):
             m["advantages"] = part.to(device)
+        self._old_logps(run, made)
         self._record(gathered, weights, gathered_lengths)
         return made
 
     def _generate(
-        self, run: RunParts, rows: list[dict[str, Any]], where: tuple[int, int, int]
+        self, run: RunParts, rows: list[dict[str, Any]], where: tuple[int, int]
     ) -> dict[str, Any]:
         """One micro-batch: G sampled completions of each prompt in ``rows``, scored."""
         made = generate(run, rows, self.settings, self.generation_seed(*where))
@@ -251,7 +358,7 @@ class GrpoLoss(LossMoments):
         return made.batch
 
     def _estimated(
-        self, run: RunParts, batch: dict[str, Any], where: tuple[int, int, int]
+        self, run: RunParts, batch: dict[str, Any], where: tuple[int, int]
     ) -> dict[str, Any]:
         """One micro-batch of ``effitrain estimate``: G completions of each prompt its batch
         holds (fake token ids, as the tokenizer gives them), sampled by the run's own
@@ -269,10 +376,20 @@ class GrpoLoss(LossMoments):
         made["advantages"] = torch.zeros(len(made["input_ids"]), device=run.accelerator.device)
         return made
 
-    def generation_seed(self, step: int, rank: int, index: int) -> int:
-        """The seed of one micro-batch's sampling (``step`` -1: the evaluation's, the same at
-        every evaluation)."""
-        return ((self.seed * 1_000_003 + step) * 10_007 + rank) * 10_007 + index
+    def _old_logps(self, run: RunParts, made: list[dict[str, Any]]) -> None:
+        """With N > 1 iterations, each micro-batch's old log-probs, as TRL computes them: the
+        policy's as it generated, without gradient, in training mode."""
+        import torch
+
+        if self.settings.num_iterations > 1:
+            with torch.no_grad():
+                for m in made:
+                    m["old_logps"] = completion_logps(run.model, m, self.settings.temperature)
+
+    def generation_seed(self, step: int, index: int) -> int:
+        """The seed of one micro-batch's sampling: the ``step``-th generation's (-1: the
+        evaluation's, the same at every evaluation), ``index``-th micro-batch on all processes."""
+        return (self.seed * 1_000_003 + step) * 10_007 * 10_007 + index
 
     def _record(self, per_function: torch.Tensor, weights: torch.Tensor, lengths: Any) -> None:
         """The step's metrics, by TRL's names, and its mean reward into the history."""
@@ -289,24 +406,46 @@ class GrpoLoss(LossMoments):
         self.reward_history.append(metrics["reward"])
 
     def window_metrics(self, accelerator: Accelerator) -> dict[str, float]:
-        """The means of the steps' metrics since the last log line (every process has the
-        gathered rewards already), and ``clip_ratio/region_mean``, as TRL logs them."""
-        if not self._window:
-            return {}
-        names = list(self._window[0])
-        metrics = {n: sum(m[n] for m in self._window) / len(self._window) for n in names}
-        if self._clip:
-            metrics["clip_ratio/region_mean"] = sum(self._clip) / len(self._clip)
-        self._window, self._clip = [], []
+        """The means of the generations' metrics since the last log line (every process has
+        the gathered rewards already), ``kl``, and the shares of the completion tokens whose
+        ratio was clipped, by TRL's names: of the window's tokens on all processes (one
+        all-reduce), so that N processes log what one does (TRL averages each micro-batch's
+        share: the same where a log line has one micro-batch)."""
+        metrics: dict[str, float] = {}
+        if self._window:
+            names = list(self._window[0])
+            metrics = {n: sum(m[n] for m in self._window) / len(self._window) for n in names}
+        if self._kl:
+            metrics["kl"] = self._kl_mean(accelerator)
+        if self._clip is not None:
+            counts = self._clip
+            if accelerator.num_processes > 1:
+                counts = accelerator.reduce(counts, "sum")
+            shares = (counts[:3] / counts[3].clamp(min=1.0)).tolist()
+            for name, share in zip(("low", "high", "region"), shares, strict=True):
+                metrics[f"clip_ratio/{name}_mean"] = share
+        self._window, self._clip, self._kl = [], None, []
         return metrics
+
+    def _kl_mean(self, accelerator: Accelerator) -> float:
+        """TRL's ``kl``: each micro-batch's token mean over all processes (one reduce for the
+        window), averaged over the window's micro-batches."""
+        import torch
+
+        sums = torch.stack(self._kl)
+        if accelerator.num_processes > 1:
+            sums = accelerator.reduce(sums, "sum")
+        return float((sums[:, 0] / sums[:, 1].clamp(min=1.0)).mean())
 
     def describe(self) -> list[str]:
         s = self.settings
         names = ", ".join(f"{r.name} x{w:g}" for r, w in zip(self.rewards, s.weights, strict=True))
+        kl = f"; KL to the reference x beta {s.beta:g}" if s.beta else ""
+        reused = f", each trained on for {s.num_iterations} steps" if s.num_iterations > 1 else ""
         return [
-            f"GRPO ({s.loss_type} loss): {s.num_generations} completions per prompt, up to "
-            f"{s.max_completion_length} tokens, temperature {s.temperature:g}, top-p "
-            f"{s.top_p:g}; rewards: {names}"
+            f"GRPO ({s.loss_type} loss): {s.num_generations} completions per prompt{reused}, up "
+            f"to {s.max_completion_length} tokens, temperature {s.temperature:g}, top-p "
+            f"{s.top_p:g}; rewards: {names}{kl}"
         ]
 
     def to_dict(self) -> dict[str, Any]:
@@ -315,8 +454,10 @@ class GrpoLoss(LossMoments):
             "implementation": self.name,
             "weighting": "step token mean" if self.token_weighted else "micro-batch",
             "loss_type": s.loss_type,
+            "beta": s.beta,
             "num_generations": s.num_generations,
             "max_completion_length": s.max_completion_length,
+            "num_iterations": s.num_iterations,
             "rewards": [r.source for r in self.rewards],
             "reward_weights": list(s.weights),
         }
@@ -325,12 +466,60 @@ class GrpoLoss(LossMoments):
         return {"reward_history": list(self.reward_history)}
 
     def save_extra(self, run: RunParts, folder: Path) -> None:
+        """The reward history; between the N steps of one generation, its completions too (each
+        process its own): the weights have moved since, so they could not be made again."""
+        from safetensors.torch import save_file
+
+        uses = self._uses if self._buffer is not None else 0
+        if uses >= self.settings.num_iterations:
+            uses = 0  # served: the next step generates
         if run.accelerator.is_main_process:
-            (folder / STATE_FILE).write_text(json.dumps({"reward_history": self.reward_history}))
+            state = {
+                "reward_history": self.reward_history,
+                "buffer_uses": uses,
+                "processes": run.accelerator.num_processes,
+            }
+            (folder / STATE_FILE).write_text(json.dumps(state))
+        if uses and self._buffer is not None:
+            tensors = {
+                f"{index}.{key}": value.detach().cpu().contiguous()
+                for index, batch in enumerate(self._buffer)
+                for key, value in batch.items()
+            }
+            save_file(tensors, str(folder / BUFFER_FILE.format(rank=run.accelerator.process_index)))
 
     def load_extra(self, run: RunParts, folder: Path) -> None:
+        """Read back what :meth:`save_extra` wrote.
+
+        Raises:
+            EffitrainError: the checkpoint falls between the N steps of a generation, and was
+                saved by another number of processes (each kept its own completions) or this
+                process's file is missing.
+        """
+        from safetensors.torch import load_file
+
         state = json.loads((folder / STATE_FILE).read_text())
         self.reward_history = [float(r) for r in state["reward_history"]]
+        uses = int(state.get("buffer_uses", 0))
+        self._buffer, self._uses = None, 0
+        if not 0 < uses < self.settings.num_iterations:
+            return
+        path = folder / BUFFER_FILE.format(rank=run.accelerator.process_index)
+        saved = state.get("processes", 1)
+        if saved != run.accelerator.num_processes or not path.exists():
+            raise EffitrainError(
+                f"cannot resume from {folder}: it was saved {uses} of --num-iterations "
+                f"{self.settings.num_iterations} steps into a generation, whose completions its "
+                f"{saved} process(es) kept ({path.name} for this one); resume it with "
+                f"{saved} process(es), or resume a checkpoint whose step is a multiple of "
+                f"{self.settings.num_iterations}"
+            )
+        tensors = load_file(str(path), device=str(run.accelerator.device))
+        buffer: dict[int, dict[str, Any]] = {}
+        for name, value in tensors.items():
+            index, key = name.split(".", 1)
+            buffer.setdefault(int(index), {})[key] = value
+        self._buffer, self._uses = [buffer[i] for i in sorted(buffer)], uses
 
 
 class Generated(NamedTuple):
@@ -527,7 +716,8 @@ def _to_the_end(new_tokens: int) -> Iterator[None]:
 
 def evaluate_grpo(run: RunParts) -> dict[str, Any]:
     """One sampled completion of each validation prompt, scored: the mean reward, each
-    function's, the mean length, and the first prompt's completion under ``"sample"``. The
+    function's, the mean length, and the first prompt's completion under ``"sample"``, its
+    reward (the weighted sum) under ``"sample_reward"``. The
     sampling is seeded alike at every evaluation (greedy decoding would show one token repeated
     long before the policy prefers it)."""
     import torch
@@ -539,7 +729,8 @@ def evaluate_grpo(run: RunParts) -> dict[str, Any]:
     sample = ""
     for index, batch in enumerate(run.eval_loader):
         rows = batch["rows"]
-        seed = loss.generation_seed(-1, run.accelerator.process_index, index)
+        processes, rank = run.accelerator.num_processes, run.accelerator.process_index
+        seed = loss.generation_seed(-1, index * processes + rank)
         made = generate(run, rows, loss.settings, seed, group=1)
         prompts = [row["prompt"] for row in rows]
         scored.append(score(loss.rewards, rows, prompts, made.texts, made.ids))
@@ -550,13 +741,16 @@ def evaluate_grpo(run: RunParts) -> dict[str, Any]:
     device = run.accelerator.device
     per_function = run.accelerator.gather_for_metrics(torch.cat(scored).to(device)).cpu()
     counts = run.accelerator.gather_for_metrics(torch.tensor(lengths, device=device)).cpu()
-    rewards = weighted_rewards(per_function, torch.tensor(loss.settings.weights))
+    weights = torch.tensor(loss.settings.weights)
+    rewards = weighted_rewards(per_function, weights)
+    first = weighted_rewards(scored[0][:1], weights) if scored else torch.tensor([math.nan])
     return {
         "reward": float(torch.nanmean(rewards)),
         "completions/mean_length": float(counts.float().mean()),
         "examples": len(rewards),
         **function_means(loss.rewards, per_function),
         "sample": sample,
+        "sample_reward": float(first[0]),
     }
 
 

@@ -1,6 +1,6 @@
 """Preference tuning (``--task preference``): a ``*ForCausalLM`` trained on pairs of a chosen and
 a rejected answer with DPO, ORPO or SimPO (the losses and the evaluation are
-:mod:`.preference_loss`, DPO's reference :mod:`.preference_reference`; the data pipeline is
+:mod:`.preference_loss`, DPO's reference :mod:`.reference_model`; the data pipeline is
 :mod:`.preference_data`).
 
 The model, its loading and the chunked loss's choice of implementation are the causal LM's; the

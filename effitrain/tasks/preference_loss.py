@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from effitrain.config import TrainConfig
     from effitrain.parts import RunParts
     from effitrain.report.live import Reporter
-    from effitrain.tasks.preference_reference import Provider
+    from effitrain.tasks.reference_model import Provider
 
 PREFERENCE_LOSSES = ("dpo", "orpo", "simpo")
 DEFAULT_BETA = {"dpo": 0.1, "orpo": 0.1, "simpo": 2.0}
@@ -217,7 +217,7 @@ class PreferenceLoss(ChosenLoss):
     """The preference loss of ``config.preference_loss``, with the chosen implementation.
 
     ``model`` arguments may be wrapped (DDP); ``unwrapped`` is the model itself. DPO's
-    ``reference`` (:mod:`effitrain.tasks.preference_reference`) is built by :meth:`after_prepare`
+    ``reference`` (:mod:`effitrain.tasks.reference_model`) is built by :meth:`after_prepare`
     and does its work at the run's moments below."""
 
     token_weighted = False
@@ -279,7 +279,7 @@ class PreferenceLoss(ChosenLoss):
         step or resume (the model is then as it starts); the precomputed table is allocated
         here and filled by :meth:`before_training` (or read back by :meth:`load_extra`)."""
         if self.kind == "dpo":
-            from effitrain.tasks.preference_reference import make_provider
+            from effitrain.tasks.reference_model import make_provider
 
             self.reference = make_provider(run, self)
 

@@ -1,29 +1,34 @@
-"""DPO's reference model, which the preference loss builds once the run is prepared
-(``PreferenceLoss.after_prepare``): ``--reference adapters|precompute|copy``.
+"""The reference model that DPO's loss and GRPO's KL penalty hold, built by the loss once the
+run is prepared (its ``after_prepare``): ``--reference adapters|precompute|copy``.
 
-DPO compares the trained model's log-probs of each answer with a frozen reference's. How the
-reference's log-probs are paid for is a memory choice (its options, checks and what it shows:
-the ``reference`` lever, :mod:`effitrain.levers.reference`):
+DPO compares the trained model's log-probs of each answer with a frozen reference's; GRPO with
+``--beta`` > 0 penalises each completion token's KL to it. How the reference's log-probs are
+paid for is a memory choice (its options, checks and what it shows: the ``reference`` lever,
+:mod:`effitrain.levers.reference`):
 
 - ``adapters`` (the default with ``--lora-rank``): the trained model itself with peft's adapters
   switched off (``disable_adapter()``), as TRL does for a PEFT model without a ``ref_model``: the
   frozen base *is* the reference. No second copy: 0 bytes, one more no-grad forward per step.
-- ``precompute`` (the default for full-parameter runs): before the first step, one pass over the
-  training and validation data computes every pair's reference log-probs with the initial
-  model, into a table ``[N+M, 2]`` fp32 keyed by the batch's ``example`` id (so shuffling, a
-  resume or another number of processes finds them), as TRL's ``precompute_ref_log_probs``.
+- ``precompute`` (DPO's default for full-parameter runs; DPO's only: GRPO's completions are
+  generated during training): before the first step, one pass over the training and validation
+  data computes every pair's reference log-probs with the initial model, into a table
+  ``[N+M, 2]`` fp32 keyed by the batch's ``example`` id (so shuffling, a resume or another
+  number of processes finds them), as TRL's ``precompute_ref_log_probs``.
   Kept in each checkpoint (``reference_logps.safetensors``) with a fingerprint of the data it
   was computed on, so that a resume does not recompute it: 8 bytes per pair.
-- ``copy``: a frozen copy of the model as it starts (the same checkpoint; a preset's same seeded
-  init) in ``--reference-dtype`` (fp32, bf16 or 4-bit NF4 through bitsandbytes), in eval mode,
-  on the device: its weights' bytes, in the step's peak (the step probe tracks them).
+- ``copy`` (GRPO's default for full-parameter runs): a frozen copy of the model as it starts
+  (the same checkpoint; a preset's same seeded init; never a resumed run's weights) in
+  ``--reference-dtype`` (fp32, bf16 or 4-bit NF4 through bitsandbytes), in eval mode, on the
+  device: its weights' bytes, in the step's peak (the step probe tracks them).
 
-Every provider answers ``logps(model, batch) -> Tensor[2B]`` (chosen first, fp32, no grad),
-through the loss's :meth:`~effitrain.tasks.preference_loss.PreferenceLoss.reference_logps`, in
-eval mode (no dropout; no gradient checkpointing, which transformers applies in training mode
-only, as TRL's reference forward runs without it).
+Every provider answers ``logps(model, batch)``, the batch's log-probs as the loss scores them
+(its ``reference_logps``: DPO's ``[2B]`` summed per sequence, chosen first; GRPO's ``[B, T]`` per
+completion token over the temperature), fp32, no grad, in eval mode (no dropout; no gradient
+checkpointing, which transformers applies in training mode only, as TRL's reference forward
+runs without it).
 
-ORPO and SimPO need no reference: ``--reference`` with them is refused.
+ORPO and SimPO, and GRPO with ``--beta`` 0, need no reference: ``--reference`` with them is
+refused.
 """
 
 from __future__ import annotations
@@ -49,7 +54,8 @@ FINGERPRINT_BATCH = 64
 
 
 class Scorer(Protocol):
-    """What a provider asks of the loss: each sequence's summed answer log-probs."""
+    """What a provider asks of the loss: the batch's log-probs as the loss scores them (DPO:
+    each sequence's summed answer log-probs; GRPO: each completion token's)."""
 
     def reference_logps(self, model: Any, unwrapped: Any, batch: dict[str, Any]) -> Any: ...
 
@@ -69,14 +75,15 @@ def make_provider(run: RunParts, loss: Scorer) -> Provider:
 
 
 class Provider:
-    """A reference: each pair's log-probs, what it holds, and what it does at the run's moments
+    """A reference: the batch's log-probs, what it holds, and what it does at the run's moments
     (most providers do nothing at them)."""
 
     dtype: str | None
     """Its weights' or table's dtype (None: it holds none)."""
 
     def logps(self, model: Any, batch: dict[str, Any]) -> Any:
-        """``[2B]`` fp32, chosen rows first, no grad."""
+        """The loss's log-probs of ``batch`` under the reference (DPO: ``[2B]``, chosen rows
+        first; GRPO: ``[B, T]``), fp32, no grad."""
         raise NotImplementedError
 
     def bytes(self) -> int:
@@ -108,7 +115,7 @@ def evaluating(model: torch.nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
-def _sequence_logps(loss: Scorer, model: Any, unwrapped: Any, batch: dict[str, Any]) -> Any:
+def _scored_logps(loss: Scorer, model: Any, unwrapped: Any, batch: dict[str, Any]) -> Any:
     return loss.reference_logps(model, unwrapped, batch)
 
 
@@ -126,7 +133,7 @@ class AdaptersOff(Provider):
         import torch
 
         with torch.no_grad(), evaluating(self.unwrapped), self.unwrapped.disable_adapter():
-            return _sequence_logps(self.loss, model, self.unwrapped, batch).float()
+            return _scored_logps(self.loss, model, self.unwrapped, batch).float()
 
     def bytes(self) -> int:
         return 0
@@ -165,7 +172,7 @@ class FrozenCopy(Provider):
         import torch
 
         with torch.no_grad():
-            return _sequence_logps(self.loss, self.model, self.model, batch).float()
+            return _scored_logps(self.loss, self.model, self.model, batch).float()
 
     def bytes(self) -> int:
         from effitrain.memory.ledger import parameter_bytes
@@ -257,7 +264,7 @@ class Precomputed(Provider):
         with torch.no_grad(), evaluating(unwrapped):
             for loader in _loaders(run):
                 for batch in _ordered(loader, run, shard=True):
-                    logps = _sequence_logps(self.loss, run.model, unwrapped, batch).float()
+                    logps = _scored_logps(self.loss, run.model, unwrapped, batch).float()
                     size = len(batch["example"])
                     pairs = torch.stack([logps[:size], logps[size:]], dim=1)
                     ids, pairs = accelerator.gather_for_metrics((batch["example"], pairs))
