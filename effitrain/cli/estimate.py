@@ -149,11 +149,9 @@ def _estimates(
     from effitrain.errors import EffitrainError
     from effitrain.estimation import estimate as run_estimate
     from effitrain.optim import OPTIMIZERS, get_spec
-    from effitrain.tasks.grpo import refuse_planning
 
     fp32 = overrides.pop("fp32_embedding_state", None)  # see _for_optimizer
     from_file = checked_config(config_file, overrides)
-    refuse_planning(from_file, "estimate")
     launch = launch_for(from_file)
     names = _names(optim or from_file.optim, OPTIMIZERS)
     for name in names:

@@ -112,12 +112,10 @@ def plan(
         from effitrain.cli.estimate import described_launch
         from effitrain.config import parse_size
         from effitrain.planning import plan as run_plan
-        from effitrain.tasks.grpo import refuse_planning
 
         budget = parse_size(memory, "--memory")
         wants_longest = _length(max_length, config_file, overrides)
         config = checked_config(config_file, overrides)
-        refuse_planning(config, "plan")
         if wants_longest:
             overrides.pop("max_length")  # the search's: each command gives its own
         try:

@@ -47,26 +47,12 @@ REFUSED_OPTIONS = (
 )
 """Options GRPO does not take: the causal LM's data shaping and sample, the preference losses',
 and the chunked loss (its log-probs come from the completion's logits, not chunk by chunk, yet)."""
-NOT_YET = "the reference model's memory in the generation and training phases is not modelled yet"
-"""Why ``estimate`` and ``plan`` refuse ``--task grpo`` with ``--beta`` > 0."""
 
 
 def _prompt_length_given(config: TrainConfig) -> bool:
     """Whether ``--max-length`` was given: an estimate's prompt length (generation does not
     truncate prompts)."""
     return bool(config.max_length != default_for("max_length"))
-
-
-def refuse_planning(config: TrainConfig, command: str) -> None:
-    """``effitrain estimate`` and ``plan`` refuse GRPO's KL penalty, in one line.
-
-    Raises:
-        EffitrainError: ``--task grpo`` with ``--beta`` > 0.
-    """
-    if config.task == GRPO and config.beta:
-        raise EffitrainError(
-            f"effitrain {command} does not take --task grpo with --beta > 0 yet: {NOT_YET}"
-        )
 
 
 class GrpoTask(DecoderTask):
