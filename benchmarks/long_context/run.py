@@ -3,8 +3,9 @@ the estimate follows a run at length, packed or not. One question per ``--what``
 
 - ``cpu``: on this CPU, the tiny-llama preset taking 32,768 positions (saved as a folder, as the
   tests' ``long_lm_model_dir``) at 4k, 8k, 16k and 32k tokens, batch 1, ``effitrain train
-  --max-steps 2`` packed (a corpus of 40 documents of 500 to 3,000 words: several per block)
-  and unpacked (``--no-packing``: documents longer than the block, so no row is padded).
+  --max-steps 2`` packed (a corpus of 80 documents of 250 to 1,250 words: several per block
+  at every length) and unpacked (``--no-packing``: documents longer than the block, so no row
+  is padded).
   Per row: ``effitrain estimate``'s peak tensor memory beside the run's measured peak (the same
   options), the error, and seconds per step. Every run and estimate is a fresh process.
 - ``levers`` and ``longest``: Llama-3.1-8B and Qwen2.5-7B from their config.json alone
@@ -16,6 +17,7 @@ the estimate follows a run at length, packed or not. One question per ``--what``
 
     python -m benchmarks.long_context.run --what cpu
     python -m benchmarks.long_context.run --what cpu --lengths 4096 --results .bench/long.json
+    python -m benchmarks.long_context.run --what cpu --layouts packed --keep-rows
     python -m benchmarks.long_context.run --what levers
     python -m benchmarks.long_context.run --what longest
     python -m benchmarks.long_context.run --what longest --models llama-3.1-8b --modes qlora \\
@@ -38,6 +40,7 @@ from benchmarks import common
 TOPIC = common.Topic.of(__file__)
 LENGTHS = (4096, 8192, 16384, 32768)
 """The CPU run's lengths (tokens per row)."""
+LAYOUTS = ("packed", "unpacked")
 POSITIONS = 32768
 """The CPU model's positions (the tests' long tiny-llama)."""
 WORDS = "the cat sat on a mat while dogs ran over hills and rivers under skies".split()  # noqa: SIM905
@@ -98,7 +101,9 @@ SMOKE_ARGS = ["--what", "cpu", "--lengths", "512"]
 
 def write_inputs(folder: Path) -> dict[str, Path]:
     """The CPU run's model folder and corpora: the long tiny-llama (made once), the packed
-    corpus (40 documents of 500 to 3,000 words) and the unpacked one (4 documents of
+    corpus (80 documents of 250 to 1,250 words, each under 4,096 tokens: every block holds
+    several, as the estimate's does; a block that is one document holds one (length x hidden)
+    tensor a layer less, which the estimate counts) and the unpacked one (4 documents of
     :data:`POSITIONS` tokens with their end-of-sequence token: the run cuts a long document
     into rows of ``--max-length``, so every row is full at every length), each a .txt of
     blank-line separated documents."""
@@ -120,7 +125,7 @@ def write_inputs(folder: Path) -> dict[str, Path]:
         tokenizer.save_pretrained(partial)
         partial.rename(paths["model"])
     rng = random.Random(0)
-    packed = [" ".join(rng.choices(WORDS, k=rng.randint(500, 3000))) for _ in range(40)]
+    packed = [" ".join(rng.choices(WORDS, k=rng.randint(250, 1250))) for _ in range(80)]
     unpacked = [exact_document(tokenizer, rng, POSITIONS - 1) for _ in range(4)]
     for key, documents in (("packed", packed), ("unpacked", unpacked)):
         paths[key].write_text("\n\n".join(documents) + "\n")
@@ -201,15 +206,41 @@ def measure_cpu(args: argparse.Namespace, device: str) -> common.Run:
             else:
                 notes += [f"{label} failed: {error}" for error in comparison.failed.values()]
             rows.append(row)
+    name = args.name or "cpu"
+    if args.keep_rows:
+        rows = kept(rows, args.results, name, notes)
     return {
-        "name": args.name or "cpu",
+        "name": name,
         "title": f"tiny-llama at {POSITIONS:,} positions, batch 1, "
         f"{common.where(device)}: estimate beside measured",
-        "settings": {"what": "cpu", "lengths": args.lengths, "layouts": args.layouts},
+        "settings": {
+            "what": "cpu",
+            "lengths": sorted({row["max_length"] for row in rows}),
+            "layouts": [layout for layout in LAYOUTS if any(r["layout"] == layout for r in rows)],
+        },
         "rows": rows,
         "notes": notes,
         "failed": any("failed" in note for note in notes),
     }
+
+
+def kept(rows: list[common.Row], results: Path, name: str, notes: list[str]) -> list[common.Row]:
+    """With ``--keep-rows``: ``rows`` and the rows of the recorded run ``name`` that they do not
+    measure again, by length then layout; ``notes`` says which were kept, from which run."""
+    old = next((r for r in common.load_results(results, TOPIC)["runs"] if r["name"] == name), None)
+    if old is None:
+        return rows
+    measured = {(row["layout"], row["max_length"]) for row in rows}
+    others = [row for row in old["rows"] if (row["layout"], row["max_length"]) not in measured]
+    if others:
+        cells = ", ".join(f"{row['layout']} {row['max_length']:,}" for row in others)
+        ran = old["provenance"]
+        notes.append(
+            f"{cells}: kept from the run of {ran['date']} at effitrain commit "
+            f"`{ran.get('effitrain_commit')}`"
+        )
+    order = {layout: index for index, layout in enumerate(LAYOUTS)}
+    return sorted([*others, *rows], key=lambda r: (r["max_length"], order[r["layout"]]))
 
 
 def summarize(configuration, runs: list[dict]) -> common.Row:
@@ -263,7 +294,7 @@ def _packed_over_unpacked(row: common.Row) -> str:
 
 def render_cpu(run: common.Run) -> str:
     columns = [common.Column("tokens", lambda r: f"{r['max_length']:,}")]
-    for layout in ("packed", "unpacked"):
+    for layout in LAYOUTS:
         columns += [_cell(layout, c) for c in (_estimate, _measured, _error_cell, _seconds)]
     columns.append(common.Column("packed / unpacked (measured)", _packed_over_unpacked))
     table = common.markdown_table(columns, _by_length(run))
@@ -465,9 +496,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = common.parser(TOPIC, __doc__)
     parser.add_argument("--what", choices=["cpu", "levers", "longest"], default="cpu")
     parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS), help="cpu")
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     parser.add_argument(
-        "--layouts", nargs="+", default=["packed", "unpacked"], choices=["packed", "unpacked"]
-    )
+        "--keep-rows", action="store_true",
+        help="cpu: keep the recorded run's rows (same run name) that --lengths and --layouts "
+        "leave out",
+    )  # fmt: skip
     parser.add_argument(
         "--skip", nargs="+", type=_skip, default=[], metavar="LAYOUT:LENGTH",
         help="cpu: leave these out (packed:32768: a step too slow here)",
