@@ -190,7 +190,11 @@ def measure_trl(args: argparse.Namespace, device: str) -> common.Run:
 
 
 def measure_cases(args: argparse.Namespace, device: str) -> common.Run:
-    """Each case a fresh ``effitrain train`` process, then ``effitrain estimate`` of its options."""
+    """Each case a fresh ``effitrain train`` process, one after another; meanwhile, beside them,
+    ``effitrain estimate`` of each case's options, all at once (an estimate is the run on fake
+    tensors, on the CPU: a generation through 24 layers takes minutes)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from benchmarks.long_context.run import effitrain_json
     from effitrain.comparison import Configuration
 
@@ -207,15 +211,21 @@ def measure_cases(args: argparse.Namespace, device: str) -> common.Run:
         Configuration(case, [*CASES[case][1], "--output-dir", str(args.work_dir / "output" / case)], env)
         for case in args.cases
     ]  # fmt: skip
-    comparison = common.run_configurations(
-        rows, shared, args.work_dir / "runs", summarize=cases_row
-    )
     described = ["--device", "cuda"] if device == "cuda" else []
-    for row in comparison.rows:
-        print(f"{row['row']}: estimate", file=sys.stderr, flush=True)
-        predicted = effitrain_json("estimate", [*shared, *CASES[row["row"]][1], *described], device)
-        row["estimate"] = {key: predicted.get(key) for key in PHASES}
-        row["estimate"]["refused"] = predicted.get("refused") or predicted.get("failed")
+    with ThreadPoolExecutor(len(args.cases)) as pool:
+        estimates = {
+            case: pool.submit(effitrain_json, "estimate", [*shared, *CASES[case][1], *described], device)
+            for case in args.cases
+        }  # fmt: skip
+        comparison = common.run_configurations(
+            rows, shared, args.work_dir / "runs", summarize=cases_row
+        )
+        for row in comparison.rows:
+            predicted = estimates[row["row"]].result()
+            row["estimate"] = {key: predicted.get(key) for key in PHASES}
+            failed = predicted.get("failed") and f"the estimate failed: {predicted['failed']}"
+            row["estimate"]["refused"] = predicted.get("refused") or failed
+            row["estimate_seconds"] = predicted["seconds"]
     settings = {"what": "cases", "model": args.model, "steps": args.steps}
     settings |= {"completion_length": args.completion_length, **s}
     title = (
@@ -269,10 +279,10 @@ def render_cases(run: common.Run) -> str:
         common.Column("run's peak", lambda r: common.shown(r.get("peak_memory_bytes"), common.mib)),
         common.Column("reference", reference, right=False),
         common.Column("s/step", lambda r: common.shown(r.get("seconds_per_step"), common.seconds)),
-        common.Column("mean reward", lambda r: f"{statistics.fmean(r['reward_history']):.3f}"),
+        common.Column("mean reward", lambda r: f"{statistics.fmean(r['reward_history'] or [math.nan]):.3f}"),
     ]  # fmt: skip
     refused = [
-        f"- {CASES.get(r['row'], (r['row'],))[0]}: estimate {r['estimate']['refused']}"
+        f"- {CASES.get(r['row'], (r['row'],))[0]}: {r['estimate']['refused']}"
         for r in run["rows"]
         if (r.get("estimate") or {}).get("refused")
     ]
@@ -441,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps a run")
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--model", default="qwen2.5-0.5b", help="cases")
-    parser.add_argument("--completion-length", type=int, default=64, help="cases")
+    parser.add_argument("--completion-length", type=int, default=32, help="cases")
     parser.add_argument(
         "--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")),
         help="torch threads per process, both sides (default: OMP_NUM_THREADS, else 1)",
