@@ -182,7 +182,8 @@ def measure_trl(args: argparse.Namespace, device: str) -> common.Run:
     }
     title = (
         f"tiny-llama, G {SETTINGS['num_generations']} × {SETTINGS['max_completion_length']} "
-        f"tokens, batch {SETTINGS['batch_size']}, {args.steps} steps, {len(args.seeds)} seed{'s' if len(args.seeds) > 1 else ''}"
+        f"tokens, batch {SETTINGS['batch_size']}, {args.steps} steps, {len(args.seeds)} "
+        + ("seeds" if len(args.seeds) > 1 else "seed")
     )
     run = common.new_run(args, device, title, settings, comparison)
     run["notes"] += [f"torch threads per process: {args.threads} (OMP_NUM_THREADS, both sides)"]
