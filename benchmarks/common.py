@@ -22,6 +22,8 @@ stale, so a table is never edited by hand.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import platform
@@ -31,7 +33,7 @@ import shutil
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
@@ -191,6 +193,20 @@ def load_results(path: Path, topic: Topic) -> dict[str, Any]:
     if not path.exists():
         return {"topic": topic.name, "runs": []}
     return json.loads(path.read_text())
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Holds a lock on ``path``'s folder (no lock file left behind): two benchmarks that record
+    into one results file at once (benchmarks/gpu.py runs them side by side) read, write and
+    render it in turn."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(folder)  # releases the lock
 
 
 def record(path: Path, topic: Topic, run: Run) -> dict[str, Any]:
@@ -444,14 +460,15 @@ def main(
     run = measure(args, device)
     run["provenance"] = provenance(topic, sys.argv[1:] if argv is None else argv, device)
     failed = run.pop("failed", False)
-    record(args.results, topic, run)
-    print(f"### {run['title']}\n\n{describe(run)}\n\n{render_run(run)}")
-    for note in run.get("notes", []):
-        print(f"- {note}")
-    if args.results.resolve() == topic.results.resolve():
-        render_readme(topic, render_run)
-    else:
-        print(f"recorded in {args.results} (a scratch file: README.md is not changed)")
+    with locked(args.results):
+        record(args.results, topic, run)
+        print(f"### {run['title']}\n\n{describe(run)}\n\n{render_run(run)}")
+        for note in run.get("notes", []):
+            print(f"- {note}")
+        if args.results.resolve() == topic.results.resolve():
+            render_readme(topic, render_run)
+        else:
+            print(f"recorded in {args.results} (a scratch file: README.md is not changed)")
     return 1 if failed else 0
 
 

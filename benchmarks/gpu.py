@@ -1,7 +1,7 @@
 """Every benchmark's GPU variant in one command, for the few minutes a GPU is lent.
 
     python -m benchmarks.gpu --prepare          # here, with network: fill .gpu/ (< 64 MiB)
-    python -m benchmarks.gpu                    # there, no network: about 8 minutes
+    python -m benchmarks.gpu                    # there, no network: about 7 minutes
     python -m benchmarks.gpu --dry-run          # the plan, nothing run
     python -m benchmarks.gpu --smoke --device cpu   # the plumbing, on any machine, tiny settings
 
@@ -14,11 +14,22 @@ bytes; it is trained as fp32 on both sides of every comparison) and the fine-tun
 
 Then, on the GPU machine: (1) setup: the wheels installed into a scratch folder that the runs
 see on PYTHONPATH (datasets falls back to an older release where the machine's pyarrow is too
-old), MiniLM restored to fp32; (2) the timing-sensitive benchmarks alone, one after the other
-(vs_trainer, loop_overhead); (3) the rest at once (memory is per process; their times are
-indicative only), with two checks that only a GPU shows, logged only: FSDP2 at world size 1 and
-the tests whose numbers differ on CUDA. Each benchmark writes its run, named ``gpu`` (or as its GPU_ARGS say), into
-its own results.json and renders its README, exactly as when run by hand; the logs go to --out.
+old), MiniLM restored to fp32; (2) the timing-sensitive benchmark alone (loop_overhead); (3) the
+rest at once (memory is per process; their times are indicative only), with the checks that
+only a GPU shows (:data:`CHECKS`: FSDP2 at world size 1, preference tuning, context
+parallelism, offloaded checkpoints at 16k, GRPO beside TRL, the tests whose numbers differ on
+CUDA). Each benchmark writes its run, named ``gpu`` (or as its GPU_ARGS say), into its own
+results.json and renders its README, exactly as when run by hand; the logs go to --out.
+
+The budget: a lent machine gives 15 minutes in all, its start included, and 10 minutes a
+command, so the whole command is planned at about 7 minutes (``--dry-run`` prints each step's
+share and the total, 430 s): setup about 40 s, loop_overhead alone 60 s, then everything else
+at once, each killed past its share (at most 330 s). The shares are guesses from the CPU trials
+and the last GPU session: this plan has not run on a GPU yet. To make room for what never ran
+on CUDA (issue 46's levers at long length: long_context; issue 47's GRPO: grpo and grpo-trl),
+the benchmarks that already have a GPU run (2026-12-04, H200) are left out of the plan
+(:data:`SPARE`: vs_trainer, finetune, estimate, levers, learning; ``--only NAME`` still runs
+one), and the context-parallel check, skipped on one GPU, gets 60 s.
 """
 
 from __future__ import annotations
@@ -66,7 +77,10 @@ class Step:
     seconds: int
     """Its share of the budget: killed after this long."""
     command: tuple[str, ...] = ()
-    """Not a benchmark: a check of what only a GPU shows, logged only."""
+    """Not a benchmark's GPU variant: a check of what only a GPU shows (logged, or recorded as
+    the command says)."""
+    checks: str = ""
+    """What it checks, in a line (``--dry-run`` prints it)."""
 
 
 FSDP2 = " ".join(
@@ -124,34 +138,63 @@ OFFLOADED_CHECKPOINTS = (
 """Offloaded checkpoints at a long length: checkpointing with and without the activation offload
 at 16k tokens, the CUDA peak and the host bytes beside the estimate's (its run ``gpu-long`` in
 benchmarks/offload/results.json)."""
+GRPO_BESIDE_TRL = (
+    sys.executable, "-m", "benchmarks.grpo.run", "--seeds", "0", "--steps", "200",
+    "--name", "trl-gpu", "--device", "cuda",
+)  # fmt: skip
+"""GRPO beside TRL's GRPOTrainer on CUDA, one seed of 200 steps (its run ``trl-gpu`` in
+benchmarks/grpo/results.json; the CPU run has 3 seeds of 300)."""
 GPU_TESTS = ("tests/test_step_memory.py", "tests/test_memory.py", "tests/test_bf16.py")
 """The tests whose numbers differ on CUDA (step memory, the ledger, bf16 weights)."""
 CHECKS = [
-    Step("fsdp2", alone=False, seconds=220, command=("bash", "-c", FSDP2 + " true")),
-    Step("preference", alone=False, seconds=220, command=("bash", "-c", PREFERENCE + " true")),
-    Step("context-parallel", alone=False, seconds=220, command=("bash", "-c", CONTEXT_PARALLEL)),
-    Step("offload-long", alone=False, seconds=300, command=OFFLOADED_CHECKPOINTS),
+    Step("fsdp2", alone=False, seconds=220, command=("bash", "-c", FSDP2 + " true"),
+         checks="FSDP2 at world size 1 trains with 5 optimizers (logs only)"),
+    Step("preference", alone=False, seconds=220, command=("bash", "-c", PREFERENCE + " true"),
+         checks="DPO's references, LoRA, QLoRA, SimPO under bf16 on CUDA (logs only)"),
+    Step("context-parallel", alone=False, seconds=60, command=("bash", "-c", CONTEXT_PARALLEL),
+         checks="2 CP ranks' losses beside one process's (skipped with one GPU, logs only)"),
+    Step("offload-long", alone=False, seconds=300, command=OFFLOADED_CHECKPOINTS,
+         checks="checkpoints offloaded at 16k: CUDA peak and host bytes beside the estimate "
+         "(offload's run gpu-long)"),
+    Step("grpo-trl", alone=False, seconds=300, command=GRPO_BESIDE_TRL,
+         checks="GRPO beside TRL on CUDA: reward curves, time per step (grpo's run trl-gpu)"),
     Step("gpu-tests", alone=False, seconds=220, command=(
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
         *(test for test in GPU_TESTS if (REPO / test).exists()),
-    )),
+    ), checks="the tests whose numbers differ on CUDA (logs only)"),
 ]  # fmt: skip
 """Checks beside the benchmarks, on a GPU only (not with --smoke)."""
 
+SETUP_SECONDS = 40
+"""The setup's expected time (the wheels installed, MiniLM restored), for the planned total."""
 PLAN = [
+    Step("loop_overhead", alone=True, seconds=60,
+         checks="effitrain's loop against a plain Accelerate loop: time, memory"),
+    Step("long_context", alone=False, seconds=300,
+         checks="issue 46's levers at 16k and 32k (2 layers of Llama-3.1-8B, QLoRA r16, the "
+         "24 GiB plan's levers): estimate beside the measured peak"),
+    Step("grpo", alone=False, seconds=330,
+         checks="GRPO's generation on CUDA, each phase beside its estimate; a bf16 copy and "
+         "QLoRA's adapters-off reference"),
+    Step("optimizer_costs", alone=False, seconds=220,
+         checks="each optimizer's state to the byte and its time per step"),
+    Step("offload", alone=False, seconds=300,
+         checks="activation and optimizer-state offload: CUDA peaks beside the estimate"),
+    Step("llm_levers", alone=False, seconds=300,
+         checks="the LLM levers on Qwen2.5-0.5B's shape at 2048 tokens, beside the estimate"),
+    Step("causal_lm", alone=False, seconds=220, checks="the causal-LM demo learns on CUDA"),
+]  # fmt: skip
+"""The plan: what never ran on CUDA, or changed since it did."""
+SPARE = [
     Step("vs_trainer", alone=True, seconds=200),
-    Step("loop_overhead", alone=True, seconds=60),
     Step("finetune", alone=False, seconds=220),
-    Step("optimizer_costs", alone=False, seconds=220),
     Step("levers", alone=False, seconds=220),
-    Step("offload", alone=False, seconds=300),
-    Step("llm_levers", alone=False, seconds=300),
     Step("estimate", alone=False, seconds=220),
-    Step("causal_lm", alone=False, seconds=220),
     Step("learning", alone=False, seconds=220),
 ]
-"""inspect_state reads a file on the CPU: it has a trial (--smoke) but no GPU variant."""
+"""GPU variants left out of the plan (each has a GPU run, 2026-12-04): run only by --only."""
 SMOKE_ONLY = [Step("inspect_state", alone=False, seconds=300)]
+"""inspect_state reads a file on the CPU: it has a trial (--smoke) but no GPU variant."""
 
 
 def arguments(step: Step, smoke: bool, device: str, results_dir: Path | None) -> list[str]:
@@ -169,6 +212,13 @@ def arguments(step: Step, smoke: bool, device: str, results_dir: Path | None) ->
         cut = own.index("--")
         return [*own[:cut], *extra, *own[cut:]]
     return [*own, *extra]
+
+
+def planned_seconds(steps: list[Step]) -> int:
+    """The plan's wall time at most: the setup, the steps alone in turn, the longest of the rest."""
+    alone = sum(step.seconds for step in steps if step.alone)
+    together = max((step.seconds for step in steps if not step.alone), default=0)
+    return SETUP_SECONDS + alone + together
 
 
 def run_step(step: Step, argv: list[str], out: Path, env: dict[str, str]) -> subprocess.Popen:
@@ -325,14 +375,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.prepare:
         return prepare(args)
     extra = SMOKE_ONLY if args.smoke else CHECKS
-    steps = [step for step in PLAN + extra if not args.only or step.topic in args.only]
+    every = PLAN + extra + (SPARE if args.only else [])
+    steps = [step for step in every if not args.only or step.topic in args.only]
     if args.dry_run:
         for step in steps:
             results = args.out / "results" if args.smoke else None
             what = step.command or ["python", "-m", f"benchmarks.{step.topic}.run",
                                     *arguments(step, args.smoke, args.device, results)]  # fmt: skip
             when = "alone" if step.alone else "together"
-            print(f"[{when}, at most {step.seconds} s] {' '.join(what)}")
+            print(f"[{when}, at most {step.seconds} s] {step.topic}: {step.checks or '-'}")
+            print(f"    {' '.join(what)}")
+        print(f"planned: at most {planned_seconds(steps)} s (setup {SETUP_SECONDS} s, the steps "
+              "alone one after another, then the rest at once)")  # fmt: skip
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",

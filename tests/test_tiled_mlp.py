@@ -178,7 +178,9 @@ def test_tile_counts():
     assert tile_count(16385, 4096, None) == 5
     assert tile_count(100, 4096, None) == 1
     assert tile_count(5, 96, 8) == 5  # at most one a position
-    assert _spans(10, 3) == [(0, 4), (4, 3), (7, 3)]
+    assert _spans(10, 3) == [(0, 2), (2, 4), (6, 4)]  # the first takes what is left
+    assert _spans(330_752, 81)[:2] == [(0, 4032), (4032, 4084)]
+    assert _spans(5, 4) == [(0, 2), (2, 1), (3, 1), (4, 1)]  # none left: within one
 
 
 def test_sharded_launches_are_refused():
@@ -296,13 +298,14 @@ def test_two_ddp_processes_step_as_one(tmp_path, lm_model_dir, train_cli):
 @pytest.mark.parametrize(
     ("length", "tiles", "options"),
     [
-        (50, 9, {}),  # 6 positions x 5 tiles, then 5 x 4
+        (50, 9, {}),  # 2 positions, then 6 x 8
+        (9, 4, {}),  # none left to the first: 3 positions, then 2 x 3
         pytest.param(
             290,
             7,
             {"lora_rank": 4, "gradient_checkpointing": True, "tiled_norm": True, "lean_lora": True},
             marks=pytest.mark.slow,
-        ),  # 42 x 3, then 41 x 4; the norms' 4 tiles 73 x 2, then 72 x 2
+        ),  # 38, then 42 x 6; the norms' 4 tiles 71, then 73 x 3
     ],
 )
 def test_the_estimate_runs_one_tile_of_each_kind_and_counts_them_all(

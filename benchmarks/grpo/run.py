@@ -16,6 +16,12 @@ no more than 0.05 below TRL's.
 
     OMP_NUM_THREADS=1 python -m benchmarks.grpo.run                    # 3 seeds x 2 sides
     python -m benchmarks.grpo.run --seeds 0 --steps 20 --results .bench/grpo/results.json
+
+``--what cases`` (the GPU variant, :data:`GPU_ARGS`) is effitrain alone, on a GPU: GRPO's
+generation there (KV cache, sampling) and its references, each case (:data:`CASES`) a few
+steps of the demo's prompts on the qwen2.5-0.5b preset (Qwen2.5-0.5B's shape, random init)
+beside ``effitrain estimate`` of the same options: each phase's peak (generation, training)
+measured and estimated, the run's CUDA peak, the reference's bytes, seconds per step.
 """
 
 from __future__ import annotations
@@ -55,6 +61,25 @@ SETTINGS = {
 """What both sides are given: the demo's (its batch, G, completion length, and AdamW's lr,
 warmup and weight decay for a model trained from scratch, which a model folder does not get by
 default: there effitrain would take the fine-tuning lr / 40)."""
+CASES = {
+    "bf16": ("bf16 autocast, no reference", ["--mixed-precision", "bf16"]),
+    "copy-bf16": ("bf16 autocast, KL to a bf16 copy", [
+        "--mixed-precision", "bf16", "--beta", "0.04", "--reference", "copy",
+        "--reference-dtype", "bf16",
+    ]),
+    "qlora": ("QLoRA r16, no reference", [
+        "--lora-rank", "16", "--load-in-4bit", "--mixed-precision", "bf16",
+    ]),
+    "qlora-adapters": ("QLoRA r16, KL to the base with the adapters off", [
+        "--lora-rank", "16", "--load-in-4bit", "--mixed-precision", "bf16", "--beta", "0.04",
+    ]),
+}  # fmt: skip
+"""``--what cases``: case -> (what it is, its options on top of the demo's prompts and reward)."""
+GPU_ARGS = ["--what", "cases", "--steps", "3"]
+"""The GPU variant (benchmarks/gpu.py): each case, 3 steps, beside its estimate."""
+SMOKE_ARGS = ["--what", "cases", "--cases", "bf16", "copy-bf16", "--steps", "2", "--model",
+              "tiny-llama", "--completion-length", "8"]  # fmt: skip
+"""A trial on any machine: the plumbing, not the numbers."""
 FIXED = ["--optim", "adamw", "--scheduler", "linear", "--max-grad-norm", "1.0", "--beta", "0",
          "--grpo-loss", "dapo", "--scale-rewards", "group", "--epsilon", "0.2",
          "--temperature", "1", "--top-p", "1", "--grad-accum", "1"]  # fmt: skip
@@ -126,6 +151,10 @@ def side_options(args: argparse.Namespace, folder: Path, data: tuple[Path, Path]
 
 
 def measure(args: argparse.Namespace, device: str) -> common.Run:
+    return measure_cases(args, device) if args.what == "cases" else measure_trl(args, device)
+
+
+def measure_trl(args: argparse.Namespace, device: str) -> common.Run:
     from benchmarks.checkpoints import CACHE
     from effitrain.comparison import Configuration
 
@@ -153,11 +182,114 @@ def measure(args: argparse.Namespace, device: str) -> common.Run:
     }
     title = (
         f"tiny-llama, G {SETTINGS['num_generations']} × {SETTINGS['max_completion_length']} "
-        f"tokens, batch {SETTINGS['batch_size']}, {args.steps} steps, {len(args.seeds)} seeds"
+        f"tokens, batch {SETTINGS['batch_size']}, {args.steps} steps, {len(args.seeds)} "
+        + ("seeds" if len(args.seeds) > 1 else "seed")
     )
     run = common.new_run(args, device, title, settings, comparison)
     run["notes"] += [f"torch threads per process: {args.threads} (OMP_NUM_THREADS, both sides)"]
     return run
+
+
+def measure_cases(args: argparse.Namespace, device: str) -> common.Run:
+    """Each case a fresh ``effitrain train`` process, one after another; meanwhile, beside them,
+    ``effitrain estimate`` of each case's options, all at once (an estimate is the run on fake
+    tensors, on the CPU: a generation through 24 layers takes minutes)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from benchmarks.long_context.run import effitrain_json
+    from effitrain.comparison import Configuration
+
+    shutil.rmtree(args.work_dir / "output", ignore_errors=True)  # effitrain keeps its models
+    env = common.device_env(device)
+    s = SETTINGS
+    shared = [
+        "--task", "grpo", "--model", args.model, "--batch-size", str(s["batch_size"]),
+        "--num-generations", str(s["num_generations"]), "--max-completion-length",
+        str(args.completion_length), "--max-steps", str(args.steps), "--log-every", "1",
+        "--save-strategy", "no",
+    ]  # fmt: skip
+    rows = [
+        Configuration(case, [*CASES[case][1], "--output-dir", str(args.work_dir / "output" / case)], env)
+        for case in args.cases
+    ]  # fmt: skip
+    described = ["--device", "cuda"] if device == "cuda" else []
+    with ThreadPoolExecutor(len(args.cases)) as pool:
+        estimates = {
+            case: pool.submit(effitrain_json, "estimate", [*shared, *CASES[case][1], *described], device)
+            for case in args.cases
+        }  # fmt: skip
+        comparison = common.run_configurations(
+            rows, shared, args.work_dir / "runs", summarize=cases_row
+        )
+        for row in comparison.rows:
+            predicted = estimates[row["row"]].result()
+            row["estimate"] = {key: predicted.get(key) for key in PHASES}
+            failed = predicted.get("failed") and f"the estimate failed: {predicted['failed']}"
+            row["estimate"]["refused"] = predicted.get("refused") or failed
+            row["estimate_seconds"] = predicted["seconds"]
+    settings = {"what": "cases", "model": args.model, "steps": args.steps}
+    settings |= {"completion_length": args.completion_length, **s}
+    title = (
+        f"{args.model}, the demo's prompts, G {s['num_generations']} × {args.completion_length} "
+        f"tokens, batch {s['batch_size']}, {args.steps} steps: each phase beside its estimate"
+    )
+    return common.new_run(args, device, title, settings, comparison)
+
+
+PHASES = ("generation_peak_bytes", "training_peak_bytes", "peak_tensor_bytes")
+"""The metrics JSON's (and the estimate's) peaks of a GRPO step: each phase's, and the step's."""
+
+
+def cases_row(configuration, runs: list[dict]) -> common.Row:
+    m = runs[0]
+    return {
+        "row": configuration.label,
+        **{key: m.get(key) for key in PHASES},
+        "peak_phase": m.get("peak_phase"),
+        "peak_memory_bytes": m["peak_memory_bytes"],
+        "peak_memory_kind": m["peak_memory_kind"],
+        "reference": m.get("reference"),
+        "reward_history": m["reward_history"],
+        "seconds_per_step": m["seconds_per_step"],
+    }
+
+
+def render_cases(run: common.Run) -> str:
+    def phase(key: str):
+        def cell(row: common.Row) -> str:
+            measured, predicted = row.get(key), (row.get("estimate") or {}).get(key)
+            text = common.shown(measured, common.mib)
+            if isinstance(measured, int) and isinstance(predicted, int) and measured:
+                text += f" ({common.mib(predicted)}, {(predicted - measured) / measured:+.1%})"
+            return text
+
+        return cell
+
+    def reference(row: common.Row) -> str:
+        ref = row.get("reference") or {}
+        return (
+            f"{ref['how']} {ref.get('dtype') or ''}: {common.mib(ref.get('bytes') or 0)}"
+            if ref
+            else "–"
+        )
+
+    columns = [
+        common.Column("case", lambda r: CASES[r["row"]][0] if r["row"] in CASES else r["row"], right=False),
+        common.Column("generation (est., error)", phase("generation_peak_bytes")),
+        common.Column("training (est., error)", phase("training_peak_bytes")),
+        common.Column("run's peak", lambda r: common.shown(r.get("peak_memory_bytes"), common.mib)),
+        common.Column("reference", reference, right=False),
+        common.Column("s/step", lambda r: common.shown(r.get("seconds_per_step"), common.seconds)),
+        common.Column("mean reward", lambda r: f"{statistics.fmean(r['reward_history'] or [math.nan]):.3f}"),
+    ]  # fmt: skip
+    refused = [
+        f"- {CASES.get(r['row'], (r['row'],))[0]}: {r['estimate']['refused']}"
+        for r in run["rows"]
+        if (r.get("estimate") or {}).get("refused")
+    ]
+    return "\n\n".join(
+        [common.markdown_table(columns, run["rows"]), *(["\n".join(refused)] if refused else [])]
+    )
 
 
 def threads_env(threads: int) -> dict[str, str]:
@@ -223,6 +355,8 @@ def _pairs(rows: list[common.Row]) -> dict[int, dict[str, common.Row]]:
 
 
 def render(run: common.Run) -> str:
+    if run["settings"].get("what") == "cases":
+        return render_cases(run)
     rows = run["rows"]
     pairs = _pairs(rows)
     return "\n\n".join(
@@ -312,8 +446,13 @@ def _settings_line(run: common.Run) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = common.parser(TOPIC, __doc__)
+    parser.add_argument("--what", choices=["trl", "cases"], default="trl", help="beside TRL, "
+                        "or effitrain's cases alone (the GPU variant)")  # fmt: skip
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps a run")
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--model", default="qwen2.5-0.5b", help="cases")
+    parser.add_argument("--completion-length", type=int, default=32, help="cases")
     parser.add_argument(
         "--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")),
         help="torch threads per process, both sides (default: OMP_NUM_THREADS, else 1)",

@@ -3,8 +3,9 @@ the estimate follows a run at length, packed or not. One question per ``--what``
 
 - ``cpu``: on this CPU, the tiny-llama preset taking 32,768 positions (saved as a folder, as the
   tests' ``long_lm_model_dir``) at 4k, 8k, 16k and 32k tokens, batch 1, ``effitrain train
-  --max-steps 2`` packed (a corpus of 40 documents of 500 to 3,000 words: several per block)
-  and unpacked (``--no-packing``: documents longer than the block, so no row is padded).
+  --max-steps 2`` packed (a corpus of 80 documents of 250 to 1,250 words: several per block
+  at every length) and unpacked (``--no-packing``: documents longer than the block, so no row
+  is padded).
   Per row: ``effitrain estimate``'s peak tensor memory beside the run's measured peak (the same
   options), the error, and seconds per step. Every run and estimate is a fresh process.
 - ``levers`` and ``longest``: Llama-3.1-8B and Qwen2.5-7B from their config.json alone
@@ -13,13 +14,24 @@ the estimate follows a run at length, packed or not. One question per ``--what``
   one (``effitrain estimate``, :data:`LADDER`). ``longest``: the longest length that fits 16,
   24, 48 and 80 GiB (``effitrain plan --max-length longest --json``, the budget as ``plan``
   counts it, margin included), beside unsloth's published figures (:data:`PUBLISHED`).
+- ``cuda``: on a GPU, the estimate beside the measured peak at length with the levers the 24
+  GiB plan chose for Llama-3.1-8B QLoRA r16 (:data:`CUDA_OPTIONS`: the 4-bit base, lean LoRA
+  under bf16 autocast, the tiled norm and MLP, offloaded checkpoints in pinned host memory, the
+  optimizer in backward, the chunked loss), on :data:`CUDA_LAYERS` layers of Llama-3.1-8B's
+  dimensions (its config.json, random init, saved once as a folder), batch 1, unpacked rows,
+  ``--max-steps 2`` at 16k and 32k tokens (``--lengths``). Per row: the estimate's peak, the
+  step's measured peak tensors, the CUDA allocator's peak, the host bytes offloaded (estimated
+  and measured), seconds per step. ``--shape KEY=VALUE ...`` changes the config (a trial's
+  tiny dimensions) and ``--train-options`` the levers (a CPU trial's).
 
     python -m benchmarks.long_context.run --what cpu
     python -m benchmarks.long_context.run --what cpu --lengths 4096 --results .bench/long.json
+    python -m benchmarks.long_context.run --what cpu --layouts packed --keep-rows
     python -m benchmarks.long_context.run --what levers
     python -m benchmarks.long_context.run --what longest
     python -m benchmarks.long_context.run --what longest --models llama-3.1-8b --modes qlora \\
         --budgets 24 --results .bench/long.json
+    python -m benchmarks.long_context.run --what cuda --lengths 16384 32768
 """
 
 from __future__ import annotations
@@ -31,13 +43,16 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from benchmarks import common
 
 TOPIC = common.Topic.of(__file__)
 LENGTHS = (4096, 8192, 16384, 32768)
 """The CPU run's lengths (tokens per row)."""
+LAYOUTS = ("packed", "unpacked")
 POSITIONS = 32768
 """The CPU model's positions (the tests' long tiny-llama)."""
 WORDS = "the cat sat on a mat while dogs ran over hills and rivers under skies".split()  # noqa: SIM905
@@ -86,9 +101,24 @@ PUBLISHED = {
 """unsloth's published longest lengths for Llama-3.1-8B QLoRA, by card (GB as sold)."""
 GOALS = {24: 100_000, 80: 400_000}
 """Issue 46's goals for Llama-3.1-8B QLoRA r16: at least this many tokens per card."""
-GPU_ARGS: list[str] = []
-SMOKE_ARGS = ["--what", "cpu", "--lengths", "512"]
-"""A trial on any machine: the plumbing, not the numbers."""
+CUDA_SHAPE = "Llama-3.1-8B"
+CUDA_LAYERS = 2
+"""The CUDA cell's model: this many layers of this published shape (the rest of its config)."""
+CUDA_OPTIONS = [
+    "--load-in-4bit", "--weights-dtype", "bf16", "--lora-rank", "16", "--optim", "adamw",
+    "--optimizer-in-backward", "--lean-lora", "--gradient-checkpointing", "--tiled-norm",
+    "--tiled-mlp", "--activation-offload", "--mixed-precision", "bf16",
+]  # fmt: skip
+"""The 24 GiB plan's command for Llama-3.1-8B QLoRA r16 (the ``longest`` run's), under bf16
+autocast (lean LoRA on bitsandbytes' 4-bit layers is to be checked there)."""
+GPU_ARGS = ["--what", "cuda", "--lengths", "16384", "32768"]
+"""The GPU variant (benchmarks/gpu.py): 2 lengths, 2 steps each, the estimate beside each."""
+TINY_SHAPE = ["hidden_size=64", "intermediate_size=128", "num_attention_heads=4",
+              "num_key_value_heads=2", "vocab_size=2048"]  # fmt: skip
+SMOKE_ARGS = ["--what", "cuda", "--lengths", "256", "--shape", *TINY_SHAPE,
+              "--train-options=--lora-rank 4 --gradient-checkpointing --tiled-mlp --tiled-norm"]  # fmt: skip
+"""A trial of the CUDA cell on any machine (tiny dimensions, the levers a CPU runs): the
+plumbing, not the numbers."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -96,35 +126,67 @@ SMOKE_ARGS = ["--what", "cpu", "--lengths", "512"]
 # --------------------------------------------------------------------------------------------
 
 
-def write_inputs(folder: Path) -> dict[str, Path]:
-    """The CPU run's model folder and corpora: the long tiny-llama (made once), the packed
-    corpus (40 documents of 500 to 3,000 words) and the unpacked one (4 documents of
-    :data:`POSITIONS` tokens with their end-of-sequence token: the run cuts a long document
-    into rows of ``--max-length``, so every row is full at every length), each a .txt of
-    blank-line separated documents."""
+def write_inputs(
+    folder: Path, positions: int = POSITIONS, model_name: str = "tiny-llama-32k",
+    build: Callable[[Any, int], Any] | None = None,
+) -> dict[str, Path]:  # fmt: skip
+    """A run's model folder and corpora: the model (made once: ``build(tokenizer, positions)``,
+    by default the long tiny-llama), the packed corpus (80 documents of 250 to 1,250 words, each
+    under 4,096 tokens: every block holds several, as the estimate's does; a block that is one
+    document holds one (length x hidden) tensor a layer less, which the estimate counts) and
+    the unpacked one (4 documents of ``positions`` tokens with their end-of-sequence token: the
+    run cuts a long document into rows of ``--max-length``, so every row is full at every
+    length), each a .txt of blank-line separated documents."""
     from effitrain.demo.lm import build_lm_tokenizer
 
     paths = {
-        "model": folder / "tiny-llama-32k",
+        "model": folder / model_name,
         "packed": folder / "packed.txt",
         "unpacked": folder / "unpacked.txt",
     }
-    tokenizer = build_lm_tokenizer(model_max_length=POSITIONS)
+    tokenizer = build_lm_tokenizer(model_max_length=positions)
     if not paths["model"].exists():
-        from effitrain.models import load_causal_lm
-
-        model = load_causal_lm("tiny-llama", tokenizer)
-        model.config.max_position_embeddings = POSITIONS
+        model = (build or tiny_llama)(tokenizer, positions)
         partial = paths["model"].with_name("partial")  # renamed once whole
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
         partial.rename(paths["model"])
     rng = random.Random(0)
-    packed = [" ".join(rng.choices(WORDS, k=rng.randint(500, 3000))) for _ in range(40)]
-    unpacked = [exact_document(tokenizer, rng, POSITIONS - 1) for _ in range(4)]
+    packed = [" ".join(rng.choices(WORDS, k=rng.randint(250, 1250))) for _ in range(80)]
+    unpacked = [exact_document(tokenizer, rng, positions - 1) for _ in range(4)]
     for key, documents in (("packed", packed), ("unpacked", unpacked)):
         paths[key].write_text("\n\n".join(documents) + "\n")
     return paths
+
+
+def tiny_llama(tokenizer, positions: int):
+    """The tiny-llama preset taking ``positions`` positions."""
+    from effitrain.models import load_causal_lm
+
+    model = load_causal_lm("tiny-llama", tokenizer)
+    model.config.max_position_embeddings = positions
+    return model
+
+
+def shape_model(shape: dict[str, Any], device: str) -> Callable[[Any, int], Any]:
+    """A builder of the model of config ``shape`` (random init, bf16, built on ``device``: a
+    GPU draws a billion weights in a blink), its special tokens the tokenizer's."""
+
+    def build(tokenizer, positions: int):
+        import torch
+        import transformers
+
+        settings = {key: value for key, value in shape.items() if key != "model_type"}
+        settings["max_position_embeddings"] = max(settings["max_position_embeddings"], positions)
+        for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            settings[key] = getattr(tokenizer, key)
+        config = transformers.AutoConfig.for_model(shape["model_type"], **settings)
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        return model.cpu()
+
+    return build
 
 
 def exact_document(tokenizer, rng: random.Random, tokens: int) -> str:
@@ -170,29 +232,84 @@ def effitrain_json(command: str, options: list[str], device: str) -> common.Row:
 
 
 def measure_cpu(args: argparse.Namespace, device: str) -> common.Run:
+    paths = write_inputs(args.work_dir / "inputs")
+    rows, notes = estimates_and_runs(args, device, paths, args.layouts, [])
+    name = args.name or "cpu"
+    if args.keep_rows:
+        rows = kept(rows, args.results, name, notes)
+    return {
+        "name": name,
+        "title": f"tiny-llama at {POSITIONS:,} positions, batch 1, "
+        f"{common.where(device)}: estimate beside measured",
+        "settings": {
+            "what": "cpu",
+            "lengths": sorted({row["max_length"] for row in rows}),
+            "layouts": [layout for layout in LAYOUTS if any(r["layout"] == layout for r in rows)],
+        },
+        "rows": rows,
+        "notes": notes,
+        "failed": any("failed" in note for note in notes),
+    }
+
+
+def measure_cuda(args: argparse.Namespace, device: str) -> common.Run:
+    from benchmarks.llm_shapes.run import MODELS
+
+    shape = {**MODELS[CUDA_SHAPE], "num_hidden_layers": CUDA_LAYERS, **dict(args.shape)}
+    name = f"{CUDA_SHAPE}-{CUDA_LAYERS}-layers" + "".join(f"-{k}{v}" for k, v in args.shape)
+    build = shape_model(shape, device)
+    paths = write_inputs(args.work_dir / "inputs", max(args.lengths), name, build)
+    options = args.train_options.split()
+    rows, notes = estimates_and_runs(args, device, paths, ["unpacked"], options)
+    changed = " (changed: see settings)" if args.shape else ""
+    plans = options == CUDA_OPTIONS
+    levers = "QLoRA r16 with the 24 GiB plan's levers" if plans else "the levers below"
+    return {
+        "name": args.name or device.replace("cuda", "gpu"),
+        "title": f"{CUDA_LAYERS} layers of {CUDA_SHAPE}'s dimensions{changed}, {levers}, batch 1, "
+        f"{common.where(device)}: estimate beside measured",
+        "settings": {
+            "what": "cuda",
+            "lengths": args.lengths,
+            "shape": dict(args.shape),
+            "options": options,
+        },
+        "rows": rows,
+        "notes": notes,
+        "failed": any("failed" in note for note in notes),
+    }
+
+
+def estimates_and_runs(
+    args: argparse.Namespace, device: str, paths: dict[str, Path], layouts: list[str],
+    options: list[str],
+) -> tuple[list[common.Row], list[str]]:  # fmt: skip
+    """Per length and layout, ``effitrain estimate`` and a 2-step run of the same options
+    (each a fresh process): the rows, and notes of what was refused, skipped or failed."""
     from effitrain.comparison import Configuration
 
-    paths = write_inputs(args.work_dir / "inputs")
     model = ["--task", "causal-lm", "--model", str(paths["model"]), "--batch-size", "1"]
     shared = [*model, "--max-steps", "2", "--save-strategy", "no", "--log-every", "1"]
     rows, notes = [], []
     for length in args.lengths:
-        for layout in args.layouts:
+        for layout in layouts:
             if (layout, length) in args.skip:
                 notes.append(f"{layout} at {length:,} tokens not run (--skip)")
                 continue
-            options = [*layout_options(paths, layout), "--max-length", str(length)]
+            given = [*layout_options(paths, layout), "--max-length", str(length), *options]
             print(f"{layout} {length}: estimate, then train", file=sys.stderr, flush=True)
-            predicted = effitrain_json("estimate", [*model, *options], device)
+            described = ["--device", "cuda"] if device == "cuda" else []
+            predicted = effitrain_json("estimate", [*model, *given, *described], device)
             label = f"{layout} {length}"
             comparison = common.run_configurations(
-                [Configuration(label=label, args=options, env=common.device_env(device))],
+                [Configuration(label=label, args=given, env=common.device_env(device))],
                 shared,
                 args.work_dir / "runs",
                 summarize=summarize,
             )
             row: common.Row = {"layout": layout, "max_length": length}
             row["estimate_peak_tensor_bytes"] = predicted.get("peak_tensor_bytes")
+            row["estimate_host_bytes"] = predicted.get("activation_offload_host_bytes")
             row["estimate_seconds"] = predicted["seconds"]
             if "peak_tensor_bytes" not in predicted:
                 notes.append(f"{label}: estimate {predicted.get('refused') or predicted['failed']}")
@@ -201,21 +318,36 @@ def measure_cpu(args: argparse.Namespace, device: str) -> common.Run:
             else:
                 notes += [f"{label} failed: {error}" for error in comparison.failed.values()]
             rows.append(row)
-    return {
-        "name": args.name or "cpu",
-        "title": f"tiny-llama at {POSITIONS:,} positions, batch 1, "
-        f"{common.where(device)}: estimate beside measured",
-        "settings": {"what": "cpu", "lengths": args.lengths, "layouts": args.layouts},
-        "rows": rows,
-        "notes": notes,
-        "failed": any("failed" in note for note in notes),
-    }
+    return rows, notes
+
+
+def kept(rows: list[common.Row], results: Path, name: str, notes: list[str]) -> list[common.Row]:
+    """With ``--keep-rows``: ``rows`` and the rows of the recorded run ``name`` that they do not
+    measure again, by length then layout; ``notes`` says which were kept, from which run."""
+    old = next((r for r in common.load_results(results, TOPIC)["runs"] if r["name"] == name), None)
+    if old is None:
+        return rows
+    measured = {(row["layout"], row["max_length"]) for row in rows}
+    others = [row for row in old["rows"] if (row["layout"], row["max_length"]) not in measured]
+    if others:
+        cells = ", ".join(f"{row['layout']} {row['max_length']:,}" for row in others)
+        ran = old["provenance"]
+        notes.append(
+            f"{cells}: kept from the run of {ran['date']} at effitrain commit "
+            f"`{ran.get('effitrain_commit')}`"
+        )
+    order = {layout: index for index, layout in enumerate(LAYOUTS)}
+    return sorted([*others, *rows], key=lambda r: (r["max_length"], order[r["layout"]]))
 
 
 def summarize(configuration, runs: list[dict]) -> common.Row:
     first = runs[0]
     return {
         "peak_tensor_bytes": first["peak_tensor_bytes"],
+        "peak_memory_bytes": first["peak_memory_bytes"],
+        "peak_memory_kind": first["peak_memory_kind"],
+        "host_bytes": first.get("activation_offload_host_bytes"),
+        "cuda_max_reserved": (first.get("step_memory") or {}).get("cuda_max_reserved"),
         "seconds_per_step": common.median(runs, "seconds_per_step"),
     }
 
@@ -263,7 +395,7 @@ def _packed_over_unpacked(row: common.Row) -> str:
 
 def render_cpu(run: common.Run) -> str:
     columns = [common.Column("tokens", lambda r: f"{r['max_length']:,}")]
-    for layout in ("packed", "unpacked"):
+    for layout in LAYOUTS:
         columns += [_cell(layout, c) for c in (_estimate, _measured, _error_cell, _seconds)]
     columns.append(common.Column("packed / unpacked (measured)", _packed_over_unpacked))
     table = common.markdown_table(columns, _by_length(run))
@@ -284,6 +416,25 @@ def render_cpu(run: common.Run) -> str:
         verdict = "met" if float(ratio.rstrip("×")) <= 1.1 else "not met"
         lines.append(f"**Goal:** a packed 16k block within 1.1× of unpacked: {verdict} ({ratio}).")
     return "\n\n".join([table, *lines])
+
+
+def render_cuda(run: common.Run) -> str:
+    columns = [
+        common.Column("tokens", lambda r: f"{r['max_length']:,}"),
+        common.Column("estimate", _estimate),
+        common.Column("measured (step's tensors)", _measured),
+        common.Column("error", _error_cell),
+        common.Column("run's peak", lambda r: common.shown(r.get("peak_memory_bytes"), common.mib)),
+        common.Column("reserved (step)", lambda r: common.shown(r.get("cuda_max_reserved"), common.mib)),
+        common.Column("host: offloaded (est.)", lambda r: f"{common.shown(r.get('host_bytes'), common.mib)} ({common.shown(r.get('estimate_host_bytes'), common.mib)})"),
+        common.Column("s/step", _seconds),
+    ]  # fmt: skip
+    options = " ".join(run["settings"]["options"])
+    return (
+        f"{common.markdown_table(columns, run['rows'])}\n\nLevers: `{options}`. The run's peak: "
+        "`max_memory_allocated` on CUDA (peak RSS on a CPU); reserved: the caching allocator's "
+        "most over the measured step."
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -448,12 +599,14 @@ def render_levers(run: common.Run) -> str:
 
 
 def render(run: common.Run) -> str:
-    renderers = {"cpu": render_cpu, "levers": render_levers, "longest": render_longest}
+    renderers = {"cpu": render_cpu, "cuda": render_cuda, "levers": render_levers}
+    renderers["longest"] = render_longest
     return renderers[run["settings"]["what"]](run)
 
 
 def measure(args: argparse.Namespace, device: str) -> common.Run:
-    return measure_cpu(args, device) if args.what == "cpu" else measure_shapes(args, device)
+    measures = {"cpu": measure_cpu, "cuda": measure_cuda}
+    return measures.get(args.what, measure_shapes)(args, device)
 
 
 def _skip(text: str) -> tuple[str, int]:
@@ -461,13 +614,28 @@ def _skip(text: str) -> tuple[str, int]:
     return layout, int(length)
 
 
+def _setting(text: str) -> tuple[str, int]:
+    key, _, value = text.partition("=")
+    return key, int(value)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = common.parser(TOPIC, __doc__)
-    parser.add_argument("--what", choices=["cpu", "levers", "longest"], default="cpu")
-    parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS), help="cpu")
+    parser.add_argument("--what", choices=["cpu", "cuda", "levers", "longest"], default="cpu")
+    parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS), help="cpu, cuda")
     parser.add_argument(
-        "--layouts", nargs="+", default=["packed", "unpacked"], choices=["packed", "unpacked"]
+        "--shape", nargs="+", type=_setting, default=[], metavar="KEY=VALUE",
+        help=f"cuda: change {CUDA_SHAPE}'s config (a trial's tiny dimensions)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--train-options", default=" ".join(CUDA_OPTIONS), help="cuda: the levers (one string)"
     )
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
+    parser.add_argument(
+        "--keep-rows", action="store_true",
+        help="cpu: keep the recorded run's rows (same run name) that --lengths and --layouts "
+        "leave out",
+    )  # fmt: skip
     parser.add_argument(
         "--skip", nargs="+", type=_skip, default=[], metavar="LAYOUT:LENGTH",
         help="cpu: leave these out (packed:32768: a step too slow here)",

@@ -82,11 +82,19 @@ def refuse_sharded(option: str, launch: Launch) -> None:
 
 
 def spans(length: int, tiles: int) -> list[tuple[int, int]]:
-    """(start, length) of ``tiles`` tiles of ``length`` positions, their sizes within one."""
-    size, extra = divmod(length, tiles)
+    """(start, length) of ``tiles`` tiles of ``length`` positions: ceil(length / tiles) wide but
+    the first, which takes what is left (narrower where ``tiles`` does not divide ``length``),
+    so the tiles after it are of one width (on fake tensors, one kind: :func:`runs`); where
+    that would leave the first no position, widths within one of each other."""
+    width = -(-length // tiles)
+    first = length - (tiles - 1) * width
+    if first >= 1:
+        widths = [first] + [width] * (tiles - 1)
+    else:
+        size, extra = divmod(length, tiles)
+        widths = [size + (index < extra) for index in range(tiles)]
     found, start = [], 0
-    for index in range(tiles):
-        width = size + (index < extra)
+    for width in widths:
         found.append((start, width))
         start += width
     return found
