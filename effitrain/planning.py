@@ -123,6 +123,31 @@ class Option:
     """The phase of its peak where a step has two (GRPO's ``generation`` or ``training``)."""
 
 
+def _checked(
+    config: TrainConfig, launch: Launch, optimizers: list[str], without: list[str], longest: bool
+) -> tuple[str, int]:
+    """The task and its batch unit (:func:`_task`), once the levers left out, the optimizers
+    and ``longest`` are known to apply.
+
+    Raises:
+        EffitrainError: an unknown lever or optimizer; ``longest`` for a task whose batch unit
+            is more than one row (GRPO's group).
+    """
+    from effitrain.optim import get_spec
+
+    for name in without:
+        lever_registry.get_lever(name)
+    for name in optimizers:
+        get_spec(name)
+    task, unit = _task(config, launch)
+    if longest and unit > 1:
+        raise EffitrainError(
+            f"--max-length longest is not searched for --task {task}: give the prompts' "
+            "length (--max-length N) and --max-completion-length"
+        )
+    return task, unit
+
+
 def plan(
     config: TrainConfig,
     launch: Launch,
@@ -151,19 +176,8 @@ def plan(
     """
     start = time.monotonic()
     config = dataclasses.replace(config, max_memory=None)  # the steps, as a plain run takes them
-    for name in without:
-        lever_registry.get_lever(name)
     names = list(optimizers or DEFAULT_OPTIMIZERS)
-    from effitrain.optim import get_spec
-
-    for name in names:
-        get_spec(name)
-    task, unit = _task(config, launch)
-    if longest and unit > 1:
-        raise EffitrainError(
-            f"--max-length longest is not searched for --task {task}: give the prompts' "
-            "length (--max-length N) and --max-completion-length"
-        )
+    task, unit = _checked(config, launch, names, without, longest)
     if longest:
         workers = 0  # one round of verification: warming workers would cost more than it saves
     search = _Search(
