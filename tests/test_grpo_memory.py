@@ -65,6 +65,22 @@ def test_plan_screens_each_phase_at_larger_micro_batches():
     assert extend(one, two, 4).phases == (280, 260)
 
 
+def test_plan_lists_no_lever_the_task_refuses():
+    """GRPO's loss never chunks: the plan does not name the chunked loss among its levers (a
+    causal LM's plan does: it is on by default there)."""
+    from effitrain.config import build_config
+    from effitrain.distributed import Launch
+    from effitrain.planning import _Search
+
+    def reasons(task: str, **options: object) -> dict[str, str]:
+        config = build_config(None, {"task": task, "model": "tiny-llama", **options})
+        launch = Launch.described(1, "ddp", "cpu")
+        return _Search(config, launch, 2**30, ["adamw"], [], {}, task=task)._reasons({})
+
+    assert "chunked-loss" in reasons("causal-lm")
+    assert "chunked-loss" not in reasons("grpo", batch_size=4, num_generations=2)
+
+
 @pytest.mark.slow
 def test_plan_splits_the_batch_into_whole_groups_and_names_the_peak_phase(train_cli):
     proc = train_cli(

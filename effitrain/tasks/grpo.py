@@ -43,10 +43,9 @@ REFUSED_OPTIONS = (
     "preference_loss",
     "label_smoothing",
     "simpo_gamma",
-    "chunked_loss",
 )
-"""Options GRPO does not take: the causal LM's data shaping and sample, the preference losses',
-and the chunked loss (its log-probs come from the completion's logits, not chunk by chunk, yet)."""
+"""Options GRPO does not take: the causal LM's data shaping and sample, the preference losses'
+(the chunked loss refuses GRPO itself: its lever's ``task``)."""
 
 
 def _prompt_length_given(config: TrainConfig) -> bool:
