@@ -81,6 +81,21 @@ def test_plan_lists_no_lever_the_task_refuses():
     assert "chunked-loss" not in reasons("grpo", batch_size=4, num_generations=2)
 
 
+def test_a_config_json_alone_notes_the_prompts_and_completions(tmp_path):
+    """Without a tokenizer, the estimate's note says the batch it runs: N prompts of P tokens,
+    G completions each of C tokens."""
+    from effitrain.build import checked_config
+    from effitrain.estimation import _tokenizer_or_config
+    from effitrain.tasks.grpo import GrpoTask
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 64}))
+    options = {"task": "grpo", "model": str(tmp_path), "batch_size": 4, "num_generations": 2}
+    config = checked_config(None, {**options, "max_length": 8, "max_completion_length": 3})
+    notes: list[str] = []
+    assert _tokenizer_or_config(config, notes, GrpoTask())[0] is None
+    assert "the batch is 2 prompts of 8 token ids, 2 completions each of 3 tokens" in notes[0]
+
+
 @pytest.mark.slow
 def test_plan_splits_the_batch_into_whole_groups_and_names_the_peak_phase(train_cli):
     proc = train_cli(

@@ -126,6 +126,15 @@ class GrpoTask(DecoderTask):
             )
         return prompts, longest_prompt(data, tokenizer)
 
+    def estimate_batch(self, config: TrainConfig, length: int) -> str:
+        from effitrain.tasks.grpo_loss import completion_length
+
+        group = config.num_generations
+        return (
+            f"{config.batch_size // group} prompts of {length} token ids, {group} completions "
+            f"each of {completion_length(config)} tokens"
+        )
+
     def dataloaders(
         self,
         config: TrainConfig,
