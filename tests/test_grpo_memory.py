@@ -96,6 +96,19 @@ def test_a_config_json_alone_notes_the_prompts_and_completions(tmp_path):
     assert "the batch is 2 prompts of 8 token ids, 2 completions each of 3 tokens" in notes[0]
 
 
+def test_without_a_tokenizer_the_prompts_are_max_length_long_the_default_included():
+    """The config cannot tell ``--max-length 128`` typed from the default 128: without a
+    tokenizer to measure the prompts with, either is the prompts' length (and the note says
+    it), not a demand to give the option that was given."""
+    from effitrain.config import build_config
+    from effitrain.tasks.grpo import GrpoTask
+
+    options = {"task": "grpo", "batch_size": 4, "num_generations": 2}
+    for typed in ({}, {"max_length": 128}):
+        config = build_config(None, {**options, **typed})
+        assert GrpoTask().estimate_shape(config, None, None, 128) == (2, 128)
+
+
 @pytest.mark.slow
 def test_plan_splits_the_batch_into_whole_groups_and_names_the_peak_phase(train_cli):
     proc = train_cli(
