@@ -34,7 +34,7 @@ MIXED_PRECISION = ("no", "fp16", "bf16")
 DEFAULT_CAUSAL_MODEL = "tiny-llama"
 """The model of ``--task causal-lm`` when none is given (the causal-LM demo's preset)."""
 DECODER_TASKS = ("causal-lm", "preference", "grpo")
-"""The tasks that train a ``*ForCausalLM`` (its presets, its chunked loss)."""
+"""The tasks that train a ``*ForCausalLM`` (its presets)."""
 SAVE_STRATEGIES = ("steps", "epoch", "no")
 PREFERENCE_LOSSES = ("dpo", "orpo", "simpo")
 """``--preference-loss`` (effitrain.tasks.preference_loss): DPO needs a reference model, ORPO

@@ -181,7 +181,7 @@ def estimate(config: TrainConfig, launch: Launch | None = None) -> Estimate:
     notes = _checked(config, launch)
     task = build.resolve_task(config)
     data = task.load_data(config) if task.estimate_reads_data(config) else None
-    tokenizer, max_tokens = _tokenizer_or_config(config, notes)
+    tokenizer, max_tokens = _tokenizer_or_config(config, notes, task)
     spec = build.resolve_optimizer_spec(config, launch)
     notes += levers.estimate_notes(config) + _optimizer_notes(spec)
     if launch.device_type != "cpu":
@@ -381,10 +381,13 @@ def sequence_cap(config: TrainConfig) -> int:
     return _tokenizer_or_config(dataclasses.replace(config, max_length=LONGEST_TRIED), [])[1]
 
 
-def _tokenizer_or_config(config: TrainConfig, notes: list[str]) -> tuple[Any, int]:
+def _tokenizer_or_config(
+    config: TrainConfig, notes: list[str], task: Task | None = None
+) -> tuple[Any, int]:
     """The run's tokenizer and the longest sequence it makes; or, for a hub id or folder that
     has a config.json and no tokenizer, None and the longest sequence the model's positions
-    allow (shapes need no tokenizer; a note says how the batch is made).
+    allow (shapes need no tokenizer; a note says how ``task``'s batch is made, where one is
+    given).
 
     Raises:
         EffitrainError: neither a tokenizer nor a model config can be read.
@@ -408,11 +411,13 @@ def _tokenizer_or_config(config: TrainConfig, notes: list[str]) -> tuple[Any, in
         return tokenizer, capped_length(config.max_length, limit(tokenizer.model_max_length), notes)
     positions = max_positions(model_config)
     positions = limit(positions) if positions else None
+    if task is None:  # sequence_cap's: the length alone
+        return None, positions or config.max_length
     length = min(config.max_length, positions or config.max_length)
     vocabulary = getattr(model_config, "vocab_size", None)
     notes.append(
-        f"no tokenizer found for '{config.model}': the batch is {config.batch_size} x {length} "
-        "token ids made from its config.json"
+        f"no tokenizer found for '{config.model}': the batch is "
+        f"{task.estimate_batch(config, length)} made from its config.json"
         + (f" (vocabulary {vocabulary:,})" if vocabulary else "")
         + (
             f", at most max_position_embeddings ({positions:,}) long"

@@ -306,7 +306,7 @@ def test_refusals(train_cli):
             "must be a multiple of --num-generations",
         ),
         (["--packing"], "--packing does not apply to --task grpo"),
-        (["--chunked-loss", "torch"], "--chunked-loss does not apply to --task grpo"),
+        (["--chunked-loss", "torch"], "--chunked-loss needs --task causal-lm or preference"),
         (["--reward", "x.txt"], "expected FILE.py:FUNCTION"),
         (["--num-iterations", "0"], "--num-iterations must be 1 or more"),
     ):

@@ -65,6 +65,50 @@ def test_plan_screens_each_phase_at_larger_micro_batches():
     assert extend(one, two, 4).phases == (280, 260)
 
 
+def test_plan_lists_no_lever_the_task_refuses():
+    """GRPO's loss never chunks: the plan does not name the chunked loss among its levers (a
+    causal LM's plan does: it is on by default there)."""
+    from effitrain.config import build_config
+    from effitrain.distributed import Launch
+    from effitrain.planning import _Search
+
+    def reasons(task: str, **options: object) -> dict[str, str]:
+        config = build_config(None, {"task": task, "model": "tiny-llama", **options})
+        launch = Launch.described(1, "ddp", "cpu")
+        return _Search(config, launch, 2**30, ["adamw"], [], {}, task=task)._reasons({})
+
+    assert "chunked-loss" in reasons("causal-lm")
+    assert "chunked-loss" not in reasons("grpo", batch_size=4, num_generations=2)
+
+
+def test_a_config_json_alone_notes_the_prompts_and_completions(tmp_path):
+    """Without a tokenizer, the estimate's note says the batch it runs: N prompts of P tokens,
+    G completions each of C tokens."""
+    from effitrain.build import checked_config
+    from effitrain.estimation import _tokenizer_or_config
+    from effitrain.tasks.grpo import GrpoTask
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 64}))
+    options = {"task": "grpo", "model": str(tmp_path), "batch_size": 4, "num_generations": 2}
+    config = checked_config(None, {**options, "max_length": 8, "max_completion_length": 3})
+    notes: list[str] = []
+    assert _tokenizer_or_config(config, notes, GrpoTask())[0] is None
+    assert "the batch is 2 prompts of 8 token ids, 2 completions each of 3 tokens" in notes[0]
+
+
+def test_without_a_tokenizer_the_prompts_are_max_length_long_the_default_included():
+    """The config cannot tell ``--max-length 128`` typed from the default 128: without a
+    tokenizer to measure the prompts with, either is the prompts' length (and the note says
+    it), not a demand to give the option that was given."""
+    from effitrain.config import build_config
+    from effitrain.tasks.grpo import GrpoTask
+
+    options = {"task": "grpo", "batch_size": 4, "num_generations": 2}
+    for typed in ({}, {"max_length": 128}):
+        config = build_config(None, {**options, **typed})
+        assert GrpoTask().estimate_shape(config, None, None, 128) == (2, 128)
+
+
 @pytest.mark.slow
 def test_plan_splits_the_batch_into_whole_groups_and_names_the_peak_phase(train_cli):
     proc = train_cli(

@@ -1,6 +1,7 @@
 """``--chunked-loss``: a causal LM's loss computed from the last hidden states chunk by chunk,
 never holding the full logits (:mod:`effitrain.tasks.lm_loss`, which also says why ``auto``
-keeps the full logits where it must). On by default for causal-LM training (``auto``)."""
+keeps the full logits where it must). On by default for causal-LM and preference training
+(``auto``); GRPO's log-probs come from the completion's full logits, so it takes none."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from effitrain.config import DECODER_TASKS, MEMORY_LEVERS, OptionGroup, option_field
+from effitrain.config import MEMORY_LEVERS, OptionGroup, option_field
 from effitrain.levers.spec import Lever, Search
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ class ChunkedLoss(Lever):
     name = "chunked-loss"
     options = ChunkedLossOptions
     removes = "the full logits and their gradient (tokens x vocabulary, fp32)"
-    task = DECODER_TASKS
+    task = ("causal-lm", "preference")
     search = Search(("off", "auto"), order=30)
     time_cost = "one more output-layer matmul per chunk in backward (recomputed logits)"
 

@@ -161,6 +161,11 @@ class Task:
         caps it)."""
         return config.batch_size, length
 
+    def estimate_batch(self, config: TrainConfig, length: int) -> str:
+        """:meth:`estimate_shape`'s micro-batch in words, ``length`` tokens a row (the
+        estimate's notes)."""
+        return f"{config.batch_size} x {length} token ids"
+
     def batch_unit(self, config: TrainConfig) -> int:
         """The micro-batch every ``--batch-size`` of this task is a multiple of (1: any)."""
         return 1

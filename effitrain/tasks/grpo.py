@@ -43,15 +43,16 @@ REFUSED_OPTIONS = (
     "preference_loss",
     "label_smoothing",
     "simpo_gamma",
-    "chunked_loss",
 )
-"""Options GRPO does not take: the causal LM's data shaping and sample, the preference losses',
-and the chunked loss (its log-probs come from the completion's logits, not chunk by chunk, yet)."""
+"""Options GRPO does not take: the causal LM's data shaping and sample, the preference losses'
+(the chunked loss refuses GRPO itself: its lever's ``task``)."""
 
 
 def _prompt_length_given(config: TrainConfig) -> bool:
     """Whether ``--max-length`` was given: an estimate's prompt length (generation does not
-    truncate prompts)."""
+    truncate prompts). The config keeps no record of which options were given (the command
+    line's and the YAML file's are merged into values), so a length other than the default
+    counts as given."""
     return bool(config.max_length != default_for("max_length"))
 
 
@@ -116,16 +117,22 @@ class GrpoTask(DecoderTask):
     ) -> tuple[int, int]:
         """The micro-batch's batch-size / G prompts, which the run's own generation samples
         G completions of (:meth:`GrpoLoss.step_batches`): ``--max-length`` tokens long where
-        given, else as long as the data's longest."""
+        given or where no tokenizer measures the prompts (a model known by its config.json:
+        its note says the length, the default's included), else as long as the data's
+        longest."""
         prompts = config.batch_size // config.num_generations
-        if _prompt_length_given(config):
+        if _prompt_length_given(config) or tokenizer is None:
             return prompts, length
-        if tokenizer is None:
-            raise EffitrainError(
-                f"no tokenizer for '{config.model}' to measure the prompts with: give "
-                "--max-length, the prompts' length in tokens"
-            )
         return prompts, longest_prompt(data, tokenizer)
+
+    def estimate_batch(self, config: TrainConfig, length: int) -> str:
+        from effitrain.tasks.grpo_loss import completion_length
+
+        group = config.num_generations
+        return (
+            f"{config.batch_size // group} prompts of {length} token ids, {group} completions "
+            f"each of {completion_length(config)} tokens"
+        )
 
     def dataloaders(
         self,

@@ -74,6 +74,13 @@ ADVANTAGE_EPS = 1e-4
 """What TRL adds to the std that divides the advantages."""
 
 
+def completion_length(config: TrainConfig) -> int:
+    """The most tokens a completion runs to: ``--max-completion-length``, else its default."""
+    return config.max_completion_length or (
+        DEMO_COMPLETION_LENGTH if config.uses_builtin_data else COMPLETION_LENGTH
+    )
+
+
 @dataclass(frozen=True)
 class GrpoSettings:
     """GRPO's options, resolved once."""
@@ -95,12 +102,9 @@ class GrpoSettings:
 
     @classmethod
     def of(cls, config: TrainConfig, weights: list[float]) -> GrpoSettings:
-        length = config.max_completion_length or (
-            DEMO_COMPLETION_LENGTH if config.uses_builtin_data else COMPLETION_LENGTH
-        )
         return cls(
             config.num_generations,
-            length,
+            completion_length(config),
             config.temperature,
             config.top_p,
             config.grpo_loss,
