@@ -307,7 +307,7 @@ class TrainConfig:
     )
     reward: list[str] | None = option_field(
         None,
-        "grpo: reward functions, called as TRL calls them; comma-separated. Default: the "
+        "grpo: reward functions, called as TRL calls them; comma-separated or repeated. Default: the "
         "built-in demo reward (effitrain.tasks.grpo_rewards).",
         panel=GRPO,
         metavar="FILE.py:FUNCTION[,...]",
@@ -315,7 +315,7 @@ class TrainConfig:
     )
     reward_weights: list[float] | None = option_field(
         None,
-        "grpo: one weight per --reward, comma-separated (default: 1 each).",
+        "grpo: one weight per --reward, comma-separated or repeated (default: 1 each).",
         panel=GRPO,
         metavar="W[,W...]",
     )

@@ -313,3 +313,14 @@ def test_a_stopped_full_loss_run_resumes_with_the_command_it_printed(
     (checkpoint,) = [p for p in out.iterdir() if p.name.startswith("checkpoint-")]
     assert f"resumed from {checkpoint}" in resumed_run.stdout
     assert (out / "final").is_dir()
+
+
+def test_a_list_option_given_twice_keeps_every_value():
+    """A list option is comma-separated and repeatable: given twice, both values count (typer
+    alone would keep the last one silently)."""
+    config = train_config(["--text-columns", "a", "--text-columns", " b"])
+    assert config.text_columns == ["a", "b"]
+    grpo = ["--task", "grpo", "--reward", "r.py:one", "--reward", "r.py:two,r.py:three"]
+    config = train_config([*grpo, "--reward-weights", "1", "--reward-weights", "0.2,0.3"])
+    assert config.reward == ["r.py:one", "r.py:two", "r.py:three"]
+    assert config.reward_weights == [1.0, 0.2, 0.3]

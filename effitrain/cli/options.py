@@ -73,17 +73,23 @@ def given_values(
     ctx: typer.Context, values: Mapping[str, Any], names: Collection[str]
 ) -> dict[str, Any]:
     """The values of the options in ``names`` that were given on the command line, by name:
-    the overrides that :func:`effitrain.build.checked_config` takes."""
-    return {name: values[name] for name in names if name in values and given(ctx, name)}
+    the overrides that :func:`effitrain.build.checked_config` takes. A list option given more
+    than once is every value given, as one comma-separated string (the config splits it)."""
+    return {
+        name: ",".join(values[name]) if isinstance(values[name], (list, tuple)) else values[name]
+        for name in names
+        if name in values and given(ctx, name)
+    }
 
 
 def _cli_type(annotation: Any) -> Any:
-    """The type typer parses: a list field is one comma-separated string (the config splits it)."""
+    """The type typer parses: a list field is comma-separated strings, the option repeatable
+    (:func:`given_values` joins them; the config splits them)."""
     args = typing.get_args(annotation)
     optional = type(None) in args
     inner = next((a for a in args if a is not type(None)), annotation) if optional else annotation
     if typing.get_origin(inner) is list:
-        inner = str
+        inner = list[str]
     return inner | None if optional else inner
 
 
