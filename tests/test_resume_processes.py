@@ -136,6 +136,7 @@ def test_a_checkpoint_saved_under_fsdp_is_refused_by_one_process(train_cli, save
     assert_clean_error(proc, "was saved under FSDP", "only an FSDP launch can load it", "any N")
 
 
+@pytest.mark.slow
 def test_a_derived_warmup_does_not_refuse_a_longer_run(train_cli, saved_run, tmp_path):
     """The first run's 4 steps gave warmup ceil(4 x ratio); 40 steps would give more, but the
     warmup done cannot change: the resume keeps it instead of refusing --warmup-steps."""
