@@ -561,6 +561,7 @@ def test_an_unreachable_hub_is_one_line(tmp_path):
 CUT = "note: --max-length 100 is above the 64 positions the model takes: sequences are cut"
 
 
+@pytest.mark.slow
 def test_a_max_length_above_the_positions_is_noted_by_train(train_cli):
     trained = train_cli("train", "--max-length", "100", "--max-steps", "1", "--batch-size", "4")
     assert trained.returncode == 0, trained.stdout + trained.stderr

@@ -164,6 +164,7 @@ def test_final_is_not_replaced_by_an_earlier_model_when_its_stamp_is_gone(
     assert (out / "final" / "model.safetensors").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_the_train_loss_weighs_every_step_alike_when_a_resume_splits_the_batch(
     train_cli, data, tmp_path
 ):
