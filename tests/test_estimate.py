@@ -450,6 +450,7 @@ def test_tracker_warnings_are_silenced_only_in_the_step():
     assert warnings.formatwarning is formatwarning
 
 
+@pytest.mark.slow  # the end-to-end twin of the test above
 def test_gradient_checkpointing_estimate_prints_no_tracker_warning(train_cli, recwarn):
     """A causal LM under gradient checkpointing made ModTracker warn that its module hierarchy
     'maybe be messed up' (twice): the estimate's output is its own."""
