@@ -99,6 +99,15 @@ def cli():
     return run_cli
 
 
+@pytest.fixture(autouse=True)
+def verified_in_process(monkeypatch):
+    """The plan verifies its candidates in the test's process. Its worker processes start where
+    a verification looks slower than ``PARALLEL_FROM_SECONDS`` by the clock, so on a loaded
+    machine any test's plan spawned two, each paying seconds of imports and a warm-up estimate.
+    The tests of the workers set it to 0 themselves."""
+    monkeypatch.setattr("effitrain.plan_workers.PARALLEL_FROM_SECONDS", float("inf"))
+
+
 class InProcessResult:
     """What an in-process CLI run printed and returned."""
 

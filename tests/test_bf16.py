@@ -204,7 +204,8 @@ def test_nonfinite_guard_still_stops_bf16(train_cli, data, tmp_path):
     assert_clean_error(proc, "non-finite", "stopped before the update")
 
 
-@pytest.mark.parametrize("optim", ["adamw", pytest.param("sgd", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("optim", ["adamw", "sgd"])
 def test_resume_is_exact(train_cli, data, tmp_path, optim):
     """Kahan summation draws no random numbers: resumed bf16 weights, moments and compensation
     buffers are bit-identical to an uninterrupted run's (dropout's RNG comes back as always)."""
@@ -217,7 +218,7 @@ def test_resume_is_exact(train_cli, data, tmp_path, optim):
 @pytest.mark.parametrize(
     "options",
     [
-        ("--optim", "adafactor"),
+        pytest.param(("--optim", "adafactor"), marks=pytest.mark.slow),
         pytest.param(("--optim", "adafactor-hf"), marks=pytest.mark.slow),
         pytest.param(
             ("--optim", "adafactor-hf", "--optimizer-in-backward", "--gradient-checkpointing"),

@@ -80,6 +80,7 @@ def test_decoder_tasks_are_the_tasks_that_train_a_causal_lm():
     assert set(DECODER_TASKS) == decoders
 
 
+@pytest.mark.slow
 def test_the_preset_alone_picks_the_task(train_cli):
     proc = train_cli("train", "--model", "tiny-llama", "--max-steps", "1", *SHORT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -132,6 +133,7 @@ def test_padding_instead_of_packing(train_cli, tmp_path):
     assert "text data in column text, padded" in proc.stdout
 
 
+@pytest.mark.slow
 def test_pretrained_style_folder_is_fine_tuned_and_the_task_detected(
     train_cli, tmp_path, lm_model_dir
 ):
@@ -165,6 +167,7 @@ def test_a_causal_lm_on_labelled_data_stays_a_classifier(train_cli, tmp_path, lm
     assert "accuracy" in proc.stdout and "perplexity" not in proc.stdout
 
 
+@pytest.mark.slow
 def test_resume_is_bit_exact(train_cli, tmp_path):
     """With the chunked, token-weighted loss over two micro-batches per step (the defaults and
     --grad-accum 2): the resumed run groups the same micro-batches into the same steps."""

@@ -84,6 +84,7 @@ def _failing_save_state(monkeypatch, fail_on_call: int):
     return calls
 
 
+@pytest.mark.slow
 def test_full_disk_during_save_keeps_previous_checkpoint(train_cli, monkeypatch, data, tmp_path):
     out = tmp_path / "out"
     args = train_args(data, out, "--max-steps", "6", "--save-every", "2", "--save-total-limit", "1")
@@ -103,6 +104,7 @@ def test_full_disk_during_save_keeps_previous_checkpoint(train_cli, monkeypatch,
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-6", "final"]
 
 
+@pytest.mark.slow
 def test_killed_save_leftovers_are_ignored_and_cleaned(train_cli, data, tmp_path):
     out = tmp_path / "out"
     args = train_args(data, out, "--max-steps", "6", "--save-every", "2")

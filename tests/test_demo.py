@@ -71,16 +71,23 @@ def test_deterministic_and_seed_dependent(demo):
     assert other["train"]["sentence1"] != demo["train"]["sentence1"]
 
 
+KNOWN_FIRST = {
+    "sentence1": "The government unveiled the yearly contract following a lengthy debate.",
+    "sentence2": "The government announced the yearly contract following a lengthy debate.",
+    "label": 1,
+}
+"""Pins the generator: the same strings on every machine and in every Python process (no hash
+randomization, no global RNG). Update deliberately if the generator changes, and run the demo's
+accuracy benchmark (benchmarks/learning/) again."""
+
+
 def test_known_first_example_is_stable():
-    # Pins the generator: the same strings on every machine and in every Python process (no
-    # hash randomization, no global RNG). Update deliberately if the generator changes, and run
-    # the demo's accuracy benchmark (benchmarks/learning/) again.
-    expected = {
-        "sentence1": "The government unveiled the yearly contract following a lengthy debate.",
-        "sentence2": "The government announced the yearly contract following a lengthy debate.",
-        "label": 1,
-    }
-    assert build_demo_dataset(seed=0, num_train=2, num_validation=1)["train"][0] == expected
+    assert build_demo_dataset(seed=0, num_train=2, num_validation=1)["train"][0] == KNOWN_FIRST
+
+
+@pytest.mark.slow  # a fresh process: its imports are the cost
+def test_known_first_example_is_stable_in_another_process():
+    """Another hash seed and a seeded global RNG change nothing."""
     code = (
         "import random; random.seed(99)\n"
         "from effitrain.demo import build_demo_dataset\n"
@@ -90,7 +97,7 @@ def test_known_first_example_is_stable():
     out = subprocess.run(
         [sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env
     ).stdout.strip()
-    assert out == repr(expected)
+    assert out == repr(KNOWN_FIRST)
 
 
 def test_no_validation_pair_in_train(demo):

@@ -135,6 +135,7 @@ def test_estimate_equals_a_packed_causal_lm_run(train_cli, tmp_path, options):
     assert estimated["activation_bytes"] == measured["activation_bytes"]
 
 
+@pytest.mark.slow
 def test_estimate_equals_a_run_of_two_document_blocks(train_cli, tmp_path, long_lm_model_dir):
     """Blocks of two 1,024-token documents, as the estimate's, attended per document: its FLOPs
     are the run's too (attention's are per document)."""
@@ -162,7 +163,7 @@ def test_estimate_equals_a_run_of_one_two_step_epoch(train_cli, tmp_path, long_d
 @pytest.mark.parametrize(
     "options",
     [
-        ["--optim", "adafactor", "--weights-dtype", "bf16"],
+        pytest.param(["--optim", "adafactor", "--weights-dtype", "bf16"], marks=pytest.mark.slow),
         pytest.param(
             ["--optim", "adafactor-hf", "--weights-dtype", "bf16", "--optimizer-in-backward"],
             marks=pytest.mark.slow,
@@ -262,6 +263,7 @@ def test_estimate_of_a_pretrained_folder_reads_no_weights(
     assert without_weights["peak_tensor_bytes"] == estimated["peak_tensor_bytes"]
 
 
+@pytest.mark.slow
 def test_cli_json_uses_the_metrics_field_names(train_cli, long_data):
     proc = train_cli("estimate", *long_data, "--max-length", "32", "--optim", "adamw,sgd", "--json")
     assert proc.returncode == 0, proc.stderr
@@ -308,6 +310,7 @@ def test_cli_all_optimizers_and_compare_to(train_cli, tmp_path, long_data):
     assert errors["parameter_bytes"] == 0 and errors["optimizer_state.bytes"] > 0  # adamw vs sgd
 
 
+@pytest.mark.slow
 def test_estimate_runs_the_loops_own_step(monkeypatch):
     """The estimate is the loop's own training step on fake tensors, not a model of it: every
     micro-batch of its steps goes through effitrain.loop.train_step."""
@@ -332,6 +335,7 @@ def test_estimate_runs_the_loops_own_step(monkeypatch):
     assert result.memory.step_memory is not None  # the last step was measured
 
 
+@pytest.mark.slow
 def test_offload_levers_are_estimated_for_the_gpu_they_need(train_cli, monkeypatch):
     """--activation-offload moves activations off a GPU: train refuses it on a CPU, and so does
     an estimate told that the run is on a CPU (--device cpu). Estimating it from a CPU-only
@@ -446,6 +450,7 @@ def test_tracker_warnings_are_silenced_only_in_the_step():
     assert warnings.formatwarning is formatwarning
 
 
+@pytest.mark.slow  # the end-to-end twin of the test above
 def test_gradient_checkpointing_estimate_prints_no_tracker_warning(train_cli, recwarn):
     """A causal LM under gradient checkpointing made ModTracker warn that its module hierarchy
     'maybe be messed up' (twice): the estimate's output is its own."""

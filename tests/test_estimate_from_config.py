@@ -58,6 +58,7 @@ def test_a_config_json_alone_estimates_as_the_preset_with_its_tokenizer(llama_co
     assert "2 x 32 token ids" in _no_tokenizer(from_config)[0]
 
 
+@pytest.mark.slow
 def test_the_length_is_capped_by_the_config_positions(llama_config_dir):
     from effitrain.models import causal_preset_settings
 

@@ -303,6 +303,7 @@ def test_cli_refusals_are_one_line(train_cli, args, message):
     assert_clean_error(proc, message)
 
 
+@pytest.mark.slow
 def test_metrics_and_banner_say_which_loss_ran(train_cli, tmp_path):
     import json
 
@@ -331,6 +332,7 @@ def test_estimate_equals_a_run(train_cli, tmp_path, chunked):
     assert estimated["levers"] == measured["levers"]
 
 
+@pytest.mark.slow
 def test_the_estimate_runs_one_chunk_of_each_kind_and_counts_them_all(monkeypatch):
     """On fake tensors one chunk of each kind runs (the first, one of those after it, the
     shorter last), counted for all: the estimate (peak and its parts, FLOPs, bytes, operator

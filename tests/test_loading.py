@@ -301,6 +301,7 @@ def qlora_bf16_run(tmp_path_factory, bf16_lm_dir):
     )
 
 
+@pytest.mark.slow
 def test_qlora_with_bf16_weights_learns(qlora_bf16_run):
     metrics = qlora_bf16_run.metrics
     losses = [entry["loss"] for entry in metrics["loss_history"]]
@@ -461,6 +462,7 @@ def test_a_truncated_safetensors_names_the_file(lm_copy, train_cli):
     assert "SafetensorError" not in line
 
 
+@pytest.mark.slow
 def test_a_pickle_checkpoint_is_refused_with_a_conversion(lm_copy, train_cli):
     """A pytorch_model.bin that the weights-only loader refuses (it holds more than tensors):
     refused, never unpickled here; the printed conversion gives a folder that trains."""
@@ -559,6 +561,7 @@ def test_an_unreachable_hub_is_one_line(tmp_path):
 CUT = "note: --max-length 100 is above the 64 positions the model takes: sequences are cut"
 
 
+@pytest.mark.slow
 def test_a_max_length_above_the_positions_is_noted_by_train(train_cli):
     trained = train_cli("train", "--max-length", "100", "--max-steps", "1", "--batch-size", "4")
     assert trained.returncode == 0, trained.stdout + trained.stderr
@@ -581,6 +584,7 @@ def test_the_default_max_length_is_cut_without_a_note():
     assert capped_length(100, 64, notes) == 64 and len(notes) == 1
 
 
+@pytest.mark.slow
 def test_the_banner_counts_all_parameters_and_the_trainable_ones(train_cli):
     import re
 
@@ -591,6 +595,7 @@ def test_the_banner_counts_all_parameters_and_the_trainable_ones(train_cli):
     assert banner.group(1) == lever.group(2) and banner.group(2) == lever.group(1)
 
 
+@pytest.mark.slow
 def test_saving_a_tied_model_says_nothing_of_its_shared_tensor(tmp_path, train_cli, caplog):
     """tiny-llama's output layer is tied to its embeddings: Accelerate's save_state keeps the
     tensor once, as expected, and its warning stays off the console."""

@@ -308,6 +308,7 @@ def estimate_on_cuda(options: dict) -> dict:
     return estimate(checked_config(None, options), Launch.described(1, "ddp", "cuda")).to_dict()
 
 
+@pytest.mark.slow
 def test_estimate_models_activation_offload_on_fake_tensors():
     options = {"task": "causal-lm", "model": "tiny-llama", "batch_size": 2, "max_length": 64}
     plain = estimate_on_cuda(options)
@@ -352,6 +353,7 @@ def test_estimate_counts_offloaded_checkpoints_on_the_host_not_the_device(long_l
         assert offloaded["host_peak_bytes"] - plain["host_peak_bytes"] == moved
 
 
+@pytest.mark.slow
 def test_estimate_counts_optimizer_offload_state_on_the_host():
     options = {"task": "causal-lm", "model": "tiny-llama", "batch_size": 2, "max_length": 64}
     plain = estimate_on_cuda(options)

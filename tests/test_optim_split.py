@@ -252,7 +252,7 @@ def test_state_dict_round_trip_continues_bit_exact(optim):
 @pytest.mark.parametrize(
     "optim",
     [
-        "muon",
+        pytest.param("muon", marks=pytest.mark.slow),
         pytest.param("galore", marks=pytest.mark.slow),
         pytest.param("apollo", marks=pytest.mark.slow),
     ],

@@ -53,6 +53,7 @@ def test_max_memory_is_an_option_of_the_table():
         train_config(["--max-memory", "lots"])
 
 
+@pytest.mark.slow
 def test_nothing_fits(train_cli):
     """One line: the smallest peak found and how far over it is; a non-zero exit."""
     proc = train_cli("plan", *LM, "--batch-size", "1", *ONE, "--memory", "1KiB")
@@ -196,6 +197,7 @@ def _peak(metrics) -> int:
     return json.loads(metrics.read_text())["peak_tensor_bytes"]
 
 
+@pytest.mark.slow
 def test_max_memory_measures_a_step_that_holds_the_optimizer_state(
     train_cli, monkeypatch, tmp_path
 ):

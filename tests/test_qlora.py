@@ -91,6 +91,7 @@ def test_4bit_storage_is_counted_to_the_byte(qlora_run):
     assert row.count(format_bytes(by_hand["bytes"])) == 2  # measured, at peak
 
 
+@pytest.mark.slow
 def test_resume_with_4bit_base_is_exact(qlora_run, tmp_path, train_cli):
     resumed = tmp_path / "resumed"
     proc = resume_copy(train_cli, qlora_run.out, qlora_run.options, resumed)

@@ -50,6 +50,7 @@ def metrics(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+@pytest.mark.slow
 def test_precompute_and_an_fp32_copy_give_the_same_losses_and_weights(
     train_cli, tmp_path, pairs_file
 ):
@@ -114,6 +115,7 @@ def test_precompute_and_an_fp32_copy_give_the_same_gradients(pairs_file):
         _reset_accelerate()
 
 
+@pytest.mark.slow
 def test_resume_with_a_precomputed_reference_is_exact_and_does_not_recompute(
     train_cli, tmp_path, pairs_file, monkeypatch
 ):
@@ -191,11 +193,11 @@ def test_a_bf16_copy_is_in_the_peak(train_cli, tmp_path, pairs_file):
 @pytest.mark.parametrize(
     "options",
     [
-        ["--reference", "precompute"],
+        pytest.param(["--reference", "precompute"], marks=pytest.mark.slow),
         ["--reference", "copy"],
-        ["--reference", "copy", "--reference-dtype", "bf16"],
-        ["--reference", "copy", "--reference-dtype", "4bit"],
-        ["--lora-rank", "4"],
+        pytest.param(["--reference", "copy", "--reference-dtype", "bf16"], marks=pytest.mark.slow),
+        pytest.param(["--reference", "copy", "--reference-dtype", "4bit"], marks=pytest.mark.slow),
+        pytest.param(["--lora-rank", "4"], marks=pytest.mark.slow),
     ],
     ids=lambda options: " ".join(options),
 )

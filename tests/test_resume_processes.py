@@ -136,6 +136,7 @@ def test_a_checkpoint_saved_under_fsdp_is_refused_by_one_process(train_cli, save
     assert_clean_error(proc, "was saved under FSDP", "only an FSDP launch can load it", "any N")
 
 
+@pytest.mark.slow
 def test_a_derived_warmup_does_not_refuse_a_longer_run(train_cli, saved_run, tmp_path):
     """The first run's 4 steps gave warmup ceil(4 x ratio); 40 steps would give more, but the
     warmup done cannot change: the resume keeps it instead of refusing --warmup-steps."""
@@ -163,6 +164,7 @@ def test_final_is_not_replaced_by_an_earlier_model_when_its_stamp_is_gone(
     assert (out / "final" / "model.safetensors").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_the_train_loss_weighs_every_step_alike_when_a_resume_splits_the_batch(
     train_cli, data, tmp_path
 ):
