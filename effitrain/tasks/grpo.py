@@ -4,8 +4,8 @@ relative to its group's, as TRL 1.16's ``GRPOTrainer`` (the step is :mod:`.grpo_
 prompts :mod:`.grpo_data`, the rewards :mod:`.grpo_rewards`).
 
 The model and its loading are the causal LM's. ``--batch-size`` counts completions, as TRL's
-``per_device_train_batch_size`` does: a micro-batch holds batch-size / G prompts. This first
-slice generates with transformers' ``generate`` (each generation trained on for
+``per_device_train_batch_size`` does: a micro-batch holds batch-size / G prompts. It
+generates with transformers' ``generate`` (each generation trained on for
 ``--num-iterations`` steps); with ``--beta`` above 0 (TRL's default is 0) the KL to a reference
 model joins the loss, the reference taken through the ``--reference`` lever. ``effitrain
 estimate`` and ``plan`` count both phases of a step: the generation (the run's own, on fake
