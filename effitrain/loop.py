@@ -351,8 +351,10 @@ def budget_step(run: Run) -> int:
     at or after it: one that starts with the optimizer's state in place, as every later step
     does (a fresh run's second step; a resumed run's first, its state loaded; a one-step run's
     only step). The first step of a fresh run creates the state, so its backward runs without
-    it and under-states the rest."""
-    return min(1, run.plan.total_steps - 1)
+    it and under-states the rest. Under ``--num-iterations`` N, step N: the first that
+    generates with the state in place, so the budget sees both phases (where the run is long
+    enough)."""
+    return min(run.plan.generation_period, run.plan.total_steps - 1)
 
 
 def _finished(run: Run, progress: TrainingProgress) -> bool:

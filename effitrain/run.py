@@ -27,6 +27,9 @@ class Plan:
     total_steps: int
     epochs: int
     warmup_steps: int
+    generation_period: int = 1
+    """GRPO's ``--num-iterations`` N: a step whose number is a multiple of N generates, the
+    next N - 1 train on its completions again (1: every step is alike)."""
 
     @classmethod
     def from_config(cls, config: TrainConfig, num_batches: int, warmup_ratio: float) -> Plan:
@@ -51,7 +54,7 @@ class Plan:
             if config.warmup_steps is not None
             else math.ceil(total * warmup_ratio)
         )
-        return cls(per_epoch, total, math.ceil(total / per_epoch), warmup)
+        return cls(per_epoch, total, math.ceil(total / per_epoch), warmup, config.num_iterations)
 
     @property
     def measured_step(self) -> int:
@@ -59,11 +62,20 @@ class Plan:
         before it where the last ends an epoch (its batch can be the epoch's short remainder)
         and the epoch has another, but never the first step of a longer run: optimizers create
         their state in their first step, so its backward runs without it and under-states every
-        later step. Why late in the run: ``effitrain.loop.measure_now``."""
-        last = self.total_steps - 1
-        if self.total_steps % self.steps_per_epoch == 0 and self.steps_per_epoch > 1 and last > 1:
-            return last - 1
-        return last
+        later step. Why late in the run: ``effitrain.loop.measure_now``. Under
+        ``--num-iterations`` N, the same with N steps in place of one, then the step that
+        generated them (:meth:`generating`): so both of its phases are measured."""
+        n, last = self.generation_period, self.total_steps - 1
+        if self.total_steps % self.steps_per_epoch == 0 and self.steps_per_epoch > n and last > n:
+            return self.generating(last - n)
+        return self.generating(last)
+
+    def generating(self, step: int) -> int:
+        """The step at or before ``step`` that generates, unless that is the run's first (where
+        the optimizer's state does not exist yet) and ``step`` is later: then ``step``, whose
+        generation phase is not measured (a run of N steps or fewer)."""
+        start = step // self.generation_period * self.generation_period
+        return step if start == 0 < step else start
 
 
 @dataclass(frozen=True)

@@ -384,6 +384,8 @@ def test_train_logs_trl_names_and_resumes_exactly(train_cli, tmp_path, reference
     assert "reward" not in a["loss_history"][1]  # step 2 reused step 1's completions
     assert a["loss_history"][1]["clip_ratio/region_mean"] > 0  # their ratio moved
     assert a["loss_history"][1:] == b["loss_history"][1:]
+    # The step measured is one that generates (step 3: the second generation), both phases.
+    assert a["generation_peak_bytes"] > 0 and a["peak_phase"] in ("generation", "training")
     # The evaluation's sample is shown with its reward, one of the rewards it averages.
     assert re.search(r"  sample    '.+ -> .*'  reward \d\.\d{3}\n", proc.stdout)
     assert 0 <= a["eval"]["sample_reward"] <= 1 and a["eval"] == b["eval"]

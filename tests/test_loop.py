@@ -530,6 +530,24 @@ def test_the_measured_step_is_late_and_never_an_epochs_short_remainder(
     assert plan.measured_step == measured
 
 
+@pytest.mark.parametrize(
+    ("steps_per_epoch", "total_steps", "measured"),
+    # Every second step generates (0, 2, 4, ...). (6, 12, 8): the last two steps train on the
+    # epoch's short remainder's completions, so the cycle before, from its generating step.
+    # (4, 2, 1): no step after the first generates: the last, its generation not measured.
+    [(10, 4, 2), (10, 5, 4), (10, 7, 6), (6, 12, 8), (4, 2, 1), (4, 3, 2)],
+)
+def test_under_num_iterations_the_measured_step_is_one_that_generates(
+    steps_per_epoch, total_steps, measured
+):
+    """--num-iterations 2: the step measured is one that generates, so that both of its phases
+    are measured (a reusing step has no generation phase to measure)."""
+    from effitrain.run import Plan
+
+    plan = Plan(steps_per_epoch, total_steps, -(-total_steps // steps_per_epoch), 0, 2)
+    assert plan.measured_step == measured
+
+
 @pytest.mark.parametrize("max_steps", [1, 6])
 def test_the_planned_step_is_the_measured_one(monkeypatch, max_steps):
     """Tracking an early step leaves the heap laid out so that later steps grow it (see
