@@ -66,6 +66,13 @@ STEPS = 2
 """Optimizer steps run; the last is measured (the first creates the optimizer state)."""
 
 
+def steps_run(config: TrainConfig) -> int:
+    """The optimizer steps the estimate runs: :data:`STEPS`, or under GRPO's
+    ``--num-iterations`` N, N + 1: the last is then the first step after the first that
+    generates (the ones between train on earlier completions, with no generation phase)."""
+    return STEPS - 1 + config.num_iterations
+
+
 def _fake_mode() -> Any:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -252,7 +259,8 @@ def _fake_run(
     batch: dict[str, Any],
 ) -> Run:
     """The run as ``build.assemble`` makes a real one, on a CPU accelerator, with ``batch`` as
-    every micro-batch of :data:`STEPS` optimizer steps (inside the fake mode)."""
+    every micro-batch of :func:`steps_run` optimizer steps (inside the fake mode)."""
+    steps = steps_run(config)
     return build.assemble(
         config=config,
         accelerator=build.build_accelerator(config, cpu=True),
@@ -263,9 +271,9 @@ def _fake_run(
         model=model,
         loss=loss,
         # The loop only iterates the training data; nothing reads the evaluation's.
-        train_loader=cast("DataLoader[Any]", _FakeLoader([batch] * (config.grad_accum * STEPS))),
+        train_loader=cast("DataLoader[Any]", _FakeLoader([batch] * (config.grad_accum * steps))),
         eval_loader=cast("DataLoader[Any]", _FakeLoader()),
-        plan=Plan(steps_per_epoch=STEPS, total_steps=STEPS, epochs=1, warmup_steps=0),
+        plan=Plan(steps, steps, 1, 0, generation_period=config.num_iterations),
         trackers=Trackers(None, config),
         estimating=True,
     )
@@ -279,7 +287,7 @@ def _settings(config: TrainConfig, length: int, sequences: int) -> EstimateSetti
         max_length=length,
         grad_accum=config.grad_accum,
         mixed_precision=config.mixed_precision,
-        measured_step=STEPS,
+        measured_step=steps_run(config),
         sequences_per_example=sequences,
     )
 
@@ -336,7 +344,7 @@ def _host_memory(
 
 
 def _run_steps(run: Run, device: torch.device | None) -> TrainingProgress:
-    """The estimate's :data:`STEPS` optimizer steps through the loop's own ``train_steps``, the
+    """The estimate's :func:`steps_run` optimizer steps through the loop's own ``train_steps``, the
     last measured by the step probe a run uses (the update of a torch.compile'd torchao step
     skipped: :func:`_without_compiled_update`). Returns the loop's progress, which holds the
     measured step."""

@@ -23,6 +23,9 @@ estimate assumes."""
         (24, ()),
         (12, ("--beta", "0.04")),  # the reference: a frozen copy
         (12, ("--beta", "0.04", "--lora-rank", "4")),  # the adapters off
+        # Each generation trained on twice: the old log-probs made while generating; the
+        # step measured (the third) one that generates, as the estimate's.
+        (6, ("--num-iterations", "2")),
     ],
 )
 def test_estimate_equals_measured_per_phase(train_cli, tmp_path, completion, options):
@@ -35,8 +38,9 @@ def test_estimate_equals_measured_per_phase(train_cli, tmp_path, completion, opt
         *options,
     )
     metrics = tmp_path / "metrics.json"
+    steps = "3" if "--num-iterations" in options else "2"
     proc = train_cli(
-        "train", *common, "--max-steps", "2", "--log-every", "1",
+        "train", *common, "--max-steps", steps, "--log-every", "1",
         "--output-dir", str(tmp_path / "run"), "--metrics-json", str(metrics),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
