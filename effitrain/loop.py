@@ -34,7 +34,7 @@ from effitrain.memory.ledger import unwrap_prepared
 from effitrain.memory.step import StepMemoryProbe, compiles_step
 from effitrain.optim import set_train_mode
 from effitrain.progress import Stopwatch, TrainingProgress
-from effitrain.results import StepLog
+from effitrain.results import StepLog, step_peak
 from effitrain.signals import StopRequest, TrainingStopped
 
 if TYPE_CHECKING:
@@ -470,7 +470,7 @@ def measured_peak(run: Run, progress: TrainingProgress) -> int | None:
         return torch.cuda.max_memory_reserved(device)
     peak = (progress.step_memory or {}).get("peak_tensor_bytes")
     generation = (progress.generation_memory or {}).get("peak_tensor_bytes")
-    return max(peak, generation) if peak is not None and generation is not None else peak
+    return step_peak(peak, generation) if peak is not None else None
 
 
 def check_measured_budget(

@@ -12,7 +12,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from effitrain.cost import StepCost
-from effitrain.results import Estimate
+from effitrain.results import Estimate, peak_phase, step_peak
 
 LAYER_FIELDS = ("num_hidden_layers", "n_layers", "n_layer", "num_layers")
 """Where a transformers config keeps its number of layers."""
@@ -35,16 +35,12 @@ class Screen:
 
     def peak_at(self, units: int) -> int:
         """The peak at ``units`` times the screened micro-batch (:meth:`phase_peaks`)."""
-        training, generating = self.phase_peaks(units)
-        return max(training, generating or 0)
+        return step_peak(*self.phase_peaks(units))
 
     def peak_phase(self, units: int) -> str | None:
         """``generation`` or ``training``: the phase of :meth:`peak_at`'s peak (None: one
         phase)."""
-        training, generating = self.phase_peaks(units)
-        if generating is None:
-            return None
-        return "generation" if generating > training else "training"
+        return peak_phase(*self.phase_peaks(units))
 
     def phase_peaks(self, units: int) -> tuple[int, int | None]:
         """The training and the generation phase's peaks (None: one phase) at ``units`` times
@@ -64,7 +60,7 @@ def device_peak(result: Estimate) -> int:
     """An estimate's peak tensor bytes per device (the whole run's where it has one device;
     a generation phase counted whole, as one process holds it without sharding)."""
     if result.per_device is not None and result.per_device.peak_tensor_bytes is not None:
-        return max(result.per_device.peak_tensor_bytes, result.memory.generation_peak_bytes or 0)
+        return step_peak(result.per_device.peak_tensor_bytes, result.memory.generation_peak_bytes)
     return result.memory.peak_tensor_bytes or 0
 
 

@@ -102,6 +102,20 @@ class Baseline:
         return asdict(self)
 
 
+def step_peak(training: int, generation: int | None) -> int:
+    """A step's peak over its phases: its training phase's, or its generation phase's where
+    that is higher (GRPO's completions sampled before the step's first forward)."""
+    return max(training, generation or 0)
+
+
+def peak_phase(training: int, generation: int | None) -> str | None:
+    """``generation`` or ``training``: the phase of :func:`step_peak`'s peak (None: the step
+    has no generation phase)."""
+    if generation is None:
+        return None
+    return "generation" if generation > training else "training"
+
+
 @dataclass
 class MemoryRecord:
     """What a training step holds, by part, measured from storage: a run's (real tensors) and
@@ -144,7 +158,7 @@ class MemoryRecord:
         (None: not measured)."""
         if self.step_memory is None:
             return None
-        return max(self.step_memory.peak_tensor_bytes, self.generation_peak_bytes or 0)
+        return step_peak(self.step_memory.peak_tensor_bytes, self.generation_peak_bytes)
 
     @property
     def generation_peak_bytes(self) -> int | None:
@@ -165,10 +179,9 @@ class MemoryRecord:
     def peak_phase(self) -> str | None:
         """``generation`` or ``training``: the phase of the step's peak (None: no generation
         phase, or not measured)."""
-        if self.step_memory is None or self.generation_memory is None:
+        if self.step_memory is None:
             return None
-        generating = self.generation_memory.peak_tensor_bytes
-        return "generation" if generating > self.step_memory.peak_tensor_bytes else "training"
+        return peak_phase(self.step_memory.peak_tensor_bytes, self.generation_peak_bytes)
 
     def phases(self) -> dict[str, Any]:
         """The metrics JSON's fields of the two phases (empty without a generation phase)."""
