@@ -132,10 +132,17 @@ def prompt_texts(prompts: list[Any], tokenizer: PreTrainedTokenizerBase) -> list
     ]
 
 
+def encode_prompts(prompts: list[Any], tokenizer: PreTrainedTokenizerBase, **options: Any) -> Any:
+    """The prompts' token ids as generation takes them (:func:`prompt_texts`, the tokenizer's
+    special tokens where no chat template wrote its own); ``options``: the tokenizer's
+    (padding, tensors)."""
+    texts = prompt_texts(prompts, tokenizer)
+    return tokenizer(texts, add_special_tokens=not is_conversation(prompts[0]), **options)
+
+
 def longest_prompt(data: PromptData, tokenizer: PreTrainedTokenizerBase) -> int:
     """The training data's longest prompt, in tokens, as generation tokenizes it."""
-    texts = prompt_texts(list(data.train["prompt"]), tokenizer)
-    encoded = tokenizer(texts, add_special_tokens=not data.conversational)["input_ids"]
+    encoded = encode_prompts(list(data.train["prompt"]), tokenizer)["input_ids"]
     return max(len(ids) for ids in encoded)
 
 

@@ -47,9 +47,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from effitrain.errors import EffitrainError
 from effitrain.tasks.base import LossMoments
-from effitrain.tasks.grpo_data import prompt_texts
+from effitrain.tasks.grpo_data import encode_prompts
 from effitrain.tasks.grpo_rewards import RewardFunction, score
-from effitrain.tasks.lm_data import IGNORE_INDEX, is_conversation
+from effitrain.tasks.lm_data import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -548,12 +548,8 @@ def generate(
     tokenizer = run.tokenizer
     assert tokenizer is not None  # a run's: an estimate samples from its prompts' token ids
     prompts = [row["prompt"] for row in rows]
-    encoded = tokenizer(
-        prompt_texts(prompts, tokenizer),
-        return_tensors="pt",
-        padding=True,
-        padding_side="left",
-        add_special_tokens=not is_conversation(prompts[0]),  # a chat template writes its own
+    encoded = encode_prompts(
+        prompts, tokenizer, return_tensors="pt", padding=True, padding_side="left"
     ).to(run.accelerator.device)
     batch = sample(
         run,
