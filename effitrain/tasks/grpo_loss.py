@@ -325,15 +325,12 @@ class GrpoLoss(LossMoments):
         import torch
 
         step, rank = len(self.reward_history), run.accelerator.process_index
-        processes = run.accelerator.num_processes
-        # Accelerate deals the loader's batches out in turn: this process's i-th is the
-        # global i x processes + rank, wherever it runs.
-        where = [(step, i * processes + rank) for i in range(len(batches))]
+        seeds = [self.generation_seed(run, step, index) for index in range(len(batches))]
         if "rows" not in batches[0]:  # the estimate's prompts, fake token ids: nothing to score
-            made = [self._estimated(run, b, w) for b, w in zip(batches, where, strict=True)]
+            made = [self._estimated(run, b, s) for b, s in zip(batches, seeds, strict=True)]
             self._old_logps(run, made)
             return made
-        made = [self._generate(run, b["rows"], w) for b, w in zip(batches, where, strict=True)]
+        made = [self._generate(run, b["rows"], s) for b, s in zip(batches, seeds, strict=True)]
         per_function = torch.cat([m.pop("rewards_per_function") for m in made])
         lengths = torch.cat([m["completion_mask"].sum(1).cpu() for m in made]).float()
         device = run.accelerator.device
@@ -350,20 +347,17 @@ class GrpoLoss(LossMoments):
         self._record(gathered, weights, gathered_lengths)
         return made
 
-    def _generate(
-        self, run: RunParts, rows: list[dict[str, Any]], where: tuple[int, int]
-    ) -> dict[str, Any]:
-        """One micro-batch: G sampled completions of each prompt in ``rows``, scored."""
-        made = generate(run, rows, self.settings, self.generation_seed(*where))
+    def _generate(self, run: RunParts, rows: list[dict[str, Any]], seed: int) -> dict[str, Any]:
+        """One micro-batch: G completions of each prompt in ``rows``, sampled from ``seed``,
+        scored."""
+        made = generate(run, rows, self.settings, seed)
         repeated = [row for row in rows for _ in range(self.settings.num_generations)]
         made.batch["rewards_per_function"] = score(
             self.rewards, repeated, [r["prompt"] for r in repeated], made.texts, made.ids
         )
         return made.batch
 
-    def _estimated(
-        self, run: RunParts, batch: dict[str, Any], where: tuple[int, int]
-    ) -> dict[str, Any]:
+    def _estimated(self, run: RunParts, batch: dict[str, Any], seed: int) -> dict[str, Any]:
         """One micro-batch of ``effitrain estimate``: G completions of each prompt its batch
         holds (fake token ids, as the tokenizer gives them), sampled by the run's own
         :func:`sample`, to full length; no text to score, so advantages of zero."""
@@ -374,7 +368,7 @@ class GrpoLoss(LossMoments):
             batch["input_ids"],
             batch["attention_mask"],
             self.settings,
-            self.generation_seed(*where),
+            seed,
             self.settings.num_generations,
         )
         made["advantages"] = torch.zeros(len(made["input_ids"]), device=run.accelerator.device)
@@ -390,10 +384,13 @@ class GrpoLoss(LossMoments):
                 for m in made:
                     m["old_logps"] = completion_logps(run.model, m, self.settings.temperature)
 
-    def generation_seed(self, step: int, index: int) -> int:
-        """The seed of one micro-batch's sampling: the ``step``-th generation's (-1: the
-        evaluation's, the same at every evaluation), ``index``-th micro-batch on all processes."""
-        return (self.seed * 1_000_003 + step) * 10_007 * 10_007 + index
+    def generation_seed(self, run: RunParts, step: int, index: int) -> int:
+        """The seed of this process's ``index``-th micro-batch of the ``step``-th generation (-1:
+        the evaluation's, the same at every evaluation), drawn from its place among all
+        processes' micro-batches: Accelerate deals the loader's batches out in turn, so this
+        process's i-th is the global i x processes + rank, and N processes draw what one does."""
+        place = index * run.accelerator.num_processes + run.accelerator.process_index
+        return (self.seed * 1_000_003 + step) * 10_007 * 10_007 + place
 
     def _record(self, per_function: torch.Tensor, weights: torch.Tensor, lengths: Any) -> None:
         """The step's metrics, by TRL's names, and its mean reward into the history."""
@@ -729,9 +726,7 @@ def evaluate_grpo(run: RunParts) -> dict[str, Any]:
     sample = ""
     for index, batch in enumerate(run.eval_loader):
         rows = batch["rows"]
-        processes, rank = run.accelerator.num_processes, run.accelerator.process_index
-        seed = loss.generation_seed(-1, index * processes + rank)
-        made = generate(run, rows, loss.settings, seed, group=1)
+        made = generate(run, rows, loss.settings, loss.generation_seed(run, -1, index), group=1)
         prompts = [row["prompt"] for row in rows]
         scored.append(score(loss.rewards, rows, prompts, made.texts, made.ids))
         lengths.extend(len(ids) for ids in made.ids)
