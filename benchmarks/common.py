@@ -195,6 +195,18 @@ def load_results(path: Path, topic: Topic) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def rows_not_measured(
+    path: Path, topic: Topic, name: str, rows: list[Row], key: Callable[[Row], Any]
+) -> tuple[Run | None, list[Row]]:
+    """For ``--keep-rows``: the recorded run ``name`` in ``path`` (None: none), and its rows
+    whose ``key`` none of ``rows`` has (the ones a run that measures only some keeps)."""
+    old = next((r for r in load_results(path, topic)["runs"] if r["name"] == name), None)
+    if old is None:
+        return None, []
+    measured = {key(row) for row in rows}
+    return old, [row for row in old["rows"] if key(row) not in measured]
+
+
 @contextlib.contextmanager
 def locked(path: Path) -> Iterator[None]:
     """Holds a lock on ``path``'s folder (no lock file left behind): two benchmarks that record

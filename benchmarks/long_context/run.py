@@ -324,11 +324,11 @@ def estimates_and_runs(
 def kept(rows: list[common.Row], results: Path, name: str, notes: list[str]) -> list[common.Row]:
     """With ``--keep-rows``: ``rows`` and the rows of the recorded run ``name`` that they do not
     measure again, by length then layout; ``notes`` says which were kept, from which run."""
-    old = next((r for r in common.load_results(results, TOPIC)["runs"] if r["name"] == name), None)
+    old, others = common.rows_not_measured(
+        results, TOPIC, name, rows, lambda row: (row["layout"], row["max_length"])
+    )
     if old is None:
         return rows
-    measured = {(row["layout"], row["max_length"]) for row in rows}
-    others = [row for row in old["rows"] if (row["layout"], row["max_length"]) not in measured]
     if others:
         cells = ", ".join(f"{row['layout']} {row['max_length']:,}" for row in others)
         ran = old["provenance"]

@@ -184,14 +184,12 @@ def memory(args: argparse.Namespace, device: str) -> common.Run:
 def kept(run: common.Run, results: Path) -> None:
     """With ``--keep-rows``: the rows of the recorded run of the same name that this one did not
     measure, kept (each row says when it ran), in :data:`ROWS`'s order."""
-    old = next(
-        (r for r in common.load_results(results, TOPIC)["runs"] if r["name"] == run["name"]), None
+    old, others = common.rows_not_measured(
+        results, TOPIC, run["name"], run["rows"], lambda row: row["row"]
     )
     if old is None or old["settings"] != run["settings"]:
         return
-    measured = {row["row"] for row in run["rows"]}
-    rows = [row for row in old["rows"] if row["row"] not in measured] + run["rows"]
-    run["rows"] = sorted(rows, key=lambda row: list(ROWS).index(row["row"]))
+    run["rows"] = sorted(others + run["rows"], key=lambda row: list(ROWS).index(row["row"]))
 
 
 def summarize(configuration, runs: list[dict]) -> common.Row:
