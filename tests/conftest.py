@@ -34,7 +34,19 @@ loadfile`` xdist hands out whole files, by default those with the most tests fir
 of few tests (launches, a subprocess) came last, and one worker waited for the other."""
 
 
+def _cache_typer_commands() -> None:
+    """typer's ``CliRunner.invoke`` builds the click command from the app's functions on every
+    call (tens of milliseconds for effitrain's options, seconds over the suite's in-process
+    runs). The functions do not change within a session, so neither does the command."""
+    import functools
+
+    import typer.testing
+
+    typer.testing._get_command = functools.cache(typer.testing._get_command)
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    _cache_typer_commands()
     if getattr(config.option, "dist", "no") == "loadfile":
         config.option.loadscopereorder = False  # the order below instead
 

@@ -364,3 +364,24 @@ def test_metrics_json_unwritable_fails_before_training(train_cli, tmp_path):
     proc = train_cli("train", *QUICK, "--metrics-json", str(blocker / "m.json"))
     assert_clean_error(proc, "--metrics-json")
     assert "step" not in proc.stdout
+
+
+@pytest.mark.parametrize("num_labels", [2, 3, 5])
+def test_scores_are_scikit_learns(num_labels):
+    """Accuracy and F1 as scikit-learn's accuracy_score and f1_score give them: binary for two
+    labels, macro otherwise, 0 where a label is never predicted or true."""
+    import torch
+    from sklearn.metrics import accuracy_score, f1_score
+
+    from effitrain.tasks.classification import scores
+
+    generator = torch.Generator().manual_seed(num_labels)
+    average = "binary" if num_labels == 2 else "macro"
+    cases = [torch.randint(0, num_labels, (2, 37), generator=generator) for _ in range(20)]
+    # Edge cases: every prediction right, none right, one label never predicted nor true.
+    cases += [torch.zeros(2, 9, dtype=torch.long), torch.stack([torch.zeros(9), torch.ones(9)])]
+    for y_pred, y_true in (case.long() for case in cases):
+        ours = scores(y_pred, y_true, num_labels)
+        assert ours["accuracy"] == pytest.approx(accuracy_score(y_true, y_pred), abs=1e-12)
+        expected = f1_score(y_true, y_pred, average=average, zero_division=0)
+        assert ours["f1"] == pytest.approx(expected, abs=1e-12)
