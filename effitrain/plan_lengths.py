@@ -18,9 +18,12 @@ START = 4096
 """The first length tried."""
 SHORTEST = FINE
 """Below this nothing is tried: "nothing fits"."""
-GROWTH = (2, 8)
-"""Until a length does not fit, the next is this many times the last at least and at most (the
-line through the last two peaks picks within)."""
+FIRST_GROWTH = 4
+"""The second length tried is this many times the first (a line needs two peaks)."""
+MOST_GROWTH = 32
+"""Until a length does not fit, the next is at most this many times the last: the line through
+the last two peaks picks it, from a few thousand tokens out to hundreds of thousands (peaks are
+near-linear in length; where they bend, the bracket that follows narrows it)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +51,10 @@ def round_down(length: int) -> int:
 def longest_fitting(peak: Callable[[int], int], room: int, cap: int) -> Found:
     """The longest length on the grid, up to ``cap``, whose ``peak`` is at most ``room``.
 
-    From :data:`START`, lengths grow geometrically until one does not fit (where the first does
-    not, :data:`SHORTEST` is next: if it does not fit either, nothing does); the bracket then
-    narrows where the line through its ends meets ``room`` (peaks are near-linear in length: it
-    lands within a step or two), the Illinois way where one end stays (its distance from
+    From :data:`START`, lengths grow along the line through the last two peaks until one does
+    not fit (where the first does not, :data:`SHORTEST` is next: if it does not fit either,
+    nothing does); the bracket then narrows where the line through its ends meets ``room``
+    (peaks are near-linear in length: it lands within a step or two), the Illinois way where one end stays (its distance from
     ``room`` halved each time the other end moves again: a convex peak does not creep), until
     no grid length is left between the ends. ``cap`` need not be on the grid: it is tried
     itself where the grid would pass it.
@@ -93,14 +96,16 @@ def longest_fitting(peak: Callable[[int], int], room: int, cap: int) -> Found:
 
 
 def _grown(peaks: dict[int, int], fits: int, room: int) -> int:
-    """The next length to try above ``fits`` before any failed: where the line through the
-    last two peaks meets ``room``, within :data:`GROWTH` times ``fits``."""
-    least, most = (round_down(fits * g) for g in GROWTH)
+    """The next length to try above ``fits`` before any failed: the grid step just past where
+    the line through the last two peaks meets ``room`` (on a line, the first length that does
+    not fit: the bracket's upper end at once), at least the next grid step and at most
+    :data:`MOST_GROWTH` times ``fits``."""
     below = [length for length in peaks if length < fits]
     if not below:
-        return least * 2
-    guess = _on_line(max(below), fits, peaks, room)
-    return max(least, min(round_down(guess), most))
+        return round_down(fits * FIRST_GROWTH)
+    guess = round_down(_on_line(max(below), fits, peaks, room))
+    least = round_down(fits) + step_at(fits)
+    return max(least, min(guess + step_at(guess), round_down(fits * MOST_GROWTH)))
 
 
 def _on_line(a: int, b: int, peaks: dict[int, int], room: int) -> int:

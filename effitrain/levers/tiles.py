@@ -103,10 +103,10 @@ def spans(length: int, tiles: int) -> list[tuple[int, int]]:
 SETTLED_FORWARD = 1
 """From the second tile on, forward's tiles start from the same tensors alive: the output (made
 at the first tile)."""
-SETTLED_BACKWARD = 2
-"""From the third tile on, backward's tiles start from the same tensors alive: the gradients'
-sums (the first tile's gradients) and the previous tile's gradients, which are alive until the
-next tile's replace them."""
+SETTLED_BACKWARD = 1
+"""From the second tile on, backward's tiles start from the same tensors alive: the gradients'
+sums (the first tile's gradients; each later tile's are added in and freed before the next
+tile's recompute)."""
 
 
 def runs(hidden_states: torch.Tensor, tiles: int, settled: int) -> list[tuple[int, int, int]]:
@@ -218,14 +218,21 @@ def _function() -> type[torch.autograd.Function]:
                         if wants_input:
                             assert grad_input is not None
                             grad_input.narrow(1, start, width).copy_(grads.pop(0))
-                        for index, grad in enumerate(grads):
-                            # A weight's gradient is a new tensor (a matmul's): added in place.
-                            if grad is not None:
-                                total = sums[index]
-                                sums[index] = grad if total is None else total.add_(grad)
+                        _add_into(sums, grads)
+                        del grads  # freed before the next tile's recompute (see SETTLED_BACKWARD)
             return (None, None, None, grad_input, *sums)
 
     return TiledFunction
+
+
+def _add_into(sums: list[torch.Tensor | None], grads: list[torch.Tensor | None]) -> None:
+    """Each tile's gradient of a trained parameter added into its sum: the first tile's is the
+    sum; a later one (a new tensor, a matmul's) is added in place and no longer referenced here
+    (a loop variable would keep the last one alive into the next tile)."""
+    for index, grad in enumerate(grads):
+        if grad is not None:
+            total = sums[index]
+            sums[index] = grad if total is None else total.add_(grad)
 
 
 @contextlib.contextmanager
