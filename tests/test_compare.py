@@ -171,9 +171,11 @@ def test_a_childs_error_is_its_reason():
 
 
 @pytest.mark.slow
-def test_compare_runs_writes_and_reports_failures(cli, tmp_path):
+def test_compare_runs_writes_and_reports_failures(train_cli, tmp_path):
+    """Each configuration is its own ``effitrain train`` process; compare itself runs in this
+    one (a process of its own paid the imports once more and proved nothing more)."""
     out = tmp_path / "cmp"
-    proc = cli(
+    proc = train_cli(
         "compare", "--model", "tiny", "--max-steps", "2", "--max-length", "32",
         "--optim", "adamw,sgd", "--variant", "adamw +validation-file=missing.csv",
         "--output-dir", str(out),

@@ -104,8 +104,12 @@ def test_errors_are_one_line(train_cli, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_cached_hub_id_with_only_its_config(cli, tmp_path, llama_config_dir):
-    """A hub id goes through the same path: offline, a cache holding its config.json is enough."""
+def test_a_cached_hub_id_with_only_its_config(train_cli, monkeypatch, tmp_path, llama_config_dir):
+    """A hub id goes through the same path: offline, a cache holding its config.json is enough.
+    The cache is this process's (huggingface_hub reads ``HF_HUB_CACHE`` once, at import, and
+    both it and transformers look the constant up at each call)."""
+    import huggingface_hub.constants
+
     snapshot = "0" * 40
     repo = tmp_path / "models--org--llama-config-only"
     (repo / "snapshots" / snapshot).mkdir(parents=True)
@@ -113,7 +117,8 @@ def test_a_cached_hub_id_with_only_its_config(cli, tmp_path, llama_config_dir):
     (repo / "refs" / "main").write_text(snapshot)
     shutil.copy(llama_config_dir / "config.json", repo / "snapshots" / snapshot)
     args = ("estimate", "--task", "causal-lm", "--batch-size", "2", "--max-length", "32", "--json")
-    from_hub = cli(*args, "--model", "org/llama-config-only", env={"HF_HUB_CACHE": str(tmp_path)})
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    from_hub = train_cli(*args, "--model", "org/llama-config-only")
     assert from_hub.returncode == 0, from_hub.stderr
     from_folder = _estimate(
         model=str(llama_config_dir), task="causal-lm", batch_size=2, max_length=32
