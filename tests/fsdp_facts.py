@@ -1,5 +1,5 @@
 """Run by ``fsdp2_factored.py`` (one launch for both) under ``accelerate launch`` with two CPU
-processes (gloo); test_distributed.py reads what it finds.
+processes (gloo); test_fsdp2_optim.py reads what it finds.
 
 Checks, on real FSDP1 and FSDP2 from torch (Accelerate itself only enables FSDP on GPUs), what
 effitrain's sharding rules say: FSDP2's DTensor parameters crash the libraries' Adafactors and

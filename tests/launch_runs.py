@@ -7,14 +7,15 @@ that the runs pay one launch's start-up (two processes importing torch) between 
 
 ``runs.json`` lists ``{"name", "args", "copy"}``: each run is the CLI with ``args``, after the
 main process copied the folder ``copy[0]`` to ``copy[1]`` (a checkpoint to resume from) where
-given. A ``{"name", "script", "env"}`` entry runs a Python file instead, as ``python script``
-would, with ``env`` added to the environment (checks of torch itself that need the launch's
-processes; last, where the script ends the process group). Between runs Accelerate's
-process-wide state is reset, as ``tests.conftest`` does between in-process runs; the process
-group stays. Each rank writes ``<name>.rank<R>.json`` (the exit code), ``.stdout`` and
-``.stderr`` (what the run printed) beside ``runs.json``, and the files each run opens are
-recorded under its name (:mod:`tests.read_spy`). ``fsdp2_cpu_launch`` lets Accelerate choose
-FSDP on CPU processes (it changes nothing when FSDP is not asked for).
+given. A ``{"name", "script"}`` entry runs a Python file instead, as ``python script`` would
+(checks of torch itself that need the launch's processes; last, where the script ends the
+process group). Either kind may add ``env`` to the environment and remove the variables named
+in ``unset`` (a run under other launch settings than the config's), for that run only. Between
+runs Accelerate's process-wide state is reset, as ``tests.conftest`` does between in-process
+runs; the process group stays. Each rank writes ``<name>.rank<R>.json`` (the exit code),
+``.stdout`` and ``.stderr`` (what the run printed) beside ``runs.json``, and the files each run
+opens are recorded under its name (:mod:`tests.read_spy`). ``fsdp2_cpu_launch`` lets Accelerate
+choose FSDP on CPU processes (it changes nothing when FSDP is not asked for).
 
 :func:`launch_runs` is the test side: it writes ``runs.json``, launches, and reads back.
 """
@@ -43,7 +44,10 @@ def run(entry: dict) -> int:
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
+    environment = dict(os.environ)
     os.environ.update(entry.get("env", {}))
+    for name in entry.get("unset", ()):
+        os.environ.pop(name, None)
     sys.argv = [entry["script"]] if "script" in entry else ["effitrain", *entry["args"]]
     try:
         if "script" in entry:
@@ -59,6 +63,8 @@ def run(entry: dict) -> int:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
         PartialState._reset_state()
+        os.environ.clear()
+        os.environ.update(environment)
     return 0
 
 
@@ -97,9 +103,10 @@ class Launched:
 
 
 def launch_runs(out: Path, runs: list[dict], **launch_options) -> Launched:
-    """Run ``runs`` (``{"name", "args", "copy"?}`` or ``{"name", "script", "env"}``) in one
-    launch (two processes unless ``processes=1`` says one) with their files under ``out``;
-    ``launch_options`` go to :func:`tests.test_distributed.launch`."""
+    """Run ``runs`` (``{"name", "args", "copy"?}`` or ``{"name", "script"}``, each with
+    ``env``/``unset`` where given) in one launch (two processes unless ``processes=1`` says one)
+    with their files under ``out``; ``launch_options`` go to
+    :func:`tests.test_distributed.launch`."""
     from tests.test_distributed import launch
 
     (out / "runs.json").write_text(json.dumps(runs))

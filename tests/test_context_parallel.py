@@ -1,6 +1,7 @@
 """``--context-parallel N`` (effitrain.levers.context_parallel): its refusals in one line, the
-estimate's per-rank figure, and, on two CPU processes over gloo, the parts that run there: the
-batch cut to each rank's share and the token-mean loss and gradient across the ranks.
+estimate's per-rank figure; on two CPU processes over gloo, the parts that run there (the batch
+cut to each rank's share and the token-mean loss and gradient across the ranks) are checked in
+test_fsdp2_optim.py's two-process launch (test_two_cp_ranks_on_gloo).
 
 PyTorch's ring attention does not run on the CPU (torch 2.13: SDPA's CPU kernel has no sharding
 rule), so no test trains end to end; ``python -m benchmarks.gpu`` does, on two GPUs.
@@ -219,102 +220,3 @@ def test_step_scale_counts_a_cp_group_tokens_once():
         parallelism_config=SimpleNamespace(cp_enabled=True, cp_size=2),
     )
     assert float(step_scale([batch], accelerator)) == pytest.approx(2 / tokens)
-
-
-# --- two CPU processes over gloo ------------------------------------------------------------------
-
-
-def _rank(rank: int, port: int, out: str) -> None:
-    """One CP rank: the batch through ``sharded_batch`` on a real 2-rank mesh, then a
-    position-wise LM (embedding, head: no attention, so no ring needed) trained on the shard
-    with the loop's token weights; its loss and gradient, averaged as FSDP2 averages, saved."""
-    import os
-    from types import SimpleNamespace
-
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental import context_parallel
-
-    from effitrain.levers.context_parallel import sharded_batch
-    from effitrain.tasks.lm_loss import step_scale
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
-    torch.manual_seed(0)
-    ids = torch.randint(0, 13, (2, 8))
-    labels = ids.clone()
-    labels[0, :3] = -100  # a prompt that is not trained on
-    batch = {"input_ids": ids.clone(), "labels": labels, "attention_mask": torch.ones_like(ids)}
-    batch["document_lengths"] = ((8,), (8,))  # the whole rows', as the collator gives them
-    accelerator = SimpleNamespace(
-        num_processes=2,
-        gradient_accumulation_steps=1,
-        reduce=lambda t, _: (dist.all_reduce(t), t)[1],
-        parallelism_config=SimpleNamespace(cp_enabled=True, cp_size=2),
-        maybe_context_parallel=lambda **kw: context_parallel(mesh, **kw),
-    )
-    scale = step_scale([batch], accelerator)
-    embed, head = torch.nn.Embedding(13, 4), torch.nn.Linear(4, 13)
-    with sharded_batch(accelerator, batch):
-        logits = head(embed(batch["input_ids"]))
-        losses = torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1), batch["shift_labels"].flatten(), reduction="sum"
-        )
-        (losses * scale).backward()
-    grad = head.weight.grad.clone()
-    dist.all_reduce(grad)  # FSDP2's reduce-scatter averages over the ranks
-    loss = (losses * scale).detach()
-    dist.all_reduce(loss)  # the logged loss: summed over processes, over as many micro-batches
-    torch.save(
-        {
-            "ids": batch["input_ids"],
-            "positions": batch["position_ids"],
-            "shift_labels": batch["shift_labels"],
-            "mask": "attention_mask" in batch or "document_lengths" in batch,
-            "loss": loss / 2,
-            "grad": grad / 2,
-        },
-        f"{out}/rank{rank}.pt",
-    )
-    dist.destroy_process_group()
-
-
-@pytest.mark.slow
-def test_two_cp_ranks_on_gloo(tmp_path):
-    """Rank r holds chunks r and 3-r of 4 (Accelerate's load balance), each token with its true
-    position and the label of the token after it; the two ranks' loss and gradient equal one
-    process's token mean over the whole batch."""
-    import socket
-
-    import torch
-    import torch.multiprocessing as mp
-
-    from effitrain.tasks.lm_loss import shifted_labels
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(port, str(tmp_path)), nprocs=2)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
-    torch.manual_seed(0)
-    ids = torch.randint(0, 13, (2, 8))
-    labels = ids.clone()
-    labels[0, :3] = -100
-    shifted = shifted_labels(labels)  # the causal-LM loss's shift
-    for rank, got in enumerate(ranks):
-        chunks = [rank, 3 - rank]
-        positions = torch.cat([torch.arange(2 * c, 2 * c + 2) for c in chunks])
-        assert not got["mask"]
-        assert torch.equal(got["positions"], positions.repeat(2, 1))
-        assert torch.equal(got["ids"], ids[:, positions])
-        assert torch.equal(got["shift_labels"], shifted[:, positions])
-    embed, head = torch.nn.Embedding(13, 4), torch.nn.Linear(4, 13)
-    loss = torch.nn.functional.cross_entropy(
-        head(embed(ids)).flatten(0, 1), shifted.flatten(), ignore_index=-100
-    )
-    loss.backward()
-    for got in ranks:
-        torch.testing.assert_close(got["loss"], loss.detach())
-        torch.testing.assert_close(got["grad"], head.weight.grad)

@@ -1,16 +1,24 @@
-"""The factored optimizers on FSDP2's sharded parameters (:mod:`effitrain.optim.fsdp2`).
+"""The factored optimizers on FSDP2's sharded parameters (:mod:`effitrain.optim.fsdp2`), and
+every run of the suite under Accelerate's real FSDP2 on CPU processes.
 
 One process: the sharded step, forced on plain tensors, is the library's step op for op
 (bit-identical). Two processes over gloo (``fsdp2_factored.py``, real torch FSDP2): equal to one
 process on the same global batch, each rank's state counted by the ledger, and checkpoints that
 resume bit for bit. The same script checks the facts behind the FSDP refusals
-(``fsdp_facts.py``); it runs last in the two-process launch of :func:`fsdp2_runs`.
+(``fsdp_facts.py``); it runs last in the two-process launch of :func:`fsdp2_runs`, which also
+holds ``effitrain train``'s FSDP2 runs (resuming across process counts, LoRA and QLoRA), the
+command ``effitrain plan`` prints for FSDP2, and context parallelism's two ranks: one launch's
+start-up for all of them.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -201,21 +209,76 @@ def test_only_fsdp2_placements_are_accepted():
 
 
 @pytest.fixture(scope="module")
-def fsdp2_runs(tmp_path_factory, no_dropout_model_dir):
-    """Every ``effitrain train`` run under Accelerate's FSDP2 (the shipped config, through
+def fsdp2_command() -> str:
+    """The first command of a plan for two FSDP2 processes on GPUs (one plan for the tests
+    that read it), verified in this process: conftest's ``verified_in_process`` comes after a
+    module's fixtures, and on a loaded machine the plan spawned its workers."""
+    from tests.conftest import train_in_process
+    from tests.test_plan import LM, ONE
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("effitrain.plan_workers.PARALLEL_FROM_SECONDS", float("inf"))
+        proc = train_in_process("plan", *LM, "--batch-size", "2", *ONE, "--memory", "2GiB",
+                                "--json", "--num-processes", "2", "--sharding", "fsdp",
+                                "--device", "cuda")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)["candidates"][0]["command"]
+
+
+def launch_environment(words: list[str]) -> dict[str, str]:
+    """The variables that ``accelerate launch WORDS`` sets for its processes, by accelerate's
+    own parsing and environment (as test_plan_launch.py reads a printed command)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args([*words, "script.py"])
+    args, _, _ = _validate_launch_command(args)
+    assert args.use_fsdp and args.num_processes == 2
+    before = dict(os.environ)
+    return {k: v for k, v in prepare_multi_gpu_env(args).items() if before.get(k) != v}
+
+
+def printed_command_run(command: str) -> dict:
+    """The printed FSDP2 command as a run of the launch: its ``effitrain train`` options, under
+    the launch settings its accelerate flags give (in place of the shipped config's, which the
+    launch was started with: those the flags do not set are removed), on the CPU processes
+    (tests/fsdp2_cpu_launch.py, in every run of the launch: FSDP on gloo)."""
+    from tests.test_distributed import REPO
+
+    words = shlex.split(command)
+    module = words.index("-m")
+    assert words[:2] == ["accelerate", "launch"]
+    assert words[module + 1 : module + 3] == ["effitrain", "train"]
+    config = REPO / "configs" / "accelerate" / "fsdp2-full-shard.yaml"
+    printed = launch_environment(words[2:module])
+    shipped = launch_environment(["--config_file", str(config), "--num_processes", "2"])
+    assert printed != shipped  # else this run would not show that the flags suffice
+    return {
+        "name": "printed-command",
+        "args": [*words[module + 2 :], "--max-memory", "2GiB", "--max-steps", "2"],
+        "env": printed,
+        # The printed command does not set ACCELERATE_USE_CPU: effitrain puts its processes on
+        # the CPU itself where there are no GPUs.
+        "unset": sorted({*shipped, "ACCELERATE_USE_CPU"} - set(printed)),
+    }
+
+
+@pytest.fixture(scope="module")
+def fsdp2_runs(tmp_path_factory, no_dropout_model_dir, lm_model_dir, fsdp2_command):
+    """Every run under Accelerate's FSDP2 (the shipped config, through
     ``tests/launch_runs.py``) in as few launches as their order allows:
 
     - a run without FSDP, in this process (``plain``: its checkpoint an FSDP launch refuses);
     - one process: ``one`` (adamw, 8 x 2 accumulated, saving at step 2);
     - two processes: ``straight`` (adafactor, saving at step 2) and ``resumed`` (a copy of its
       checkpoint), ``two`` (adamw, 8 per process), ``one-to-two`` (``one``'s checkpoint, with
-      ``one``'s command), ``plain-under-fsdp``, and last ``fsdp-facts``: torch's FSDP1 and FSDP2
+      ``one``'s command), ``plain-under-fsdp``; the LoRA runs of :data:`LORA_RUNS`;
+      ``printed-command`` (:func:`printed_command_run`); ``context-parallel``
+      (``context_parallel_ranks.py``); and last ``fsdp-facts``: torch's FSDP1 and FSDP2
       without effitrain's CLI (``fsdp2_factored.py``, which runs ``fsdp_facts.py``'s checks
       too), each rank's JSON facts in ``facts``;
     - one process: ``two-to-one`` (``two``'s checkpoint, with ``two``'s command).
     """
-    from types import SimpleNamespace
-
     from tests.conftest import train_in_process
     from tests.launch_runs import launch_runs
     from tests.test_distributed import REPO
@@ -247,13 +310,25 @@ def fsdp2_runs(tmp_path_factory, no_dropout_model_dir):
         train("two", adamw),
         resume("one-to-two", "one", adamw, "--grad-accum", "2"),
         resume("plain-under-fsdp", "plain", adamw, "--grad-accum", "2"),
+        *lora_runs_of_the_launch(out, lm_model_dir),
+        printed_command_run(fsdp2_command),
+        {"name": "context-parallel", "script": str(REPO / "tests" / "context_parallel_ranks.py"),
+         "env": {"CP_RANKS_DIR": str(out / "context-parallel")}},
         {"name": "fsdp-facts", "script": str(Path(__file__).with_name("fsdp2_factored.py")),
          "env": {"FSDP_FACTS_DIR": str(out / "facts")}},
     ]  # fmt: skip
     (out / "facts").mkdir()
-    two = launch_runs(out, runs, config=config, timeout=400)
+    (out / "context-parallel").mkdir()
+    two = launch_runs(out, runs, config=config, timeout=900)
     back = launch_runs(out, [resume("two-to-one", "two", adamw)], config=config, processes=1)
-    return SimpleNamespace(out=out, adafactor=adafactor, two=two, back=back, facts=out / "facts")
+    return SimpleNamespace(
+        out=out,
+        adafactor=adafactor,
+        two=two,
+        back=back,
+        facts=out / "facts",
+        lora=lora_results(out, lm_model_dir, two),
+    )
 
 
 @pytest.mark.slow
@@ -315,3 +390,282 @@ def test_fsdp2_resumes_on_another_process_count(fsdp2_runs):
     refused = two.stderr("plain-under-fsdp")
     assert "Traceback" not in refused
     assert refused.count("was saved without FSDP") == 1, refused  # printed once, by rank 0
+
+
+# --------------------------------------------------------------------------------------------
+# LoRA and QLoRA under Accelerate's FSDP2, in the two-process launch of fsdp2_runs: each equals
+# one process, a stopped-and-resumed run equals the uninterrupted one, only the main process
+# reads the checkpoint where the launch can send the others its weights (tests/read_spy.py),
+# and `estimate` says what rank 0 holds
+# --------------------------------------------------------------------------------------------
+
+# Global batch 4: two processes x 2, or one process x 4. No dropout, so that they can agree.
+LORA_COMMON = (
+    "--task", "causal-lm", "--lora-rank", "4", "--lora-dropout", "0", "--max-length", "64",
+    "--lr", "1e-2", "--max-steps", "4", "--log-every", "1", "--seed", "3",
+)  # fmt: skip
+ADAM_ATOL = 1e-4
+"""How far one process's trained values may be from two processes': AdamW divides each
+gradient by its own size, so where a gradient is near zero the fp32 rounding of a split batch's
+mean moves that element by up to a fraction of ``--lr`` (measured: one element of 1,152 at
+2.6e-5 after 4 steps, the rest within 1e-6)."""
+LORA_RUNS = {
+    "lora": ("--save-every", "2", "--lora-merge"),
+    "lora-resumed": ("--save-every", "2", "--lora-merge", "--resume", "latest"),
+    "qlora": ("--load-in-4bit", "--save-every", "2"),
+    "qlora-resumed": ("--load-in-4bit", "--save-every", "2", "--resume", "latest"),
+    "qlora-other-base": ("--load-in-4bit", "--save-every", "2", "--resume", "latest"),
+}
+"""The LoRA runs of the launch, in order, by name."""
+RESUMES = {"lora-resumed": "lora", "qlora-resumed": "qlora", "qlora-other-base": "qlora"}
+"""The runs that restart from another's step-2 checkpoint (``qlora-other-base``: with a base
+model one of whose weights differs, which the resume must refuse)."""
+LLAMA_BLOCK = {"FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer"}
+"""The shipped config with the tiny Llama's block class to wrap (its
+``fsdp_transformer_layer_cls_to_wrap`` line, as ``accelerate launch`` passes it on)."""
+
+
+def lora_args(model: Path, out: Path, name: str, batch_size: int) -> list[str]:
+    return ["train", "--quiet", "--model", str(model), *LORA_COMMON, *LORA_RUNS[name],
+            "--batch-size", str(batch_size), "--output-dir", str(out / name),
+            "--metrics-json", str(out / f"{name}.json")]  # fmt: skip
+
+
+def lora_runs_of_the_launch(out: Path, model: Path) -> list[dict]:
+    """:data:`LORA_RUNS` as runs of the launch (none without peft), with ``other-base``: the
+    model with one weight changed."""
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        return []
+    from safetensors.torch import load_file, save_file
+
+    other = out / "other-base"
+    shutil.copytree(model, other)
+    weights = load_file(str(other / "model.safetensors"))
+    weights["model.layers.0.self_attn.q_proj.weight"] += 0.5
+    save_file(weights, str(other / "model.safetensors"), metadata={"format": "pt"})
+    runs = []
+    for name in LORA_RUNS:
+        base = other if name == "qlora-other-base" else model
+        entry = {"name": name, "args": lora_args(base, out, name, 2), "env": LLAMA_BLOCK}
+        if name in RESUMES:
+            straight = out / RESUMES[name] / "checkpoint-2"
+            entry["copy"] = [str(straight), str(out / name / "checkpoint-2")]
+        runs.append(entry)
+    return runs
+
+
+def lora_results(out: Path, model: Path, launched) -> SimpleNamespace | None:
+    """What the LoRA runs left (None without peft)."""
+    if not (out / "other-base").exists():
+        return None
+    launched.assert_ran("qlora-other-base", (1, 1))  # every process refuses
+    for name in LORA_RUNS:
+        if name != "qlora-other-base":
+            launched.assert_ran(name)
+    return SimpleNamespace(
+        out=out,
+        model=model,
+        metrics={
+            name: json.loads((out / f"{name}.json").read_text())
+            for name in LORA_RUNS
+            if name != "qlora-other-base"
+        },
+        refusal_output=launched.stdout("qlora-other-base") + launched.stderr("qlora-other-base"),
+    )
+
+
+@pytest.fixture(scope="module")
+def lora_runs(fsdp2_runs):
+    pytest.importorskip("peft")
+    return fsdp2_runs.lora
+
+
+def one_process(runs, name: str, tmp_path: Path) -> dict:
+    """``name`` in this one process, with the global batch in one batch: its metrics."""
+    from tests.conftest import train_in_process
+
+    proc = train_in_process(*lora_args(runs.model, tmp_path, name, 4))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads((tmp_path / f"{name}.json").read_text())
+
+
+def losses(metrics: dict) -> list[float]:
+    return [entry["loss"] for entry in metrics["loss_history"]]
+
+
+def adapters(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+def assert_close(a: dict, b: dict) -> None:
+    """Equal within :data:`ADAM_ATOL`, and all but a few elements (under 0.5 %) within 1e-6."""
+    assert a.keys() == b.keys() and a
+    total = far = 0
+    for key in a:
+        difference = (a[key].double() - b[key].double()).abs()
+        assert float(difference.max()) <= ADAM_ATOL, key
+        far += int((difference > 1e-6).sum())
+        total += difference.numel()
+    assert far * 200 <= total, (far, total)
+
+
+@pytest.mark.slow
+def test_lora_under_fsdp2_equals_one_process(lora_runs, tmp_path):
+    from tests.read_spy import reads
+    from tests.test_distributed import load_parameters
+
+    two = lora_runs.metrics["lora"]
+    assert two["sharding"]["kind"] == "fsdp2" and two["num_processes"] == 2
+    # Rank 1 started on the meta device and opened no file of the model: Accelerate filled its
+    # shards from rank 0's.
+    assert [r["weights"] for r in two["ranks"]] == ["read", "from rank 0"]
+    model_file = str(lora_runs.model / "model.safetensors")
+    assert reads(lora_runs.out, 0, "lora") == [model_file]
+    assert reads(lora_runs.out, 1, "lora") == []
+    # Sharded: each rank holds its own half, not a copy.
+    checksums = [r["parameter_checksum"] for r in two["ranks"]]
+    assert checksums[0] != checksums[1]
+
+    one = one_process(lora_runs, "lora", tmp_path)
+    assert losses(two) == pytest.approx(losses(one), abs=1e-5)
+    assert losses(one)[-1] < losses(one)[0]
+    trained = adapters(lora_runs.out / "lora" / "final")
+    assert_close(trained, adapters(tmp_path / "lora" / "final"))
+    assert max(float(t.abs().max()) for k, t in trained.items() if "lora_B" in k) > 1e-2
+    # --lora-merge gathers the sharded base and adapters into one plain model.
+    # (The gathered state dict has lost the tie: the head is written too, equal to the
+    # embedding it is tied to again on loading.)
+    merged = load_parameters(lora_runs.out / "lora" / "final-merged")
+    assert torch.equal(merged.pop("lm_head.weight"), merged["model.embed_tokens.weight"])
+    assert_close(merged, load_parameters(tmp_path / "lora" / "final-merged"))
+
+
+@pytest.mark.slow
+def test_lora_under_fsdp2_resumes_exactly(lora_runs):
+    from tests.checkpoint_helpers import assert_identical
+
+    straight, resumed = lora_runs.metrics["lora"], lora_runs.metrics["lora-resumed"]
+    assert resumed["global_steps"] == 4
+    assert len(losses(straight)) == 4 and losses(resumed) == losses(straight)
+    assert [r["parameter_checksum"] for r in resumed["ranks"]] == [
+        r["parameter_checksum"] for r in straight["ranks"]
+    ]
+    out = lora_runs.out
+    assert_identical(adapters(out / "lora" / "final"), adapters(out / "lora-resumed" / "final"))
+
+
+@pytest.mark.slow
+def test_qlora_under_fsdp2_equals_one_process_and_resumes_exactly(lora_runs, tmp_path):
+    from tests.checkpoint_helpers import assert_identical
+    from tests.read_spy import reads
+
+    two = lora_runs.metrics["qlora"]
+    # Every process reads and quantizes: bitsandbytes' quant state is no parameter or buffer
+    # that the launch could send.
+    assert [r["weights"] for r in two["ranks"]] == ["read", "read"]
+    model_file = str(lora_runs.model / "model.safetensors")
+    assert reads(lora_runs.out, 1, "qlora") == [model_file]
+
+    one = one_process(lora_runs, "qlora", tmp_path)
+    assert losses(two) == pytest.approx(losses(one), abs=1e-5)
+    assert_close(
+        adapters(lora_runs.out / "qlora" / "final"), adapters(tmp_path / "qlora" / "final")
+    )
+    # Each rank holds half of the packed codes (stored as bf16 so that FSDP2 shards them) and
+    # the whole quant state.
+    rank0, rank1 = (r["parameter_bytes"] for r in two["ranks"])
+    assert rank0 == rank1 < one["ranks"][0]["parameter_bytes"]
+
+    resumed = lora_runs.metrics["qlora-resumed"]
+    assert [r["parameter_checksum"] for r in resumed["ranks"]] == [
+        r["parameter_checksum"] for r in two["ranks"]
+    ]
+    out = lora_runs.out
+    assert_identical(adapters(out / "qlora" / "final"), adapters(out / "qlora-resumed" / "final"))
+    # Each rank compares its shard of the sharded checkpoint's 4-bit codes with the ones it
+    # quantized: another base is refused in one line, by every process.
+    refusal = "layers.0.self_attn.q_proj.base_layer.weight differs from the one quantized"
+    errors = [line for line in lora_runs.refusal_output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and refusal in errors[0], errors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["lora", "qlora"])
+def test_estimate_says_what_rank_0_holds(lora_runs, name):
+    """``estimate --num-processes 2 --sharding fsdp`` gives rank 0's measured parameters (the
+    frozen base and the adapters split by rows; the 4-bit quant state whole) and optimizer
+    state, to the byte."""
+    from effitrain.cli.compare import train_config
+    from effitrain.distributed import Launch
+    from effitrain.estimation import estimate
+
+    args = lora_args(lora_runs.model, lora_runs.out / "estimate", name, 2)[2:]
+    config = train_config([a for a in args if a not in ("--resume", "latest")])
+    per_rank = estimate(config, Launch.described(2, "fsdp", "cpu")).per_device
+    rank0 = lora_runs.metrics[name]["ranks"][0]
+    assert per_rank.parameter_bytes == rank0["parameter_bytes"]
+    assert per_rank.optimizer_state_bytes == rank0["optimizer_state_bytes"]
+
+
+# --------------------------------------------------------------------------------------------
+# `effitrain plan` for two FSDP2 processes: the printed command, run in the launch
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_plan_prints_fsdp2_launch_flags(fsdp2_command):
+    assert fsdp2_command.startswith(
+        "accelerate launch --num_processes 2 --use_fsdp --fsdp_version 2 "
+        "--fsdp_reshard_after_forward true --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP "
+        "--fsdp_state_dict_type SHARDED_STATE_DICT -m effitrain train "
+    ), fsdp2_command
+
+
+@pytest.mark.slow
+def test_the_fsdp2_command_shards_the_run(fsdp2_runs):
+    """The printed FSDP2 command's ``effitrain train``, under the launch settings of its
+    accelerate flags as printed (:func:`printed_command_run`), on two CPU processes: the run is
+    FSDP2's full shard (the command without them trained unsharded)."""
+    fsdp2_runs.two.assert_ran("printed-command")
+    assert "FSDP2 full shard over 2 processes" in fsdp2_runs.two.stdout("printed-command")
+
+
+# --------------------------------------------------------------------------------------------
+# Context parallelism on two ranks over gloo (context_parallel_ranks.py, in the launch)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_two_cp_ranks_on_gloo(fsdp2_runs):
+    """Rank r holds chunks r and 3-r of 4 (Accelerate's load balance), each token with its true
+    position and the label of the token after it; the two ranks' loss and gradient equal one
+    process's token mean over the whole batch."""
+    from effitrain.tasks.lm_loss import shifted_labels
+
+    fsdp2_runs.two.assert_ran("context-parallel")
+    folder = fsdp2_runs.out / "context-parallel"
+    ranks = [torch.load(folder / f"rank{r}.pt") for r in (0, 1)]
+    torch.manual_seed(0)
+    ids = torch.randint(0, 13, (2, 8))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    shifted = shifted_labels(labels)  # the causal-LM loss's shift
+    for rank, got in enumerate(ranks):
+        chunks = [rank, 3 - rank]
+        positions = torch.cat([torch.arange(2 * c, 2 * c + 2) for c in chunks])
+        assert not got["mask"]
+        assert torch.equal(got["positions"], positions.repeat(2, 1))
+        assert torch.equal(got["ids"], ids[:, positions])
+        assert torch.equal(got["shift_labels"], shifted[:, positions])
+    embed, head = torch.nn.Embedding(13, 4), torch.nn.Linear(4, 13)
+    loss = torch.nn.functional.cross_entropy(
+        head(embed(ids)).flatten(0, 1), shifted.flatten(), ignore_index=-100
+    )
+    loss.backward()
+    for got in ranks:
+        torch.testing.assert_close(got["loss"], loss.detach())
+        torch.testing.assert_close(got["grad"], head.weight.grad)

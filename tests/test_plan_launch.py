@@ -1,11 +1,9 @@
 """``effitrain plan`` for several processes (the printed command carries its ``accelerate
 launch``) and a plan stopped by a signal (its workers end with it). Apart from test_plan.py so
-that the suite's two workers share the plan's slow tests."""
+that the suite's two workers share the plan's slow tests. The printed FSDP2 command is run in
+test_fsdp2_optim.py's two-process launch (test_the_fsdp2_command_shards_the_run)."""
 
 from __future__ import annotations
-
-import json
-import shlex
 
 import pytest
 
@@ -48,27 +46,6 @@ def test_a_multi_process_command_carries_its_launch(monkeypatch, strategy, devic
         assert variables == {"ACCELERATE_USE_CPU": "1"}
 
 
-@pytest.fixture(scope="module")
-def fsdp2_command() -> str:
-    """The first command of a plan for two FSDP2 processes on GPUs (one plan for the tests
-    that read it)."""
-    from tests.conftest import train_in_process
-
-    proc = train_in_process("plan", *LM, "--batch-size", "2", *ONE, "--memory", "2GiB", "--json",
-                            "--num-processes", "2", "--sharding", "fsdp", "--device", "cuda")  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)["candidates"][0]["command"]
-
-
-@pytest.mark.slow
-def test_the_plan_prints_fsdp2_launch_flags(fsdp2_command):
-    assert fsdp2_command.startswith(
-        "accelerate launch --num_processes 2 --use_fsdp --fsdp_version 2 "
-        "--fsdp_reshard_after_forward true --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP "
-        "--fsdp_state_dict_type SHARDED_STATE_DICT -m effitrain train "
-    ), fsdp2_command
-
-
 def test_sharding_on_cpu_processes_is_refused(train_cli):
     """train refuses FSDP on CPU processes: the plan does not print commands that cannot run."""
     proc = train_cli("plan", *LM, "--memory", "1GiB", "--num-processes", "2",
@@ -78,22 +55,40 @@ def test_sharding_on_cpu_processes_is_refused(train_cli):
 
 # -- a signal ends the plan and its workers ----------------------------------------------------
 
-WORKERS_SCRIPT = """
+PLANS_SCRIPT = """
+import os
 import sys
 import effitrain.plan_workers as plan_workers
 plan_workers.PARALLEL_FROM_SECONDS = 0.0  # verifications in worker processes, at any size
 plan_workers._cores = lambda: 2
+# What a plan imports before its workers start, paid once for both plans:
+import datasets, torch._dynamo, transformers.models.llama.modeling_llama
+import effitrain.estimation, effitrain.planning
 from effitrain.cli import main
-main(sys.argv[1:])
+plans = []
+for stderr in sys.argv[1:3]:
+    plan = os.fork()
+    if plan == 0:  # a plan process: its output (and its workers') to /dev/null and a file
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT), 2)
+        main(sys.argv[3:])  # leaves by SystemExit, as `effitrain plan` does
+    plans.append(plan)
+print(*plans, flush=True)
+for plan in plans:
+    print(os.waitstatus_to_exitcode(os.waitpid(plan, 0)[1]), flush=True)
 """
+"""Two plans, each in a process forked from one that imported what a plan imports (torch,
+transformers, effitrain's estimation: one start-up for both): prints their ids, then each
+one's exit code when it has ended."""
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [15, 9])
-def test_a_signal_ends_the_plan_and_its_workers(signum):
+def test_a_signal_ends_the_plan_and_its_workers(tmp_path):
     """SIGTERM: exit 143, one line, no worker left (they were left blocked forever). SIGKILL,
-    which the plan cannot handle: its workers end by themselves."""
+    which the plan cannot handle: its workers end by themselves. One plan process for each
+    signal, both forked from one process (:data:`PLANS_SCRIPT`)."""
     import os
+    import signal
     import subprocess
     import sys
     import time
@@ -103,29 +98,32 @@ def test_a_signal_ends_the_plan_and_its_workers(signum):
     from tests.conftest import OFFLINE
 
     env = {**os.environ, **OFFLINE, "COLUMNS": "200"}
+    stderr = [tmp_path / "sigterm.stderr", tmp_path / "sigkill.stderr"]
     proc = subprocess.Popen(
-        [sys.executable, "-c", WORKERS_SCRIPT, "plan", *LM, "--batch-size", "2", *ONE,
-         "--memory", "1GiB"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        [sys.executable, "-c", PLANS_SCRIPT, *map(str, stderr), "plan", *LM, "--batch-size", "2",
+         *ONE, "--memory", "1GiB"],
+        stdout=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
-    parent = psutil.Process(proc.pid)
-    workers: list[psutil.Process] = []
-    deadline = time.monotonic() + 120
-    while not workers and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-        children = parent.children(recursive=True)
-        workers = [c for c in children if "spawn_main" in " ".join(_cmdline(c))]
-    assert workers, "no worker process started"
-    everything = parent.children(recursive=True)
-    proc.send_signal(signum)
-    _, stderr = proc.communicate(timeout=120)
+    plans = [psutil.Process(int(pid)) for pid in proc.stdout.readline().split()]
+    assert len(plans) == 2, proc.communicate(timeout=120)
+    everything = []
+    for plan, signum in zip(plans, (signal.SIGTERM, signal.SIGKILL), strict=True):
+        workers: list[psutil.Process] = []
+        deadline = time.monotonic() + 120
+        while not workers and plan.is_running() and time.monotonic() < deadline:
+            time.sleep(0.1)
+            children = plan.children(recursive=True)
+            workers = [c for c in children if "spawn_main" in " ".join(_cmdline(c))]
+        assert workers, "no worker process started"
+        everything += plan.children(recursive=True)
+        plan.send_signal(signum)
+    codes, _ = proc.communicate(timeout=120)
     gone, alive = psutil.wait_procs(everything, timeout=60)
     assert not alive, [_cmdline(p) for p in alive]
-    if signum == 15:
-        assert proc.returncode == 143
-        assert stderr.strip().splitlines() == [
-            "plan stopped by SIGTERM before it finished; no worker process is left"
-        ]
+    assert codes.split() == ["143", "-9"]
+    assert stderr[0].read_text().strip().splitlines() == [
+        "plan stopped by SIGTERM before it finished; no worker process is left"
+    ]
 
 
 def test_a_signal_while_workers_spawn_waits_for_the_spawn():
@@ -158,31 +156,3 @@ def _cmdline(process) -> list[str]:
         return process.cmdline()
     except psutil.Error:
         return []
-
-
-@pytest.mark.slow
-def test_the_fsdp2_command_shards_the_run(fsdp2_command):
-    """The printed FSDP2 command, its accelerate flags as printed, on two CPU processes
-    (tests/fsdp2_cpu_launch.py in place of ``-m effitrain``: FSDP on gloo): the run is FSDP2's
-    full shard (the command without them trained unsharded)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from tests.conftest import OFFLINE
-
-    words = shlex.split(fsdp2_command)
-    module = words.index("-m")
-    assert words[module + 1 : module + 3] == ["effitrain", "train"]
-    root = Path(__file__).parents[1]
-    harness = str(root / "tests" / "fsdp2_cpu_launch.py")
-    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
-    run = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", *words[2:module], harness,
-         *words[module + 2 :], "--max-memory", "2GiB", "--max-steps", "2"],
-        capture_output=True, text=True, timeout=600,
-        env={**os.environ, **OFFLINE, "COLUMNS": "200", "PYTHONPATH": path},
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "FSDP2 full shard over 2 processes" in run.stdout
