@@ -221,12 +221,12 @@ def test_the_alone_table_covers_every_lever():
     assert set(ALONE) | CUDA_ONLY == set(LEVERS) and not set(ALONE) & CUDA_ONLY
 
 
-@pytest.mark.slow  # six 2-step runs: about 10 s, half of it QLoRA's (bitsandbytes, peft)
+@pytest.mark.slow  # ten 1-step runs: the levers in use are the built run's, one step names them
 @pytest.mark.parametrize("lever", list(ALONE))
 def test_each_lever_alone_is_named_in_the_metrics(train_cli, tmp_path, lever):
     options, expected = ALONE[lever]
     metrics = tmp_path / "m.json"
-    proc = train_cli("train", "--max-steps", "2", "--metrics-json", str(metrics), *options)
+    proc = train_cli("train", "--max-steps", "1", "--metrics-json", str(metrics), *options)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(metrics.read_text())
     assert lever in result["levers"]
@@ -239,6 +239,6 @@ def test_without_levers_none_is_named(train_cli, tmp_path, options):
     """The runs the table's are set against: the classification preset (whose default, still
     "on" chunked loss is not in use: see the registry's test) and the causal LM's without it."""
     metrics = tmp_path / "m.json"
-    proc = train_cli("train", "--max-steps", "2", "--metrics-json", str(metrics), *options)
+    proc = train_cli("train", "--max-steps", "1", "--metrics-json", str(metrics), *options)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads(metrics.read_text())["levers"] == []
