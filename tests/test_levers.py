@@ -221,12 +221,34 @@ def test_the_alone_table_covers_every_lever():
     assert set(ALONE) | CUDA_ONLY == set(LEVERS) and not set(ALONE) & CUDA_ONLY
 
 
-@pytest.mark.slow  # six 2-step runs: about 10 s, half of it QLoRA's (bitsandbytes, peft)
+@pytest.fixture(scope="module")
+def small_data(data, tmp_path_factory):
+    """The files a lever's run trains on instead of its task's demo (most of a 1-step run's
+    time: 3,400 rows tokenized and 400 evaluated for classification), by ``--task``:
+    classification's 24/8-row csvs, and 12 short documents for the causal LM. The preference
+    run keeps its demo."""
+    train, validation, _ = data
+    text = tmp_path_factory.mktemp("small-lm") / "train.txt"
+    document = " ".join(["the cat sat on a mat while dogs ran"] * 20)
+    text.write_text("\n\n".join([document] * 12) + "\n")
+    return {
+        "classification": ("--train-file", str(train), "--validation-file", str(validation)),
+        "causal-lm": ("--train-file", str(text)),
+        "preference": (),
+    }
+
+
+def task_of(options: tuple[str, ...]) -> str:
+    return options[options.index("--task") + 1] if "--task" in options else "classification"
+
+
+@pytest.mark.slow  # ten 1-step runs: the levers in use are the built run's, one step names them
 @pytest.mark.parametrize("lever", list(ALONE))
-def test_each_lever_alone_is_named_in_the_metrics(train_cli, tmp_path, lever):
+def test_each_lever_alone_is_named_in_the_metrics(train_cli, tmp_path, small_data, lever):
     options, expected = ALONE[lever]
+    options = (*small_data[task_of(options)], *options)
     metrics = tmp_path / "m.json"
-    proc = train_cli("train", "--max-steps", "2", "--metrics-json", str(metrics), *options)
+    proc = train_cli("train", "--max-steps", "1", "--metrics-json", str(metrics), *options)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(metrics.read_text())
     assert lever in result["levers"]
@@ -235,10 +257,11 @@ def test_each_lever_alone_is_named_in_the_metrics(train_cli, tmp_path, lever):
 
 @pytest.mark.slow  # with the test above
 @pytest.mark.parametrize("options", [(), CAUSAL_LM])
-def test_without_levers_none_is_named(train_cli, tmp_path, options):
+def test_without_levers_none_is_named(train_cli, tmp_path, small_data, options):
     """The runs the table's are set against: the classification preset (whose default, still
     "on" chunked loss is not in use: see the registry's test) and the causal LM's without it."""
+    options = (*small_data[task_of(options)], *options)
     metrics = tmp_path / "m.json"
-    proc = train_cli("train", "--max-steps", "2", "--metrics-json", str(metrics), *options)
+    proc = train_cli("train", "--max-steps", "1", "--metrics-json", str(metrics), *options)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads(metrics.read_text())["levers"] == []

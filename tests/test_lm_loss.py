@@ -308,9 +308,11 @@ def test_metrics_and_banner_say_which_loss_ran(train_cli, tmp_path):
     import json
 
     metrics = tmp_path / "m.json"
+    text = tmp_path / "a.txt"  # not the demo: its loading was most of the run
+    text.write_text("\n\n".join([" ".join(["the cat sat on a mat"] * 20)] * 8) + "\n")
     proc = train_cli(
-        "train", "--task", "causal-lm", "--max-steps", "1", "--max-length", "32",
-        "--metrics-json", str(metrics),
+        "train", "--task", "causal-lm", "--train-file", str(text), "--max-steps", "1",
+        "--max-length", "32", "--metrics-json", str(metrics),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "chunked loss (torch)" in proc.stdout and "weighted by labelled tokens" in proc.stdout

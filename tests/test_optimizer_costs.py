@@ -5,7 +5,9 @@ measured by the true-storage ledger must give the figure of effitrain/optim/stat
 
 The state's layout follows from the parameters' shapes and names, not from their values: the
 model is allocated without initialising it (``to_empty``) and stepped on zero gradients instead
-of a forward and backward pass. torchao's optimizers allocate their state (its quantize-or-not
+of a forward and backward pass, and GaLore's SVD of each gradient (whose values only choose the
+projection) is replaced by zero factors of the shapes and column-major layout LAPACK returns
+(:func:`shapes_only`). torchao's optimizers allocate their state (its quantize-or-not
 rule included) before their compiled update, which is not run here: the update writes into that
 state in place (test_optim_ao.py checks the state after real compiled steps).
 """
@@ -26,6 +28,20 @@ from effitrain.optim import (
     set_train_mode,
     state_bytes_per_param,
 )
+
+
+def shapes_only(svd):
+    """``svd`` (``torch.linalg.svd``) giving zeros: U, S and Vh of the shapes its meta kernel
+    gives, U and Vh column-major as LAPACK's are (so that a slice of them is the same view)."""
+    import torch
+
+    def factors(matrix, full_matrices: bool = True, **options):
+        u, s, vh = svd(matrix.to("meta"), full_matrices=full_matrices, **options)
+        like = {"dtype": matrix.dtype, "device": matrix.device}
+        column_major = [torch.zeros(t.shape[::-1], **like).mT for t in (u, vh)]
+        return column_major[0], torch.zeros(s.shape, **like), column_major[1]
+
+    return factors
 
 
 def measured_bytes_per_param(name: str) -> float:
@@ -51,7 +67,10 @@ def measured_bytes_per_param(name: str) -> float:
         if spec.module == "torchao"
         else nullcontext()
     )
-    with skip_compiled_update:
+    with (
+        skip_compiled_update,
+        mock.patch.object(torch.linalg, "svd", shapes_only(torch.linalg.svd)),
+    ):
         optimizer.step()
     ledger = memory.optimizer_state_ledger(optimizer)
     assert ledger.params_with_state == len(list(model.parameters()))
