@@ -19,12 +19,11 @@ os.environ.update(OFFLINE)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 LONGEST_FIRST = (
-    "tests/test_plan.py",
     "tests/test_fsdp2_optim.py",
+    "tests/test_plan.py",
     "tests/test_distributed.py",
     "tests/test_estimate.py",
     "tests/test_compare.py",
-    "tests/test_fsdp2_lora.py",
     "tests/test_plan_launch.py",
     "tests/test_lever_plugin.py",
     "tests/test_resume.py",
@@ -47,6 +46,7 @@ def _cache_typer_commands() -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     _cache_typer_commands()
+    _verified_in_process()
     if getattr(config.option, "dist", "no") == "loadfile":
         config.option.loadscopereorder = False  # the order below instead
 
@@ -111,13 +111,15 @@ def cli():
     return run_cli
 
 
-@pytest.fixture(autouse=True)
-def verified_in_process(monkeypatch):
-    """The plan verifies its candidates in the test's process. Its worker processes start where
-    a verification looks slower than ``PARALLEL_FROM_SECONDS`` by the clock, so on a loaded
-    machine any test's plan spawned two, each paying seconds of imports and a warm-up estimate.
-    The tests of the workers set it to 0 themselves."""
-    monkeypatch.setattr("effitrain.plan_workers.PARALLEL_FROM_SECONDS", float("inf"))
+def _verified_in_process() -> None:
+    """The plan verifies its candidates in the test's process, for the whole session (module-
+    scoped fixtures' plans included). Its worker processes start where a verification looks
+    slower than ``PARALLEL_FROM_SECONDS`` by the clock, so on a loaded machine any test's plan
+    spawned two, each paying seconds of imports and a warm-up estimate. The tests of the
+    workers set it to 0 themselves (monkeypatch puts this back after them)."""
+    import effitrain.plan_workers
+
+    effitrain.plan_workers.PARALLEL_FROM_SECONDS = float("inf")
 
 
 class InProcessResult:

@@ -211,16 +211,12 @@ def test_only_fsdp2_placements_are_accepted():
 @pytest.fixture(scope="module")
 def fsdp2_command() -> str:
     """The first command of a plan for two FSDP2 processes on GPUs (one plan for the tests
-    that read it), verified in this process: conftest's ``verified_in_process`` comes after a
-    module's fixtures, and on a loaded machine the plan spawned its workers."""
+    that read it; verified in this process, as conftest's session setting says)."""
     from tests.conftest import train_in_process
     from tests.test_plan import LM, ONE
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("effitrain.plan_workers.PARALLEL_FROM_SECONDS", float("inf"))
-        proc = train_in_process("plan", *LM, "--batch-size", "2", *ONE, "--memory", "2GiB",
-                                "--json", "--num-processes", "2", "--sharding", "fsdp",
-                                "--device", "cuda")  # fmt: skip
+    proc = train_in_process("plan", *LM, "--batch-size", "2", *ONE, "--memory", "2GiB", "--json",
+                            "--num-processes", "2", "--sharding", "fsdp", "--device", "cuda")  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)["candidates"][0]["command"]
 

@@ -324,7 +324,7 @@ def test_lora_under_flat_sharding_is_refused_with_a_reason(state, shown, why):
 
 def test_lora_runs_under_fsdp2_and_ddp():
     """FSDP2 shards the frozen base and the adapters tensor by tensor (the two-process runs in
-    tests/test_fsdp2_lora.py); DDP replicates them."""
+    tests/test_fsdp2_optim.py); DDP replicates them."""
     from effitrain.distributed import Launch
     from effitrain.levers import check_launch
 

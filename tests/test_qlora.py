@@ -169,7 +169,7 @@ def test_missing_bitsandbytes_gives_the_install_line(train_cli, monkeypatch):
 
 def test_qlora_under_fsdp2_runs_only_as_tested():
     """FSDP2 with sharded checkpoints and bf16 or no mixed precision (the two-process runs in
-    tests/test_fsdp2_lora.py); FSDP1 and DeepSpeed refuse LoRA itself."""
+    tests/test_fsdp2_optim.py); FSDP1 and DeepSpeed refuse LoRA itself."""
     from types import SimpleNamespace as State
 
     from effitrain.config import TrainConfig
@@ -205,7 +205,7 @@ def test_qlora_under_fsdp2_runs_only_as_tested():
 def test_estimate_counts_the_quant_state_whole_on_every_fsdp2_rank():
     """``estimate --num-processes 2 --sharding fsdp``: the 4-bit codes, the rest of the frozen
     base and the adapters split in two, each 4-bit weight's quant state whole on every rank (the
-    two-process run in tests/test_fsdp2_lora.py measures the same to the byte)."""
+    two-process run in tests/test_fsdp2_optim.py measures the same to the byte)."""
     from effitrain.cli.compare import train_config
     from effitrain.demo.lm import tiny_llama_config
     from effitrain.distributed import Launch
