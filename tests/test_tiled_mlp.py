@@ -1,7 +1,8 @@
 """``--tiled-mlp``: the tiled MLP is exact (loss and every gradient equal to the untiled run's)
 at several tile counts, with checkpointing, LoRA, bf16 weights and the chunked loss; each
-parameter's gradient is accumulated once per step; the estimate follows a tiled run; the
-options' refusals are one line."""
+parameter's gradient is accumulated once per step (under DDP too: a run of the shared launch,
+tests/test_distributed.py); the estimate follows a tiled run; the options' refusals are one
+line."""
 
 from __future__ import annotations
 
@@ -261,38 +262,6 @@ def test_estimate_equals_a_tiled_run(train_cli, tmp_path, checkpointing):
     assert estimated["peak_tensor_bytes"] == measured["peak_tensor_bytes"]
     assert estimated["activation_bytes"] == measured["activation_bytes"]
     assert measured["recompute_flops"] > 0
-
-
-@pytest.mark.slow  # a two-process launch: about 30 s
-def test_two_ddp_processes_step_as_one(tmp_path, lm_model_dir, train_cli):
-    """DDP: each trained parameter's gradient is accumulated once per backward (the tiled
-    Function returns the sums), so DDP's reducer averages it once: two processes x two
-    micro-batches of 2 uneven texts step to the weights one process reaches with the 8."""
-    import torch
-
-    from tests.launch_runs import launch_runs
-    from tests.test_distributed import TOKEN_WEIGHTED, UNEVEN_LENGTHS, load_parameters
-
-    uneven = tmp_path / "uneven.jsonl"
-    uneven.write_text(
-        "".join(json.dumps({"text": " ".join(["word"] * n)}) + "\n" for n in UNEVEN_LENGTHS)
-    )
-    args = [*TOKEN_WEIGHTED, "--model", str(lm_model_dir), "--train-file", str(uneven),
-            "--validation-file", str(uneven), "--tiled-mlp", "--mlp-tiles", "3"]  # fmt: skip
-    two = [*args, "--batch-size", "2", "--grad-accum", "2", "--output-dir", str(tmp_path / "two")]
-    launched = launch_runs(tmp_path, [{"name": "tiled", "args": two}], timeout=300)
-    launched.assert_ran("tiled")
-    assert "DDP over 2 processes" in launched.stdout("tiled")
-    one = train_cli(*args, "--batch-size", "8", "--output-dir", str(tmp_path / "one"))
-    assert one.returncode == 0, one.stdout + one.stderr
-    stepped, single = (
-        load_parameters(tmp_path / "two" / "final"),
-        load_parameters(tmp_path / "one" / "final"),
-    )
-    start = load_parameters(lm_model_dir)
-    assert any(not torch.equal(single[k], start[k]) for k in start if "mlp" in k)
-    for key in single:
-        torch.testing.assert_close(stepped[key], single[key], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(
