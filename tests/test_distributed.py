@@ -307,9 +307,11 @@ def ddp_runs(tmp_path_factory, no_dropout_model_dir, lm_model_dir):
             ],  # fmt: skip
         },
     ]
+    # Not quiet: its banner's lever line is checked (test_tiled_mlp.py's runs are quiet).
+    tiled = [a for a in token_weighted_args(lm_model_dir, uneven, out / "tiled") if a != "--quiet"]
     runs.append(
-        {"name": "tiled", "args": [*token_weighted_args(lm_model_dir, uneven, out / "tiled"),
-                                   "--batch-size", "2", "--grad-accum", "2", *TILED]}
+        {"name": "tiled", "args": [*tiled, "--batch-size", "2", "--grad-accum", "2", *TILED,
+                                   "--metrics-json", str(out / "tiled.json")]}
     )  # fmt: skip
     preference = [*PREFERENCE, *preference_files(out), "--batch-size", "4",
                   "--output-dir", str(out / "preference")]  # fmt: skip
@@ -429,12 +431,15 @@ def test_tiled_mlp_under_two_processes_steps_as_one_big_batch(ddp_runs, one_big_
     """``--tiled-mlp`` under DDP: each trained parameter's gradient is accumulated once per
     backward (the tiled Function returns the sums), so DDP's reducer averages it once: two
     processes x two micro-batches of 2 uneven texts, each MLP in 3 tiles, step to the weights
-    one untiled process reaches with the 8 (the tiling is exact: tests/test_tiled_mlp.py)."""
+    one untiled process reaches with the 8 (the tiling is exact: tests/test_tiled_mlp.py).
+    The run reports the lever: its banner line, once, and in the metrics."""
     import torch
 
     ddp_runs.launched.assert_ran("tiled")
     stdout = ddp_runs.launched.stdout("tiled")
-    assert stdout.count("Memory (tiled-mlp") == stdout.count("Per rank: DDP over 2 processes") == 1
+    assert stdout.count("  lever     tiled MLP: 2 MLPs over 3 tiles of the sequence") == 1
+    assert stdout.count("Per rank: DDP over 2 processes") == 1
+    assert "tiled-mlp" in json.loads((ddp_runs.out / "tiled.json").read_text())["levers"]
     two = load_parameters(ddp_runs.out / "tiled" / "final")
     assert two.keys() == one_big_batch.keys()
     for key, single in one_big_batch.items():
