@@ -7,8 +7,8 @@ FSDP and DeepSpeed need GPUs under Accelerate, so their rules are tested on stan
 objects with the attributes :mod:`effitrain.distributed` reads; what those rules rely on
 (FSDP1 flattens, FSDP2 DTensors crash Adafactor and bitsandbytes) is checked on real FSDP
 over gloo by ``fsdp_facts.py``, which uses torch directly (test_fsdp2_optim.py, in the launch of
-its own FSDP2 checks). Every two-process DDP ``effitrain train`` run of the suite (here, LoRA's
-and the causal LM's included) runs in one launch, :func:`ddp_runs`.
+its own FSDP2 checks). Every two-process DDP ``effitrain train`` run of the suite (here, LoRA's,
+the causal LM's and the tiled MLP's included) runs in one launch, :func:`ddp_runs`.
 """
 
 from __future__ import annotations
@@ -118,10 +118,36 @@ def max_abs_difference(a: dict, b: dict) -> float:
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
 
-def two_process_args(model: Path, out: Path, *extra: str) -> list[str]:
-    """The two-process Adam-mini run of :func:`ddp_runs`, saving at step 3, and its resume."""
-    return ["train", "--model", str(model), *OPTIM, *STEPS, "--batch-size", "8",
-            "--output-dir", str(out / "run"), "--save-every", "3",
+def write_splits(folder: Path, name: str, splits) -> None:
+    """A demo's ``train`` and ``validation`` splits as JSON-lines files in ``folder``."""
+    for split in ("train", "validation"):
+        splits[split].to_json(folder / f"{name}-{split}.jsonl", lines=True)
+
+
+def split_files(folder: Path, name: str) -> list[str]:
+    """The options that read :func:`write_splits`'s files."""
+    return ["--train-file", str(folder / f"{name}-train.jsonl"),
+            "--validation-file", str(folder / f"{name}-validation.jsonl")]  # fmt: skip
+
+
+def write_sentence_pairs(folder: Path) -> None:
+    """128 of the demo's sentence pairs to train on (8 global batches of 16: the 6 steps stay
+    in one epoch) and 40 to evaluate (not a multiple of the global eval batch, 32): each run
+    tokenizes 168 pairs, not the demo's 3,400."""
+    from effitrain.demo import build_demo_dataset
+
+    write_splits(folder, "sentences", build_demo_dataset(num_train=128, num_validation=40))
+
+
+def sentence_files(folder: Path) -> list[str]:
+    return split_files(folder, "sentences")
+
+
+def two_process_args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
+    """The two-process Adam-mini run of :func:`ddp_runs` on :func:`sentence_files` in
+    ``data``, saving at step 3, and its resume."""
+    return ["train", "--model", str(model), *sentence_files(data), *OPTIM, *STEPS,
+            "--batch-size", "8", "--output-dir", str(out / "run"), "--save-every", "3",
             "--metrics-json", str(out / "metrics.json"), *extra]  # fmt: skip
 
 
@@ -132,6 +158,16 @@ TOKEN_WEIGHTED = (
 )  # fmt: skip
 """Causal LM on padded texts of very different lengths, one SGD step (plus model and data)."""
 UNEVEN_LENGTHS = (60, 2, 3, 50, 1, 40, 2, 2)
+TILED = ("--tiled-mlp", "--mlp-tiles", "3")
+"""The tiled MLP in 3 tiles (its check under DDP: this module's shared launch)."""
+
+
+def token_weighted_args(model: Path, uneven: Path, out: Path) -> list[str]:
+    """:data:`TOKEN_WEIGHTED` on the texts of :data:`UNEVEN_LENGTHS` (train and validation)."""
+    return [*TOKEN_WEIGHTED, "--model", str(model), "--train-file", str(uneven),
+            "--validation-file", str(uneven), "--output-dir", str(out)]  # fmt: skip
+
+
 LORA_DDP = (
     "--max-steps", "4", "--warmup-steps", "1", "--seed", "7",
     "--lora-rank", "4", "--lora-dropout", "0", "--lora-merge",
@@ -140,7 +176,22 @@ LORA_DDP = (
 
 
 PREFERENCE = ["train", "--task", "preference", "--max-steps", "3", "--max-length", "40"]
-"""DPO (precomputed reference) on the preference demo: two processes x 4 pairs or one x 8."""
+"""DPO (precomputed reference), plus :func:`preference_files`: two processes x 4 pairs or one
+x 8."""
+
+
+def write_preference_pairs(folder: Path) -> None:
+    """24 of the demo's pairs to train on (3 steps of 8) and 10 to evaluate (not a multiple of
+    the global eval batch, 16): the reference pass reads 34 pairs, not the demo's 1,200."""
+    from effitrain.demo.preference_pairs import build_demo_pairs
+
+    write_splits(folder, "pairs", build_demo_pairs(num_train=24, num_validation=10))
+
+
+def preference_files(folder: Path) -> list[str]:
+    return split_files(folder, "pairs")
+
+
 GRPO = [
     "train", "--task", "grpo", "--batch-size", "4", "--num-generations", "2",
     "--max-completion-length", "4", "--max-steps", "3", "--num-iterations", "2",
@@ -158,14 +209,18 @@ def ddp_runs(tmp_path_factory, no_dropout_model_dir, lm_model_dir):
     shipped ``cpu-2proc.yaml`` (``tests/launch_runs.py``: one start-up for all), each file of
     safetensors that a rank opens recorded (``tests/read_spy.py``):
 
-    - ``two-proc``: an uninterrupted Adam-mini run with a checkpoint at step 3;
+    - ``two-proc``: an uninterrupted Adam-mini run with a checkpoint at step 3 (this and the
+      other sequence-classification runs: on :func:`write_sentence_pairs`'s files);
     - ``resumed``: the same run resumed from a copy of that checkpoint;
     - ``from-one-proc``: the same run resumed from a one-process run's step-3 checkpoint;
     - ``token-weighted``: one SGD step of two processes x two micro-batches of 2 uneven texts;
+    - ``tiled``: the same step with ``--tiled-mlp`` (3 tiles);
     - ``lora``: LoRA under DDP (where peft is installed);
     - ``causal-lm``: the causal-LM task with a sample prompt;
-    - ``preference``: DPO on the preference demo, its reference log-probs precomputed;
-    - ``grpo``: GRPO on its demo.
+    - ``preference``: DPO on 24 of the preference demo's pairs, its reference log-probs
+      precomputed;
+    - ``grpo``: GRPO on its demo;
+    - ``refused``: ``--optimizer-in-backward``, which DDP refuses (last: it trains nothing).
 
     Without ``ACCELERATE_USE_CPU`` where there is no GPU: the config file alone must give two
     processes that train together.
@@ -178,9 +233,10 @@ def ddp_runs(tmp_path_factory, no_dropout_model_dir, lm_model_dir):
     from tests.test_causal_lm import SHORT, TEXT
 
     out = tmp_path_factory.mktemp("ddp")
+    write_sentence_pairs(out)
     # One process x 8 x 2 accumulated, saving at step 3: the launch's two processes continue it.
     one = train_in_process(
-        *two_process_args(no_dropout_model_dir, out / "one-proc", "--grad-accum", "2")
+        *two_process_args(no_dropout_model_dir, out, out / "one-proc", "--grad-accum", "2")
     )
     assert one.returncode == 0, one.stdout + one.stderr
     uneven = out / "uneven.jsonl"
@@ -188,12 +244,15 @@ def ddp_runs(tmp_path_factory, no_dropout_model_dir, lm_model_dir):
         "".join(json.dumps({"text": " ".join(["word"] * n)}) + "\n" for n in UNEVEN_LENGTHS)
     )
     (out / "corpus.txt").write_text(TEXT)
+    write_preference_pairs(out)
     model = str(no_dropout_model_dir)
     runs = [
-        {"name": "two-proc", "args": two_process_args(no_dropout_model_dir, out / "two-proc")},
+        {"name": "two-proc", "args": two_process_args(no_dropout_model_dir, out, out / "two-proc")},
         {
             "name": "resumed",
-            "args": two_process_args(no_dropout_model_dir, out / "resumed", "--resume", "latest"),
+            "args": two_process_args(
+                no_dropout_model_dir, out, out / "resumed", "--resume", "latest"
+            ),
             "copy": [
                 str(out / "two-proc" / "run" / "checkpoint-3"),
                 str(out / "resumed" / "run" / "checkpoint-3"),
@@ -204,6 +263,7 @@ def ddp_runs(tmp_path_factory, no_dropout_model_dir, lm_model_dir):
             # The one-process command repeated under the launcher: --grad-accum 2 becomes 1.
             "args": two_process_args(
                 no_dropout_model_dir,
+                out,
                 out / "from-one-proc",
                 "--grad-accum",
                 "2",
@@ -218,19 +278,11 @@ def ddp_runs(tmp_path_factory, no_dropout_model_dir, lm_model_dir):
         {
             "name": "token-weighted",
             "args": [
-                *TOKEN_WEIGHTED,
-                "--model",
-                str(lm_model_dir),
-                "--train-file",
-                str(uneven),
-                "--validation-file",
-                str(uneven),
+                *token_weighted_args(lm_model_dir, uneven, out / "token-weighted"),
                 "--batch-size",
                 "2",
                 "--grad-accum",
                 "2",
-                "--output-dir",
-                str(out / "token-weighted"),
             ],  # fmt: skip
         },
         {
@@ -255,15 +307,24 @@ def ddp_runs(tmp_path_factory, no_dropout_model_dir, lm_model_dir):
             ],  # fmt: skip
         },
     ]
-    preference = [*PREFERENCE, "--batch-size", "4", "--output-dir", str(out / "preference")]
+    # Not quiet: its banner's lever line is checked (test_tiled_mlp.py's runs are quiet).
+    tiled = [a for a in token_weighted_args(lm_model_dir, uneven, out / "tiled") if a != "--quiet"]
+    runs.append(
+        {"name": "tiled", "args": [*tiled, "--batch-size", "2", "--grad-accum", "2", *TILED,
+                                   "--metrics-json", str(out / "tiled.json")]}
+    )  # fmt: skip
+    preference = [*PREFERENCE, *preference_files(out), "--batch-size", "4",
+                  "--output-dir", str(out / "preference")]  # fmt: skip
     runs.append(
         {"name": "preference", "args": [*preference, "--metrics-json", str(out / "pref.json")]}
     )
     grpo = [*GRPO, "--output-dir", str(out / "grpo")]
     runs.append({"name": "grpo", "args": [*grpo, "--metrics-json", str(out / "grpo.json")]})
     if importlib.util.find_spec("peft") is not None:
-        lora = ["train", "--model", model, *LORA_DDP, "--batch-size", "8"]
+        lora = ["train", "--model", model, *sentence_files(out), *LORA_DDP, "--batch-size", "8"]
         runs.append({"name": "lora", "args": [*lora, "--output-dir", str(out / "lora")]})
+    refused = ["train", "--optimizer-in-backward", "--max-steps", "1", "--model", model]
+    runs.append({"name": "refused", "args": [*refused, "--output-dir", str(out / "refused")]})
     launched = launch_runs(out, runs, use_cpu_env=torch.cuda.is_available(), timeout=500)
     return SimpleNamespace(
         launched=launched, out=out, uneven=uneven, model=no_dropout_model_dir, lm=lm_model_dir
@@ -277,6 +338,7 @@ def two_process_run(ddp_runs):
     out = ddp_runs.out / "two-proc"
     return SimpleNamespace(
         out=out,
+        data=ddp_runs.out,
         spy=ddp_runs.out,
         stdout=ddp_runs.launched.stdout("two-proc"),
         metrics=json.loads((out / "metrics.json").read_text()),
@@ -284,18 +346,33 @@ def two_process_run(ddp_runs):
 
 
 @pytest.mark.slow
-def test_a_refused_launch_prints_one_error_line():
-    """Every process meets the refusal; only the main one prints it, first. What follows is the
-    launcher's own report of the failed processes (torchrun prints it for any failed child).
-    The console-script form (``--no_python effitrain``), which the shared launch of
-    :func:`ddp_runs` does not use."""
-    proc = launch("train", "--optimizer-in-backward", "--max-steps", "1", no_python=True)
+def test_a_refused_launch_prints_one_error_line(ddp_runs):
+    """Every process meets DDP's refusal of ``--optimizer-in-backward``: each exits 1, only
+    the main one prints, and it prints the one line and nothing else."""
+    ddp_runs.launched.assert_ran("refused", codes=(1, 1))
+    rank0, rank1 = (ddp_runs.out / f"refused.rank{rank}.stderr" for rank in (0, 1))
+    assert rank0.read_text() == (
+        "error: --optimizer-in-backward cannot run on DDP over 2 processes (gloo): each update "
+        "runs as soon as this process's gradient is ready, before the processes average their "
+        "gradients; run one process, or drop --optimizer-in-backward\n"
+    )
+    assert rank1.read_text() == ""
+    assert ddp_runs.launched.stdout("refused") == ""  # nothing built or printed before it
+
+
+@pytest.mark.slow
+def test_the_console_script_under_a_launch_prints_its_error_first():
+    """The console-script form (``--no_python effitrain``), which the shared launch of
+    :func:`ddp_runs` does not use: the launch fails with the main process's one error line
+    first in its stderr, before the launcher's own report of the failed processes (torchrun
+    prints it for any failed child). A refusal of the options, made before torch is imported,
+    keeps the two processes' start-up light (the DDP refusal itself: the shared launch)."""
+    proc = launch("train", "--tiled-mlp", no_python=True)
     assert proc.returncode == 1
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [
-        "error: --optimizer-in-backward cannot run on DDP over 2 processes (gloo): each update "
-        "runs as soon as this process's gradient is ready, before the processes average their "
-        "gradients; run one process, or drop --optimizer-in-backward"
+        "error: --tiled-mlp needs --task causal-lm or preference or grpo (this run is "
+        "sequence-classification); drop it"
     ]
     assert proc.stderr.startswith(errors[0])
 
@@ -319,28 +396,54 @@ def test_a_sharding_refusal_comes_before_any_data_or_model_is_loaded(monkeypatch
         build.build_run(config, Reporter(quiet=True))
 
 
+@pytest.fixture(scope="module")
+def one_big_batch(ddp_runs, tmp_path_factory) -> dict:
+    """The weights one process reaches with one batch of the 8 uneven texts (no tiling)."""
+    import torch
+
+    out = tmp_path_factory.mktemp("one-big-batch")
+    one = train_in_process(
+        *token_weighted_args(ddp_runs.lm, ddp_runs.uneven, out), "--batch-size", "8"
+    )
+    assert one.returncode == 0, one.stdout + one.stderr
+    single = load_parameters(out / "final")
+    start = load_parameters(ddp_runs.lm)
+    assert any(not torch.equal(single[k], start[k]) for k in start if "mlp" in k)  # it stepped
+    return single
+
+
 @pytest.mark.slow
-def test_token_weighted_loss_over_two_processes_equals_one_big_batch(ddp_runs, train_cli, tmp_path):
+def test_token_weighted_loss_over_two_processes_equals_one_big_batch(ddp_runs, one_big_batch):
     """Causal LM on padded texts of very different lengths: two processes x two micro-batches
     of 2 step to the same weights as one process with one batch of the same 8 texts (each
     labelled token weighs the same, wherever it falls)."""
     import torch
 
     ddp_runs.launched.assert_ran("token-weighted")
-    one = train_cli(
-        *TOKEN_WEIGHTED, "--model", str(ddp_runs.lm), "--train-file", str(ddp_runs.uneven),
-        "--validation-file", str(ddp_runs.uneven), "--batch-size", "8",
-        "--output-dir", str(tmp_path / "one"),
-    )  # fmt: skip
-    assert one.returncode == 0, one.stdout + one.stderr
-    two, single = (
-        load_parameters(ddp_runs.out / "token-weighted" / "final"),
-        load_parameters(tmp_path / "one" / "final"),
-    )
-    start = load_parameters(ddp_runs.lm)
-    assert any(not torch.equal(single[k], start[k]) for k in start)  # it stepped
-    for key in single:
-        torch.testing.assert_close(two[key], single[key], rtol=1e-5, atol=1e-6)
+    two = load_parameters(ddp_runs.out / "token-weighted" / "final")
+    assert two.keys() == one_big_batch.keys()
+    for key, single in one_big_batch.items():
+        torch.testing.assert_close(two[key], single, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_tiled_mlp_under_two_processes_steps_as_one_big_batch(ddp_runs, one_big_batch):
+    """``--tiled-mlp`` under DDP: each trained parameter's gradient is accumulated once per
+    backward (the tiled Function returns the sums), so DDP's reducer averages it once: two
+    processes x two micro-batches of 2 uneven texts, each MLP in 3 tiles, step to the weights
+    one untiled process reaches with the 8 (the tiling is exact: tests/test_tiled_mlp.py).
+    The run reports the lever: its banner line, once, and in the metrics."""
+    import torch
+
+    ddp_runs.launched.assert_ran("tiled")
+    stdout = ddp_runs.launched.stdout("tiled")
+    assert stdout.count("  lever     tiled MLP: 2 MLPs over 3 tiles of the sequence") == 1
+    assert stdout.count("Per rank: DDP over 2 processes") == 1
+    assert "tiled-mlp" in json.loads((ddp_runs.out / "tiled.json").read_text())["levers"]
+    two = load_parameters(ddp_runs.out / "tiled" / "final")
+    assert two.keys() == one_big_batch.keys()
+    for key, single in one_big_batch.items():
+        torch.testing.assert_close(two[key], single, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -364,8 +467,8 @@ def test_two_processes_match_one_process(
     assert [first["weights"], second["weights"]] == ["read", "from rank 0"]
     assert first["optimizer_state_bytes"] == second["optimizer_state_bytes"] > 0
     assert data["ranks_total"]["optimizer_state_bytes"] == 2 * first["optimizer_state_bytes"]
-    # Every validation example counted once (400 is not a multiple of the global eval batch 32).
-    assert data["eval"]["examples"] == 400
+    # Every validation example counted once (40 is not a multiple of the global eval batch 32).
+    assert data["eval"]["examples"] == 40
     # samples/s counts both ranks: 6 steps x global batch 16.
     assert data["samples_per_second"] * data["train_seconds"] == pytest.approx(6 * 16)
 
@@ -379,6 +482,7 @@ def test_two_processes_match_one_process(
         "train",
         "--model",
         str(no_dropout_model_dir),
+        *sentence_files(run.data),
         *OPTIM,
         *STEPS,
         "--batch-size",
@@ -436,7 +540,9 @@ def test_one_process_continues_a_two_process_run(ddp_runs, two_process_run, trai
     out = tmp_path / "out"
     (out / "run").mkdir(parents=True)
     shutil.copytree(two_process_run.out / "run" / "checkpoint-3", out / "run" / "checkpoint-3")
-    args = two_process_args(ddp_runs.model, out, "--resume", "latest", "--log-every", "1")
+    args = two_process_args(
+        ddp_runs.model, ddp_runs.out, out, "--resume", "latest", "--log-every", "1"
+    )
     proc = train_cli(*args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "has 1: --grad-accum 2 keeps its global batch of 16" in proc.stdout
@@ -481,7 +587,8 @@ def test_lora_with_two_ddp_processes_matches_one_process(ddp_runs, train_cli, tm
     ddp_runs.launched.assert_ran("lora")
     assert ddp_runs.launched.stdout("lora").count("  lever     LoRA r=4") == 1
     one = train_cli(
-        "train", "--model", str(ddp_runs.model), *LORA_DDP, "--batch-size", "16",
+        "train", "--model", str(ddp_runs.model), *sentence_files(ddp_runs.out), *LORA_DDP,
+        "--batch-size", "16",
         "--output-dir", str(tmp_path / "one"),
     )  # fmt: skip
     assert one.returncode == 0, one.stdout + one.stderr
@@ -514,18 +621,19 @@ def test_causal_lm_under_two_processes(ddp_runs):
 @pytest.mark.slow
 def test_preference_under_two_processes_matches_one_process(ddp_runs, train_cli, tmp_path):
     """DPO with the reference precomputed (each process its share of the pass, the table
-    gathered): the same weights, losses and rewards as one process on the whole batch."""
+    gathered), on 24 of the demo's pairs: the same weights, losses and rewards as one process
+    on the whole batch."""
     ddp_runs.launched.assert_ran("preference")
     data = json.loads((ddp_runs.out / "pref.json").read_text())
     assert data["num_processes"] == 2 and data["reference"]["how"] == "precompute"
     assert ddp_runs.launched.stdout("preference").count("eval (") == 1  # main only
     one = train_cli(
-        *PREFERENCE, "--batch-size", "8", "--output-dir", str(tmp_path / "one"),
-        "--metrics-json", str(tmp_path / "one.json"),
+        *PREFERENCE, *preference_files(ddp_runs.out), "--batch-size", "8",
+        "--output-dir", str(tmp_path / "one"), "--metrics-json", str(tmp_path / "one.json"),
     )  # fmt: skip
     assert one.returncode == 0, one.stderr
     single = json.loads((tmp_path / "one.json").read_text())
-    assert data["eval"]["pairs"] == single["eval"]["pairs"] == 200  # each counted once
+    assert data["eval"]["pairs"] == single["eval"]["pairs"] == 10  # each counted once
     for key in ("loss", "rewards/accuracies", "rewards/margins"):
         assert data["eval"][key] == pytest.approx(single["eval"][key], abs=1e-5), key
     assert data["train_loss"] == pytest.approx(single["train_loss"], abs=1e-5)
