@@ -225,7 +225,7 @@ def _function() -> type[torch.autograd.Function]:
     return TiledFunction
 
 
-def _add_into(sums: list[torch.Tensor | None], grads: list[torch.Tensor | None]) -> None:
+def _add_into(sums: list[torch.Tensor | None], grads: Sequence[torch.Tensor | None]) -> None:
     """Each tile's gradient of a trained parameter added into its sum: the first tile's is the
     sum; a later one (a new tensor, a matmul's) is added in place and no longer referenced here
     (a loop variable would keep the last one alive into the next tile)."""
