@@ -48,15 +48,20 @@ def round_down(length: int) -> int:
     return length // step_at(length) * step_at(length)
 
 
+def next_on_grid(length: int) -> int:
+    """The shortest length on the grid past ``length``."""
+    return round_down(length) + step_at(length)
+
+
 def longest_fitting(peak: Callable[[int], int], room: int, cap: int) -> Found:
     """The longest length on the grid, up to ``cap``, whose ``peak`` is at most ``room``.
 
     From :data:`START`, lengths grow along the line through the last two peaks until one does
     not fit (where the first does not, :data:`SHORTEST` is next: if it does not fit either,
     nothing does); the bracket then narrows where the line through its ends meets ``room``
-    (peaks are near-linear in length: it lands within a step or two), the Illinois way where one end stays (its distance from
-    ``room`` halved each time the other end moves again: a convex peak does not creep), until
-    no grid length is left between the ends. ``cap`` need not be on the grid: it is tried
+    (peaks are near-linear in length: it lands within a step or two), the Illinois way where
+    one end stays (its distance from ``room`` halved each time the other end moves again: a
+    convex peak does not creep), until no grid length is left between the ends. ``cap`` need not be on the grid: it is tried
     itself where the grid would pass it.
     """
     peaks: dict[int, int] = {}
@@ -103,9 +108,8 @@ def _grown(peaks: dict[int, int], fits: int, room: int) -> int:
     below = [length for length in peaks if length < fits]
     if not below:
         return round_down(fits * FIRST_GROWTH)
-    guess = round_down(_on_line(max(below), fits, peaks, room))
-    least = round_down(fits) + step_at(fits)
-    return max(least, min(guess + step_at(guess), round_down(fits * MOST_GROWTH)))
+    guess = next_on_grid(_on_line(max(below), fits, peaks, room))
+    return max(next_on_grid(fits), min(guess, round_down(fits * MOST_GROWTH)))
 
 
 def _on_line(a: int, b: int, peaks: dict[int, int], room: int) -> int:
@@ -119,7 +123,7 @@ def _on_line(a: int, b: int, peaks: dict[int, int], room: int) -> int:
 def _between(fits: int, over: int) -> list[int]:
     """The grid lengths strictly between ``fits`` and ``over``."""
     out = []
-    length = round_down(fits) + step_at(fits)
+    length = next_on_grid(fits)
     while length < over:
         out.append(length)
         length += step_at(length)
