@@ -490,6 +490,7 @@ class _Search:
         self.optimizers = optimizers
         self.without = set(without)
         self.runs = 0
+        self.depth: int | None = None  # the model's layers, once a screen has cut them
         self.smallest = 2**63
         self.verified_peaks: list[int] = []
         self.notes: list[str] = []
@@ -849,19 +850,21 @@ class _Search:
         return screen
 
     def _extended(self, config: TrainConfig) -> Screen:
+        """The one- and two-layer estimates, extended to the model's depth; once a screen has
+        found the model at most two layers deep, its two-layer estimate alone: the model whole."""
         points = []
-        depth = None
-        for layers in (1, 2):
+        for layers in (1, 2) if self.depth is None or self.depth > 2 else (2,):
             started = time.monotonic()
             with cut_to(layers) as seen:
                 points.append(screen_of(estimate(config, self.launch)))
                 self.runs += 1
-            depth = seen.get("layers")
-            if depth is None:  # the model has no layer count to cut: estimated whole
+            self.depth = seen.get("layers")
+            if self.depth is None:  # the model has no layer count to cut: estimated whole
                 return points[0]
+        depth = self.depth
         assert depth is not None  # each pass returned where it was None
         self.verifiers.start(config, (time.monotonic() - started) * depth / 2, VERIFIED)
-        return extend(points[0], points[1], depth)
+        return extend(points[0], points[-1], depth) if len(points) == 2 else points[0]
 
     def verify(self, options: list[Option]) -> list[Estimate | None]:
         """Each option's full estimate (None where it cannot be estimated), in the verifying
