@@ -234,11 +234,12 @@ def launch_environment(words: list[str]) -> dict[str, str]:
     return {k: v for k, v in prepare_multi_gpu_env(args).items() if before.get(k) != v}
 
 
-def printed_command_run(command: str) -> dict:
-    """The printed FSDP2 command as a run of the launch: its ``effitrain train`` options, under
-    the launch settings its accelerate flags give (in place of the shipped config's, which the
-    launch was started with: those the flags do not set are removed), on the CPU processes
-    (tests/fsdp2_cpu_launch.py, in every run of the launch: FSDP on gloo)."""
+def printed_command_run(command: str, data: list[str]) -> dict:
+    """The printed FSDP2 command as a run of the launch: its ``effitrain train`` options (on
+    the files of ``data``), under the launch settings its accelerate flags give (in place of the
+    shipped config's, which the launch was started with: those the flags do not set are
+    removed), on the CPU processes (tests/fsdp2_cpu_launch.py, in every run of the launch: FSDP
+    on gloo)."""
     from tests.test_distributed import REPO
 
     words = shlex.split(command)
@@ -251,7 +252,7 @@ def printed_command_run(command: str) -> dict:
     assert printed != shipped  # else this run would not show that the flags suffice
     return {
         "name": "printed-command",
-        "args": [*words[module + 2 :], "--max-memory", "2GiB", "--max-steps", "2"],
+        "args": [*words[module + 2 :], "--max-memory", "2GiB", "--max-steps", "2", *data],
         "env": printed,
         # The printed command does not set ACCELERATE_USE_CPU: effitrain puts its processes on
         # the CPU itself where there are no GPUs.
@@ -274,16 +275,24 @@ def fsdp2_runs(tmp_path_factory, no_dropout_model_dir, lm_model_dir, fsdp2_comma
       without effitrain's CLI (``fsdp2_factored.py``, which runs ``fsdp_facts.py``'s checks
       too), each rank's JSON facts in ``facts``;
     - one process: ``two-to-one`` (``two``'s checkpoint, with ``two``'s command).
+
+    The classifiers train on 128 of the demo's sentence pairs, the LoRA runs and the printed
+    command on 64 of the LM demo's reports (:func:`write_reports`): the demo's thousands of
+    examples, tokenized and evaluated by each rank of each run, were half of the runs' time.
     """
     from tests.conftest import train_in_process
     from tests.launch_runs import launch_runs
-    from tests.test_distributed import REPO
+    from tests.test_distributed import REPO, sentence_files, write_sentence_pairs
 
     out = tmp_path_factory.mktemp("fsdp2-runs")
     config = REPO / "configs" / "accelerate" / "fsdp2-full-shard.yaml"
-    adafactor = ["--optim", "adafactor", "--max-steps", "4", "--save-every", "2"]
+    write_sentence_pairs(out)  # small files: each rank of each run tokenizes 168 pairs
+    write_reports(out)
+    adafactor = ["--optim", "adafactor", "--max-steps", "4", "--save-every", "2",
+                 *sentence_files(out)]  # fmt: skip
     adamw = ["--model", str(no_dropout_model_dir), "--optim", "adamw", "--max-steps", "4",
-             "--save-every", "2", "--batch-size", "8", "--log-every", "1", "--warmup-steps", "1"]  # fmt: skip
+             "--save-every", "2", "--batch-size", "8", "--log-every", "1", "--warmup-steps", "1",
+             *sentence_files(out)]  # fmt: skip
 
     def train(name: str, options: list[str], *extra: str) -> dict:
         run = ["train", *options, "--output-dir", str(out / name), "--metrics-json",
@@ -307,7 +316,7 @@ def fsdp2_runs(tmp_path_factory, no_dropout_model_dir, lm_model_dir, fsdp2_comma
         resume("one-to-two", "one", adamw, "--grad-accum", "2"),
         resume("plain-under-fsdp", "plain", adamw, "--grad-accum", "2"),
         *lora_runs_of_the_launch(out, lm_model_dir),
-        printed_command_run(fsdp2_command),
+        printed_command_run(fsdp2_command, report_files(out)),
         {"name": "context-parallel", "script": str(REPO / "tests" / "context_parallel_ranks.py"),
          "env": {"CP_RANKS_DIR": str(out / "context-parallel")}},
         {"name": "fsdp-facts", "script": str(Path(__file__).with_name("fsdp2_factored.py")),
@@ -421,10 +430,27 @@ LLAMA_BLOCK = {"FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer"}
 ``fsdp_transformer_layer_cls_to_wrap`` line, as ``accelerate launch`` passes it on)."""
 
 
-def lora_args(model: Path, out: Path, name: str, batch_size: int) -> list[str]:
+def write_reports(folder: Path) -> None:
+    """64 of the LM demo's reports to train on (31 blocks of 64 tokens: the 4 steps of 4 stay
+    in one epoch) and 16 to evaluate: no run of the launch tokenizes the demo's 3,200, and none
+    generates the demo's sample (files have none)."""
+    from effitrain.demo.lm import build_demo_corpus
+    from tests.test_distributed import write_splits
+
+    write_splits(folder, "reports", build_demo_corpus(num_train=64, num_validation=16))
+
+
+def report_files(folder: Path) -> list[str]:
+    from tests.test_distributed import split_files
+
+    return split_files(folder, "reports")
+
+
+def lora_args(model: Path, out: Path, name: str, batch_size: int, data: Path) -> list[str]:
+    """The LoRA run ``name`` on :func:`write_reports`'s files in ``data``."""
     return ["train", "--quiet", "--model", str(model), *LORA_COMMON, *LORA_RUNS[name],
-            "--batch-size", str(batch_size), "--output-dir", str(out / name),
-            "--metrics-json", str(out / f"{name}.json")]  # fmt: skip
+            *report_files(data), "--batch-size", str(batch_size), "--output-dir",
+            str(out / name), "--metrics-json", str(out / f"{name}.json")]  # fmt: skip
 
 
 def lora_runs_of_the_launch(out: Path, model: Path) -> list[dict]:
@@ -444,7 +470,7 @@ def lora_runs_of_the_launch(out: Path, model: Path) -> list[dict]:
     runs = []
     for name in LORA_RUNS:
         base = other if name == "qlora-other-base" else model
-        entry = {"name": name, "args": lora_args(base, out, name, 2), "env": LLAMA_BLOCK}
+        entry = {"name": name, "args": lora_args(base, out, name, 2, out), "env": LLAMA_BLOCK}
         if name in RESUMES:
             straight = out / RESUMES[name] / "checkpoint-2"
             entry["copy"] = [str(straight), str(out / name / "checkpoint-2")]
@@ -482,7 +508,7 @@ def one_process(runs, name: str, tmp_path: Path) -> dict:
     """``name`` in this one process, with the global batch in one batch: its metrics."""
     from tests.conftest import train_in_process
 
-    proc = train_in_process(*lora_args(runs.model, tmp_path, name, 4))
+    proc = train_in_process(*lora_args(runs.model, tmp_path, name, 4, runs.out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads((tmp_path / f"{name}.json").read_text())
 
@@ -599,7 +625,7 @@ def test_estimate_says_what_rank_0_holds(lora_runs, name):
     from effitrain.distributed import Launch
     from effitrain.estimation import estimate
 
-    args = lora_args(lora_runs.model, lora_runs.out / "estimate", name, 2)[2:]
+    args = lora_args(lora_runs.model, lora_runs.out / "estimate", name, 2, lora_runs.out)[2:]
     config = train_config([a for a in args if a not in ("--resume", "latest")])
     per_rank = estimate(config, Launch.described(2, "fsdp", "cpu")).per_device
     rank0 = lora_runs.metrics[name]["ranks"][0]
