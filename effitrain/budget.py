@@ -47,17 +47,24 @@ def check_budget(config: TrainConfig, launch: Launch, budget: int) -> int:
     )
     advice = f"find one that fits: effitrain plan --memory {text} (same options)"
     if result.memory.parameter_bytes <= QUICK_PLAN_BYTES:
-        # A resume keeps the checkpoint's optimizer and parameters: only what keeps them.
+        # A resume keeps the checkpoint's optimizer (its class: bf16 weights change it) and
+        # parameters: only what keeps them, and one answer (with one optimizer, the screens
+        # rank alike what the full plan's three verifications would re-rank).
         adapters = lever_registry.trains_adapters(config)
         keep: dict[str, Any] = (
-            {"optimizers": [config.optim], "full_parameter": not adapters} if config.resume else {}
+            {
+                "optimizers": [config.optim],
+                "full_parameter": not adapters,
+                "optimizer_class": result.optimizer_class,
+                "answers": 1,
+            }
+            if config.resume
+            else {}
         )
         try:
             found = plan(config, launch, budget, workers=0, **keep).candidates
         except EffitrainError:
             found = []
-        if config.resume:  # nor another optimizer class (bf16 weights change it)
-            found = [c for c in found if c.optimizer_class == result.optimizer_class]
         if found:
             best = found[0]
             advice = (

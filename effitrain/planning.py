@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import effitrain.levers as lever_registry
-from effitrain.build import check_config, check_launch
+from effitrain.build import check_config, check_launch, resolve_optimizer_spec
 from effitrain.config import TrainConfig, option, to_arguments
 from effitrain.cost import StepCost, modeled_step_seconds
 from effitrain.distributed import Launch
@@ -161,6 +161,8 @@ def plan(
     workers: int | None = None,
     worker_setup: Callable[[], None] | None = None,
     longest: bool = False,
+    answers: int = VERIFIED,
+    optimizer_class: str | None = None,
 ) -> PlanResult:
     """The configurations of ``config`` that fit ``budget`` bytes per device on ``launch``,
     fastest first by modeled step time. ``given`` and ``config_file``: the options the user
@@ -169,7 +171,10 @@ def plan(
     verification is slow, see :data:`effitrain.plan_workers.PARALLEL_FROM_SECONDS`; 0: verified
     in this process), each first calling ``worker_setup`` (a module-level function: the CLI's
     quieting). ``longest``: the longest sequence that fits instead (``config``'s max_length
-    aside), and the configurations that fit it (:func:`_longest`).
+    aside), and the configurations that fit it (:func:`_longest`). ``answers``: how many
+    verified candidates to find (the search stops once that many fit, and the first that many
+    are verified; ``train --max-memory``'s advice wants one). ``optimizer_class``: only
+    configurations whose optimizer is of this class (a resume's: its checkpoint's).
 
     Raises:
         EffitrainError: bad options, or nothing fits (the message names the smallest peak).
@@ -181,8 +186,9 @@ def plan(
     if longest:
         workers = 0  # one round of verification: warming workers would cost more than it saves
     search = _Search(
-        config, launch, budget, names, without, given or {}, workers, worker_setup, task, unit
-    )
+        config, launch, budget, names, without, given or {}, workers, worker_setup, task, unit,
+        wanted=answers, optimizer_class=optimizer_class,
+    )  # fmt: skip
     command = functools.partial(_command, launch, config_file, given or {})
     if longest:
         return _longest(search, start, command, full_parameter)
@@ -200,16 +206,16 @@ def plan(
         fitting = [o for o in options if o.peak + margin <= budget]
         verified: dict[int, Estimate | None] = {}
         ranked = _verify(search, fitting, verified, budget, margin)
-    answers = [row for row in ranked if row[3] is not None]
-    if not answers:
+    found = [row for row in ranked if row[3] is not None]
+    if not found:
         smallest = min([search.smallest, *search.verified_peaks])
         raise EffitrainError(
             f"nothing fits {_gib(budget)} per device: the smallest peak found is {_gib(smallest)}"
             f" + {_gib(margin)} margin, {_gib(smallest + margin - budget)} over"
             + (f"; {left_out}" if left_out else "")
         )
-    best = _seconds(answers[0][1], launch) or 0.0
-    candidates = [_candidate(row, launch, best, command) for row in answers[:SHOWN]]
+    best = _seconds(found[0][1], launch) or 0.0
+    candidates = [_candidate(row, launch, best, command) for row in found[:SHOWN]]
     unverified = [row for row in ranked if row[3] is None][: SHOWN - len(candidates)]
     return PlanResult(
         budget_bytes=budget,
@@ -434,9 +440,9 @@ def _verify(
     budget: int,
     margin: int,
 ) -> list[tuple[Option, StepCost | None, int, Estimate | None]]:
-    """The fitting options ranked by modeled time, the first :data:`VERIFIED` by a full
-    estimate each (those that do not fit once verified are dropped), re-ranked until the first
-    :data:`VERIFIED` are all verified or :data:`MAX_VERIFICATIONS` estimates were made, and
+    """The fitting options ranked by modeled time, the first ``search.wanted`` (default
+    :data:`VERIFIED`) by a full estimate each (those that do not fit once verified are dropped),
+    re-ranked until the first ``search.wanted`` are all verified or :data:`MAX_VERIFICATIONS` estimates were made, and
     past that until one verified fits or none is left (each row: the option, its cost, its
     peak, and the estimate that verified it, if one did: only those are answers)."""
     while True:
@@ -453,13 +459,13 @@ def _verify(
             else:
                 ranked.append((screened, screened.cost, screened.peak, None))
         ranked.sort(key=lambda row: (_seconds(row[1], search.launch) or 0.0, row[2]))
-        todo = [fitting.index(row[0]) for row in ranked[:VERIFIED] if row[3] is None]
+        todo = [fitting.index(row[0]) for row in ranked[: search.wanted] if row[3] is None]
         answered = any(row[3] is not None for row in ranked)
         if not todo or (answered and len(verified) >= MAX_VERIFICATIONS):
             return ranked
         # Workers side by side verify the next ones too where they would idle otherwise: a
         # candidate that drops out then costs no second round.
-        spare = [fitting.index(row[0]) for row in ranked[VERIFIED:] if row[3] is None]
+        spare = [fitting.index(row[0]) for row in ranked[search.wanted :] if row[3] is None]
         todo += spare[: -len(todo) % search.verifiers.parallel]
         todo = todo[: max(MAX_VERIFICATIONS - len(verified), search.verifiers.parallel)]
         for index, result in zip(todo, search.verify([fitting[i] for i in todo]), strict=True):
@@ -481,6 +487,8 @@ class _Search:
         worker_setup: Callable[[], None] | None = None,
         task: str = "",
         unit: int = 1,
+        wanted: int = VERIFIED,
+        optimizer_class: str | None = None,
     ) -> None:
         self.config = config
         self.given = given
@@ -502,6 +510,10 @@ class _Search:
         """The split every screen is estimated at: the task's smallest micro-batch."""
         self.global_batch = config.batch_size * config.grad_accum
         self.verifiers = Verifiers(launch, workers, worker_setup)
+        self.wanted = wanted
+        """The answers wanted: the walk stops once this many fit, and this many are verified."""
+        self.optimizer_class = optimizer_class
+        """Only configurations whose optimizer is of this class (None: any)."""
 
     def __enter__(self) -> _Search:
         return self
@@ -710,12 +722,12 @@ class _Search:
         return True
 
     def _enough(self, options: list[Option], latest: list[Option]) -> bool:
-        """Whether :data:`VERIFIED` options fit already, or every one of the latest lever set:
+        """Whether ``wanted`` options fit already, or every one of the latest lever set:
         a further lever would only add time (the ladder's order; those that cost no time,
         ``Search.costs_time``, excepted)."""
         if latest and all(self._fits(o.peak) for o in latest):
             return True
-        return sum(self._fits(o.peak) for o in options) >= VERIFIED
+        return sum(self._fits(o.peak) for o in options) >= self.wanted
 
     def _fits(self, peak: int) -> bool:
         return peak + self.margin <= self.budget
@@ -807,6 +819,10 @@ class _Search:
         config = dataclasses.replace(self.config, **values).validate()
         check_config(config)
         check_launch(config, self.launch)
+        if self.optimizer_class is not None:
+            spec = resolve_optimizer_spec(config, self.launch)
+            if spec.class_path != self.optimizer_class:
+                raise EffitrainError(f"{spec.class_path}, not {self.optimizer_class}")
         return config
 
     # -- estimates -----------------------------------------------------------------------------
