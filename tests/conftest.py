@@ -19,18 +19,25 @@ os.environ.update(OFFLINE)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 LONGEST_FIRST = (
-    "tests/test_fsdp2_optim.py",
     "tests/test_plan.py",
-    "tests/test_distributed.py",
+    "tests/test_fsdp2_optim.py",
     "tests/test_estimate.py",
+    "tests/test_distributed.py",
     "tests/test_compare.py",
-    "tests/test_plan_launch.py",
-    "tests/test_lever_plugin.py",
+    "tests/test_loading.py",
+    "tests/test_optimizer_costs.py",
     "tests/test_resume.py",
+    "tests/test_grpo_memory.py",
+    "tests/test_tiled_mlp.py",
+    "tests/test_lever_plugin.py",
+    "tests/test_optim_ao.py",
+    "tests/test_resume_processes.py",
+    "tests/test_plan_launch.py",
 )
-"""The files that take longest, longest first (the suite's ``--durations``). Under ``-n 2 --dist
-loadfile`` xdist hands out whole files, by default those with the most tests first: a long file
-of few tests (launches, a subprocess) came last, and one worker waited for the other."""
+"""The files that take longest (10 s and more), longest first (each file's summed durations).
+Under ``-n 2 --dist loadfile`` xdist hands out whole files, by default those with the most tests
+first: a long file of few tests (launches, a subprocess) came last, and one worker waited for
+the other (test_grpo_memory.py's 15 s ended one worker's run 8 s after the other's)."""
 
 
 def _cache_typer_commands() -> None:
