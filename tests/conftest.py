@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,8 +22,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 LONGEST_FIRST = (
     "tests/test_plan.py",
     "tests/test_fsdp2_optim.py",
-    "tests/test_estimate.py",
     "tests/test_distributed.py",
+    "tests/test_estimate.py",
     "tests/test_compare.py",
     "tests/test_loading.py",
     "tests/test_optimizer_costs.py",
@@ -38,6 +39,26 @@ LONGEST_FIRST = (
 Under ``-n 2 --dist loadfile`` xdist hands out whole files, by default those with the most tests
 first: a long file of few tests (launches, a subprocess) came last, and one worker waited for
 the other (test_grpo_memory.py's 15 s ended one worker's run 8 s after the other's)."""
+
+
+SAME_WORKER = {"tests/test_fsdp2_optim.py": "tests/test_distributed.py"}
+"""Files whose tests xdist hands out as one (one worker runs both): they read the runs of one
+launch, :func:`two_process_launch`, which each worker would otherwise start again."""
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile``, with the files of :data:`SAME_WORKER` as one."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class OneLaunch(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return SAME_WORKER.get(scope, scope)
+
+    return OneLaunch(config, log)
 
 
 def _cache_typer_commands() -> None:
@@ -250,6 +271,28 @@ def lm_model_dir(tmp_path_factory) -> Path:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def two_process_launch(tmp_path_factory, no_dropout_model_dir, lm_model_dir) -> Any:
+    """The suite's two-process launch, one start-up for all: every DDP run of
+    tests/test_distributed.py (under the settings of cpu-2proc.yaml's launch) inside the launch
+    of tests/test_fsdp2_optim.py's FSDP2 runs (with the one-process launches before and after
+    it); one xdist worker runs both files (:data:`SAME_WORKER`)."""
+    from types import SimpleNamespace
+
+    from tests.test_distributed import ddp_launch_runs
+    from tests.test_fsdp2_optim import FSDP2_CONFIG, fsdp2_launches, plan_fsdp2_command
+
+    ddp_entries, ddp = ddp_launch_runs(
+        tmp_path_factory, no_dropout_model_dir, lm_model_dir, FSDP2_CONFIG
+    )
+    command = plan_fsdp2_command()
+    fsdp2 = fsdp2_launches(
+        tmp_path_factory, no_dropout_model_dir, lm_model_dir, command, ddp_entries
+    )
+    ddp.launched = fsdp2.two
+    return SimpleNamespace(ddp=ddp, fsdp2=fsdp2, fsdp2_command=command)
 
 
 @pytest.fixture(scope="session")

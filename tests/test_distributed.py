@@ -8,7 +8,9 @@ objects with the attributes :mod:`effitrain.distributed` reads; what those rules
 (FSDP1 flattens, FSDP2 DTensors crash Adafactor and bitsandbytes) is checked on real FSDP
 over gloo by ``fsdp_facts.py``, which uses torch directly (test_fsdp2_optim.py, in the launch of
 its own FSDP2 checks). Every two-process DDP ``effitrain train`` run of the suite (here, LoRA's,
-the causal LM's and the tiled MLP's included) runs in one launch, :func:`ddp_runs`.
+the causal LM's and the tiled MLP's included), :func:`ddp_launch_runs`, runs in the suite's one
+two-process launch (conftest's ``two_process_launch``, with test_fsdp2_optim.py's FSDP2 runs),
+under the settings of ``cpu-2proc.yaml``'s launch.
 """
 
 from __future__ import annotations
@@ -203,19 +205,21 @@ the KL to a frozen copy: two processes x one micro-batch of 2 prompts, or one pr
 accumulated."""
 
 
-@pytest.fixture(scope="module")
-def ddp_runs(tmp_path_factory, no_dropout_model_dir, lm_model_dir):
-    """Every two-process DDP ``effitrain train`` run of these tests, in ONE launch of the
-    shipped ``cpu-2proc.yaml`` (``tests/launch_runs.py``: one start-up for all), each file of
-    safetensors that a rank opens recorded (``tests/read_spy.py``):
+def ddp_launch_runs(
+    tmp_path_factory, no_dropout_model_dir: Path, lm_model_dir: Path, fsdp_config: Path
+) -> tuple[list[dict], SimpleNamespace]:
+    """Every two-process DDP ``effitrain train`` run of these tests, as runs of the suite's one
+    two-process launch (``conftest.two_process_launch``: a launch of ``fsdp_config``, each of
+    these runs under the settings ``cpu-2proc.yaml``'s launch gives, :func:`ddp_settings`),
+    each file of safetensors that a rank opens recorded (``tests/read_spy.py``):
 
     - ``two-proc``: an uninterrupted Adam-mini run with a checkpoint at step 3 (this and the
       other sequence-classification runs: on :func:`write_sentence_pairs`'s files);
-    - ``resumed``: the same run resumed from a copy of that checkpoint;
+    - ``two-proc-resumed``: the same run resumed from a copy of that checkpoint;
     - ``from-one-proc``: the same run resumed from a one-process run's step-3 checkpoint;
     - ``token-weighted``: one SGD step of two processes x two micro-batches of 2 uneven texts;
     - ``tiled``: the same step with ``--tiled-mlp`` (3 tiles);
-    - ``lora``: LoRA under DDP (where peft is installed);
+    - ``ddp-lora``: LoRA under DDP (where peft is installed);
     - ``causal-lm``: the causal-LM task with a sample prompt;
     - ``preference``: DPO on 24 of the preference demo's pairs, its reference log-probs
       precomputed;
@@ -223,13 +227,11 @@ def ddp_runs(tmp_path_factory, no_dropout_model_dir, lm_model_dir):
     - ``refused``: ``--optimizer-in-backward``, which DDP refuses (last: it trains nothing).
 
     Without ``ACCELERATE_USE_CPU`` where there is no GPU: the config file alone must give two
-    processes that train together.
+    processes that train together. Returns the runs and what the tests read (``launched``: the
+    launch, set once it ran).
     """
     import importlib.util
 
-    import torch
-
-    from tests.launch_runs import launch_runs
     from tests.test_causal_lm import SHORT, TEXT
 
     out = tmp_path_factory.mktemp("ddp")
@@ -249,7 +251,7 @@ def ddp_runs(tmp_path_factory, no_dropout_model_dir, lm_model_dir):
     runs = [
         {"name": "two-proc", "args": two_process_args(no_dropout_model_dir, out, out / "two-proc")},
         {
-            "name": "resumed",
+            "name": "two-proc-resumed",
             "args": two_process_args(
                 no_dropout_model_dir, out, out / "resumed", "--resume", "latest"
             ),
@@ -322,13 +324,46 @@ def ddp_runs(tmp_path_factory, no_dropout_model_dir, lm_model_dir):
     runs.append({"name": "grpo", "args": [*grpo, "--metrics-json", str(out / "grpo.json")]})
     if importlib.util.find_spec("peft") is not None:
         lora = ["train", "--model", model, *sentence_files(out), *LORA_DDP, "--batch-size", "8"]
-        runs.append({"name": "lora", "args": [*lora, "--output-dir", str(out / "lora")]})
+        runs.append({"name": "ddp-lora", "args": [*lora, "--output-dir", str(out / "lora")]})
     refused = ["train", "--optimizer-in-backward", "--max-steps", "1", "--model", model]
     runs.append({"name": "refused", "args": [*refused, "--output-dir", str(out / "refused")]})
-    launched = launch_runs(out, runs, use_cpu_env=torch.cuda.is_available(), timeout=500)
-    return SimpleNamespace(
-        launched=launched, out=out, uneven=uneven, model=no_dropout_model_dir, lm=lm_model_dir
+    settings = ddp_settings(fsdp_config)
+    runs = [{**run, **settings} for run in runs]
+    return runs, SimpleNamespace(
+        launched=None, out=out, uneven=uneven, model=no_dropout_model_dir, lm=lm_model_dir
     )
+
+
+def ddp_settings(config: Path) -> dict:
+    """``env`` and ``unset`` that make a run of a two-process launch of ``config`` a run of
+    ``cpu-2proc.yaml``'s launch: its variables, by accelerate's own parsing, and none of the
+    others (nor ``ACCELERATE_USE_CPU`` where there is no GPU, as :func:`launch` leaves it)."""
+    import torch
+
+    ddp = launch_environment(["--config_file", str(CPU_CONFIG)])
+    other = launch_environment(["--config_file", str(config), "--num_processes", "2"])
+    unset = set(other) - set(ddp)
+    if not torch.cuda.is_available():
+        unset.add("ACCELERATE_USE_CPU")
+    return {"env": ddp, "unset": sorted(unset)}
+
+
+def launch_environment(words: list[str]) -> dict[str, str]:
+    """The variables that ``accelerate launch WORDS`` sets for its processes (two or more), by
+    accelerate's own parsing and environment (as test_plan_launch.py reads a printed command)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args([*words, "script.py"])
+    args, _, _ = _validate_launch_command(args)
+    before = dict(os.environ)
+    return {k: v for k, v in prepare_multi_gpu_env(args).items() if before.get(k) != v}
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(two_process_launch):
+    """:func:`ddp_launch_runs`' runs, run (conftest's ``two_process_launch``)."""
+    return two_process_launch.ddp
 
 
 @pytest.fixture(scope="module")
@@ -339,7 +374,7 @@ def two_process_run(ddp_runs):
     return SimpleNamespace(
         out=out,
         data=ddp_runs.out,
-        spy=ddp_runs.out,
+        spy=ddp_runs.launched.out,
         stdout=ddp_runs.launched.stdout("two-proc"),
         metrics=json.loads((out / "metrics.json").read_text()),
     )
@@ -350,7 +385,7 @@ def test_a_refused_launch_prints_one_error_line(ddp_runs):
     """Every process meets DDP's refusal of ``--optimizer-in-backward``: each exits 1, only
     the main one prints, and it prints the one line and nothing else."""
     ddp_runs.launched.assert_ran("refused", codes=(1, 1))
-    rank0, rank1 = (ddp_runs.out / f"refused.rank{rank}.stderr" for rank in (0, 1))
+    rank0, rank1 = (ddp_runs.launched.out / f"refused.rank{rank}.stderr" for rank in (0, 1))
     assert rank0.read_text() == (
         "error: --optimizer-in-backward cannot run on DDP over 2 processes (gloo): each update "
         "runs as soon as this process's gradient is ready, before the processes average their "
@@ -458,6 +493,7 @@ def test_two_processes_match_one_process(
     assert data["num_processes"] == 2
     assert [r["rank"] for r in data["ranks"]] == [0, 1]
     assert data["sharding"]["kind"] == "ddp" and "gloo" in data["sharding"]["description"]
+    assert data["mixed_precision"] == "no"  # cpu-2proc.yaml's, not the shared launch's FSDP bf16
     first, second = data["ranks"]
     assert first["parameter_checksum"] == second["parameter_checksum"]
     # Only the main process read the checkpoint: DDP's wrap sent rank 1, built empty, its
@@ -510,9 +546,9 @@ def test_two_processes_match_one_process(
 @pytest.mark.slow
 def test_two_process_resume_is_exact(ddp_runs, two_process_run):
     """Resume the step-3 checkpoint with two processes: same weights."""
-    ddp_runs.launched.assert_ran("resumed")
+    ddp_runs.launched.assert_ran("two-proc-resumed")
     out = ddp_runs.out / "resumed"
-    assert ddp_runs.launched.stdout("resumed").count("resumed from") == 1
+    assert ddp_runs.launched.stdout("two-proc-resumed").count("resumed from") == 1
     resumed = json.loads((out / "metrics.json").read_text())
     assert resumed["num_processes"] == 2 and len(resumed["ranks"]) == 2
     assert resumed["global_steps"] == 6
@@ -584,8 +620,8 @@ def test_lora_with_two_ddp_processes_matches_one_process(ddp_runs, train_cli, tm
     import torch
     from safetensors.torch import load_file
 
-    ddp_runs.launched.assert_ran("lora")
-    assert ddp_runs.launched.stdout("lora").count("  lever     LoRA r=4") == 1
+    ddp_runs.launched.assert_ran("ddp-lora")
+    assert ddp_runs.launched.stdout("ddp-lora").count("  lever     LoRA r=4") == 1
     one = train_cli(
         "train", "--model", str(ddp_runs.model), *sentence_files(ddp_runs.out), *LORA_DDP,
         "--batch-size", "16",

@@ -5,16 +5,16 @@ One process: the sharded step, forced on plain tensors, is the library's step op
 (bit-identical). Two processes over gloo (``fsdp2_factored.py``, real torch FSDP2): equal to one
 process on the same global batch, each rank's state counted by the ledger, and checkpoints that
 resume bit for bit. The same script checks the facts behind the FSDP refusals
-(``fsdp_facts.py``); it runs last in the two-process launch of :func:`fsdp2_runs`, which also
-holds ``effitrain train``'s FSDP2 runs (resuming across process counts, LoRA and QLoRA), the
-command ``effitrain plan`` prints for FSDP2, and context parallelism's two ranks: one launch's
-start-up for all of them.
+(``fsdp_facts.py``); it runs last in the two-process launch of :func:`fsdp2_launches`, which
+also holds ``effitrain train``'s FSDP2 runs (resuming across process counts, LoRA and QLoRA),
+the command ``effitrain plan`` prints for FSDP2, context parallelism's two ranks, and
+test_distributed.py's DDP runs: one launch's start-up for all of them (conftest's
+``two_process_launch``).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import shutil
 from pathlib import Path
@@ -208,10 +208,9 @@ def test_only_fsdp2_placements_are_accepted():
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def fsdp2_command() -> str:
-    """The first command of a plan for two FSDP2 processes on GPUs (one plan for the tests
-    that read it; verified in this process, as conftest's session setting says)."""
+def plan_fsdp2_command() -> str:
+    """The first command of a plan for two FSDP2 processes on GPUs (verified in this process,
+    as conftest's session setting says)."""
     from tests.conftest import train_in_process
     from tests.test_plan import LM, ONE
 
@@ -221,17 +220,10 @@ def fsdp2_command() -> str:
     return json.loads(proc.stdout)["candidates"][0]["command"]
 
 
-def launch_environment(words: list[str]) -> dict[str, str]:
-    """The variables that ``accelerate launch WORDS`` sets for its processes, by accelerate's
-    own parsing and environment (as test_plan_launch.py reads a printed command)."""
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_multi_gpu_env
-
-    args = launch_command_parser().parse_args([*words, "script.py"])
-    args, _, _ = _validate_launch_command(args)
-    assert args.use_fsdp and args.num_processes == 2
-    before = dict(os.environ)
-    return {k: v for k, v in prepare_multi_gpu_env(args).items() if before.get(k) != v}
+@pytest.fixture(scope="module")
+def fsdp2_command(two_process_launch) -> str:
+    """:func:`plan_fsdp2_command`'s, the one the shared launch ran."""
+    return two_process_launch.fsdp2_command
 
 
 def printed_command_run(command: str, data: list[str]) -> dict:
@@ -240,7 +232,7 @@ def printed_command_run(command: str, data: list[str]) -> dict:
     shipped config's, which the launch was started with: those the flags do not set are
     removed), on the CPU processes (tests/fsdp2_cpu_launch.py, in every run of the launch: FSDP
     on gloo)."""
-    from tests.test_distributed import REPO
+    from tests.test_distributed import REPO, launch_environment
 
     words = shlex.split(command)
     module = words.index("-m")
@@ -248,6 +240,8 @@ def printed_command_run(command: str, data: list[str]) -> dict:
     assert words[module + 1 : module + 3] == ["effitrain", "train"]
     config = REPO / "configs" / "accelerate" / "fsdp2-full-shard.yaml"
     printed = launch_environment(words[2:module])
+    assert printed.get("ACCELERATE_USE_FSDP") == "true", printed
+    assert words[words.index("--num_processes") + 1] == "2", command
     shipped = launch_environment(["--config_file", str(config), "--num_processes", "2"])
     assert printed != shipped  # else this run would not show that the flags suffice
     return {
@@ -260,10 +254,17 @@ def printed_command_run(command: str, data: list[str]) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def fsdp2_runs(tmp_path_factory, no_dropout_model_dir, lm_model_dir, fsdp2_command):
+FSDP2_CONFIG = (
+    Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "fsdp2-full-shard.yaml"
+)
+
+
+def fsdp2_launches(
+    tmp_path_factory, no_dropout_model_dir: Path, lm_model_dir: Path, command: str, more: list[dict]
+) -> SimpleNamespace:
     """Every run under Accelerate's FSDP2 (the shipped config, through
-    ``tests/launch_runs.py``) in as few launches as their order allows:
+    ``tests/launch_runs.py``) in as few launches as their order allows, ``more`` (the DDP runs
+    of test_distributed.py) in the two-process launch before ``fsdp-facts``:
 
     - a run without FSDP, in this process (``plain``: its checkpoint an FSDP launch refuses);
     - one process: ``one`` (adamw, 8 x 2 accumulated, saving at step 2);
@@ -282,10 +283,10 @@ def fsdp2_runs(tmp_path_factory, no_dropout_model_dir, lm_model_dir, fsdp2_comma
     """
     from tests.conftest import train_in_process
     from tests.launch_runs import launch_runs
-    from tests.test_distributed import REPO, sentence_files, write_sentence_pairs
+    from tests.test_distributed import sentence_files, write_sentence_pairs
 
     out = tmp_path_factory.mktemp("fsdp2-runs")
-    config = REPO / "configs" / "accelerate" / "fsdp2-full-shard.yaml"
+    config = FSDP2_CONFIG
     write_sentence_pairs(out)  # small files: each rank of each run tokenizes 168 pairs
     write_reports(out)
     adafactor = ["--optim", "adafactor", "--max-steps", "4", "--save-every", "2",
@@ -316,9 +317,10 @@ def fsdp2_runs(tmp_path_factory, no_dropout_model_dir, lm_model_dir, fsdp2_comma
         resume("one-to-two", "one", adamw, "--grad-accum", "2"),
         resume("plain-under-fsdp", "plain", adamw, "--grad-accum", "2"),
         *lora_runs_of_the_launch(out, lm_model_dir),
-        printed_command_run(fsdp2_command, report_files(out)),
-        {"name": "context-parallel", "script": str(REPO / "tests" / "context_parallel_ranks.py"),
+        printed_command_run(command, report_files(out)),
+        {"name": "context-parallel", "script": str(Path(__file__).with_name("context_parallel_ranks.py")),
          "env": {"CP_RANKS_DIR": str(out / "context-parallel")}},
+        *more,
         {"name": "fsdp-facts", "script": str(Path(__file__).with_name("fsdp2_factored.py")),
          "env": {"FSDP_FACTS_DIR": str(out / "facts")}},
     ]  # fmt: skip
@@ -334,6 +336,12 @@ def fsdp2_runs(tmp_path_factory, no_dropout_model_dir, lm_model_dir, fsdp2_comma
         facts=out / "facts",
         lora=lora_results(out, lm_model_dir, two),
     )
+
+
+@pytest.fixture(scope="module")
+def fsdp2_runs(two_process_launch):
+    """:func:`fsdp2_launches`' runs, run (conftest's ``two_process_launch``)."""
+    return two_process_launch.fsdp2
 
 
 @pytest.mark.slow
