@@ -23,6 +23,8 @@ LONGEST_FIRST = (
     "tests/test_plan.py",
     "tests/test_fsdp2_optim.py",
     "tests/test_distributed.py",
+    "tests/test_optim_ao.py",
+    "tests/test_optimizers_learn.py",
     "tests/test_estimate.py",
     "tests/test_compare.py",
     "tests/test_loading.py",
@@ -31,19 +33,25 @@ LONGEST_FIRST = (
     "tests/test_grpo_memory.py",
     "tests/test_tiled_mlp.py",
     "tests/test_lever_plugin.py",
-    "tests/test_optim_ao.py",
     "tests/test_resume_processes.py",
     "tests/test_plan_launch.py",
 )
-"""The files that take longest (10 s and more), longest first (each file's summed durations).
-Under ``-n 2 --dist loadfile`` xdist hands out whole files, by default those with the most tests
+"""The files that take longest (10 s and more), longest first (each file's summed durations;
+torchao's compiled updates where inductor's compile cache is empty, as on CI). Under ``-n 2
+--dist loadfile`` xdist hands out whole files, by default those with the most tests
 first: a long file of few tests (launches, a subprocess) came last, and one worker waited for
 the other (test_grpo_memory.py's 15 s ended one worker's run 8 s after the other's)."""
 
 
-SAME_WORKER = {"tests/test_fsdp2_optim.py": "tests/test_distributed.py"}
-"""Files whose tests xdist hands out as one (one worker runs both): they read the runs of one
-launch, :func:`two_process_launch`, which each worker would otherwise start again."""
+SAME_WORKER = {
+    "tests/test_fsdp2_optim.py": "tests/test_distributed.py",
+    "tests/test_optimizers_learn.py": "tests/test_optim_ao.py",
+}
+"""Files whose tests xdist hands out as one (one worker runs both): the runs of one launch,
+:func:`two_process_launch`, which each worker would otherwise start again; torchao's compiled
+updates on the tiny preset's shapes, which inductor compiles once per process (on a machine
+whose compile cache is empty, as CI's, about 25 s to start compiling and 10-20 s per optimizer:
+a minute of compiling saved)."""
 
 
 @pytest.hookimpl(optionalhook=True)
