@@ -90,9 +90,13 @@ class Verifiers:
         workers = list(self._pool._processes.values()) if stopped else []
         for process in workers:
             process.terminate()
-        self._pool.shutdown(wait=not workers, cancel_futures=True)
         for process in workers:
             process.join()
+        # Its manager thread too, which sees its workers gone and ends: one still running at
+        # exit races Python's exit hook for pools (concurrent.futures.process._python_exit
+        # wakes it through a pipe the thread may be closing), whose traceback then followed
+        # the plan's one line (seen once, under load).
+        self._pool.shutdown(wait=True, cancel_futures=True)
         self._pool = None
 
 
