@@ -49,9 +49,8 @@ SAME_WORKER = {
 }
 """Files whose tests xdist hands out as one (one worker runs both): the runs of one launch,
 :func:`two_process_launch`, which each worker would otherwise start again; torchao's compiled
-updates on the tiny preset's shapes, which inductor compiles once per process (on a machine
-whose compile cache is empty, as CI's, about 25 s to start compiling and 10-20 s per optimizer:
-a minute of compiling saved)."""
+update on the tiny preset's shapes (test_optim_ao.COMPILED), which inductor compiles once per
+process (40 s of a CPU where its compile cache is empty, as on CI)."""
 
 
 @pytest.hookimpl(optionalhook=True)
