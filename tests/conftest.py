@@ -48,9 +48,9 @@ SAME_WORKER = {
     "tests/test_optimizers_learn.py": "tests/test_optim_ao.py",
 }
 """Files whose tests xdist hands out as one (one worker runs both): the runs of one launch,
-:func:`two_process_launch`, which each worker would otherwise start again; torchao's compiled
-update on the tiny preset's shapes (test_optim_ao.COMPILED), which inductor compiles once per
-process (40 s of a CPU where its compile cache is empty, as on CI)."""
+:func:`two_process_launch`, which each worker would otherwise start again; torchao's traced
+updates on the tiny preset's shapes (``traced_not_inductor``), which dynamo traces once per
+process."""
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -233,6 +233,27 @@ def uncompiled(monkeypatch):
     import torch
 
     monkeypatch.setattr(torch, "compile", lambda function=None, **_options: function)
+
+
+@pytest.fixture
+def traced_not_inductor(monkeypatch):
+    """``torch.compile`` as asked (torchao asks for ``fullgraph=True``), with dynamo's
+    ``eager`` backend: the update is traced whole into a graph (a graph break fails, as it
+    would compiled) and the graph runs eagerly. Inductor's C++ kernels are not built: where
+    its cache is empty (CI, a fresh venv) they took a CPU 40 s for one optimizer and 80 s for
+    torchao's three. Those kernels are PyTorch's and torchao's; effitrain's part is the step
+    compiled inside its loop."""
+    import torch
+
+    real = torch.compile
+
+    def traced(model: Any = None, **options: Any) -> Any:
+        options["backend"] = "eager"
+        if model is None:
+            return lambda function: real(function, **options)
+        return real(model, **options)
+
+    monkeypatch.setattr(torch, "compile", traced)
 
 
 @pytest.fixture(scope="session")

@@ -3,10 +3,9 @@ checkpoints, inspect-state, refusals.
 
 torchao compiles its update (inductor) once per parameter shape, seconds each on a CPU. The
 unit tests run the same update uncompiled (the ``uncompiled`` fixture); the runs through the CLI
-(slow) count their checkpoints' state to the byte, :data:`COMPILED`'s with its update compiled
-on the tiny preset's shapes. The other two run theirs uncompiled: the compiled path through
-effitrain (its step under the loop, the checkpoints, the resume) is the same for all three,
-and where inductor's cache is empty (CI) each one's compile cost 10-40 s of a CPU.
+(slow) trace it whole as torchao compiles it, on the tiny preset's shapes, but run the graph
+without inductor's kernels (conftest's ``traced_not_inductor``), and count their checkpoints'
+state to the byte.
 """
 
 from __future__ import annotations
@@ -28,9 +27,6 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("torchao")
 
 NAMES = {"adamw-8bit-ao": "AdamW8bit", "adamw-4bit": "AdamW4bit", "adamw-fp8": "AdamWFp8"}
-COMPILED = "adamw-8bit-ao"
-"""The one whose runs through the CLI compile its update (test_optimizers_learn.py's too: one
-xdist worker runs both files, conftest.SAME_WORKER, so inductor compiles it once)."""
 
 # Each quantized state tensor, read from torchao 0.18's subclass_*.py (not from the objects):
 # (bytes per element of its codes, elements per fp32 scale = block size, fp32 qmap entries).
@@ -287,15 +283,15 @@ def test_registry_entries():
 
 
 # --------------------------------------------------------------------------------------------
-# through the CLI (COMPILED's update compiled): exact resume, inspect-state on its checkpoint
+# through the CLI, the update traced whole: exact resume, inspect-state on its checkpoint
 # --------------------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(NAMES))
-def test_resume_is_exact_and_inspect_state_names_it(name, train_cli, data, tmp_path, request):
-    if name != COMPILED:
-        request.getfixturevalue("uncompiled")
+def test_resume_is_exact_and_inspect_state_names_it(
+    name, train_cli, data, tmp_path, traced_not_inductor
+):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     options = ("--optim", name, "--max-steps", "8", "--save-every", "4")
     proc = train_cli(*train_args(data, straight, *options))
@@ -327,7 +323,7 @@ def test_resume_is_exact_and_inspect_state_names_it(name, train_cli, data, tmp_p
         assert row["second_moment"] == expected, row
         seen.add(is_quantized)
     assert seen == {True, False}  # both sides of torchao's rule in the tiny model
-    # After 8 updates (compiled: COMPILED's), the state is still the layout's, to the byte.
+    # After 8 traced updates, the state is still the layout's, to the byte.
     shapes = [tuple(row["shape"]) for row in report["largest"]]
     assert len(shapes) == report["optimizer_state"]["params_with_state"] == 40
     state = report["optimizer_state"]

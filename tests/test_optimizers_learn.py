@@ -84,10 +84,9 @@ def test_torchao_overfits_with_its_update_run_eagerly(name, examples, uncompiled
 
 
 @pytest.mark.slow
-def test_torchao_overfits_with_its_compiled_update(examples):
-    # test_optim_ao.COMPILED, on the tiny preset's shapes and parameter groups as in
-    # test_optim_ao's runs: one xdist worker runs both files (conftest.SAME_WORKER), so the
-    # compiled graphs are shared. The other two learn with their update run eagerly (above).
-    from tests.test_optim_ao import COMPILED
-
-    overfit(COMPILED, examples)
+@pytest.mark.parametrize("name", TORCHAO)
+def test_torchao_overfits_with_its_traced_update(name, examples, traced_not_inductor):
+    # The update traced whole, as torchao compiles it (no inductor kernels), on the tiny
+    # preset's shapes and parameter groups as in test_optim_ao's runs: one xdist worker runs
+    # both files (conftest.SAME_WORKER), so the traced graphs are shared.
+    overfit(name, examples)
