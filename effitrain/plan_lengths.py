@@ -61,8 +61,8 @@ def longest_fitting(peak: Callable[[int], int], room: int, cap: int) -> Found:
     nothing does); the bracket then narrows where the line through its ends meets ``room``
     (peaks are near-linear in length: it lands within a step or two), the Illinois way where
     one end stays (its distance from ``room`` halved each time the other end moves again: a
-    convex peak does not creep), until no grid length is left between the ends. ``cap`` need not be on the grid: it is tried
-    itself where the grid would pass it.
+    convex peak does not creep), until no grid length is left between the ends. ``cap`` need
+    not be on the grid: it is tried itself where the grid would pass it.
     """
     peaks: dict[int, int] = {}
     fits: int | None = None  # the longest tried that fits

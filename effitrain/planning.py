@@ -442,9 +442,10 @@ def _verify(
 ) -> list[tuple[Option, StepCost | None, int, Estimate | None]]:
     """The fitting options ranked by modeled time, the first ``search.wanted`` (default
     :data:`VERIFIED`) by a full estimate each (those that do not fit once verified are dropped),
-    re-ranked until the first ``search.wanted`` are all verified or :data:`MAX_VERIFICATIONS` estimates were made, and
-    past that until one verified fits or none is left (each row: the option, its cost, its
-    peak, and the estimate that verified it, if one did: only those are answers)."""
+    re-ranked until the first ``search.wanted`` are all verified or :data:`MAX_VERIFICATIONS`
+    estimates were made, and past that until one verified fits or none is left (each row: the
+    option, its cost, its peak, and the estimate that verified it, if one did: only those are
+    answers)."""
     while True:
         ranked: list[tuple[Option, StepCost | None, int, Estimate | None]] = []
         for index, screened in enumerate(fitting):

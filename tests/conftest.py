@@ -36,9 +36,8 @@ LONGEST_FIRST = (
     "tests/test_resume_processes.py",
     "tests/test_plan_launch.py",
 )
-"""The files that take longest (10 s and more), longest first (each file's summed durations;
-torchao's compiled updates where inductor's compile cache is empty, as on CI). Under ``-n 2
---dist loadfile`` xdist hands out whole files, by default those with the most tests
+"""The files that take longest (10 s and more), longest first (each file's summed durations).
+Under ``-n 2 --dist loadfile`` xdist hands out whole files, by default those with the most tests
 first: a long file of few tests (launches, a subprocess) came last, and one worker waited for
 the other (test_grpo_memory.py's 15 s ended one worker's run 8 s after the other's)."""
 
@@ -229,7 +228,7 @@ def train_cli():
 def uncompiled(monkeypatch):
     """``torch.compile(f)`` returns ``f``: torchao's optimizers run their update eagerly, the
     same function without inductor's compile (seconds per parameter shape on a CPU). Tests of
-    the compiled update itself do not use this."""
+    the update as torchao compiles it take ``traced_not_inductor`` instead."""
     import torch
 
     monkeypatch.setattr(torch, "compile", lambda function=None, **_options: function)

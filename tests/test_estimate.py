@@ -673,7 +673,7 @@ def test_torchao_state_from_its_own_allocation(
     it (its own state allocation). The state still equals a real run's to the byte (a real run
     does not measure torchao's step by kind, so there is no peak to compare). The run's update
     runs eagerly (``uncompiled``): it writes into the state torchao allocated, in place, the
-    compiled one too (test_optim_ao.py checks the state after compiled steps)."""
+    compiled one too (test_optim_ao.py checks the state after steps traced as compiled)."""
     from effitrain import estimation
     from effitrain.cli.compare import train_config
 

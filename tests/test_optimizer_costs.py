@@ -9,7 +9,7 @@ of a forward and backward pass, and GaLore's SVD of each gradient (whose values 
 projection) is replaced by zero factors of the shapes and column-major layout LAPACK returns
 (:func:`shapes_only`). torchao's optimizers allocate their state (its quantize-or-not
 rule included) before their compiled update, which is not run here: the update writes into that
-state in place (test_optim_ao.py checks the state after real compiled steps).
+state in place (test_optim_ao.py checks the state after steps traced as torchao compiles them).
 """
 
 from __future__ import annotations
