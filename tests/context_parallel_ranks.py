@@ -22,13 +22,21 @@ from effitrain.levers.context_parallel import sharded_batch
 from effitrain.tasks.lm_loss import step_scale
 
 
-def main() -> None:
-    rank = PartialState(cpu=True).process_index  # the launch's gloo group, made or reused
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+def example() -> tuple[torch.Tensor, torch.Tensor, torch.nn.Module, torch.nn.Module]:
+    """The batch's token ids and labels (the first row's first 3 tokens a prompt not trained
+    on) and the position-wise LM's embedding and head, drawn from seed 0 in that order: each
+    rank's, and the one process's that test_two_cp_ranks_on_gloo compares them with."""
     torch.manual_seed(0)
     ids = torch.randint(0, 13, (2, 8))
     labels = ids.clone()
-    labels[0, :3] = -100  # a prompt that is not trained on
+    labels[0, :3] = -100
+    return ids, labels, torch.nn.Embedding(13, 4), torch.nn.Linear(4, 13)
+
+
+def main() -> None:
+    rank = PartialState(cpu=True).process_index  # the launch's gloo group, made or reused
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    ids, labels, embed, head = example()
     batch = {"input_ids": ids.clone(), "labels": labels, "attention_mask": torch.ones_like(ids)}
     batch["document_lengths"] = ((8,), (8,))  # the whole rows', as the collator gives them
     accelerator = SimpleNamespace(
@@ -39,7 +47,6 @@ def main() -> None:
         maybe_context_parallel=lambda **kw: context_parallel(mesh, **kw),
     )
     scale = step_scale([batch], accelerator)
-    embed, head = torch.nn.Embedding(13, 4), torch.nn.Linear(4, 13)
     with sharded_batch(accelerator, batch):
         logits = head(embed(batch["input_ids"]))
         losses = torch.nn.functional.cross_entropy(

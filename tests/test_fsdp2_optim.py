@@ -232,17 +232,16 @@ def printed_command_run(command: str, data: list[str]) -> dict:
     shipped config's, which the launch was started with: those the flags do not set are
     removed), on the CPU processes (tests/fsdp2_cpu_launch.py, in every run of the launch: FSDP
     on gloo)."""
-    from tests.test_distributed import REPO, launch_environment
+    from tests.test_distributed import launch_environment
 
     words = shlex.split(command)
     module = words.index("-m")
     assert words[:2] == ["accelerate", "launch"]
     assert words[module + 1 : module + 3] == ["effitrain", "train"]
-    config = REPO / "configs" / "accelerate" / "fsdp2-full-shard.yaml"
     printed = launch_environment(words[2:module])
     assert printed.get("ACCELERATE_USE_FSDP") == "true", printed
     assert words[words.index("--num_processes") + 1] == "2", command
-    shipped = launch_environment(["--config_file", str(config), "--num_processes", "2"])
+    shipped = launch_environment(["--config_file", str(FSDP2_CONFIG), "--num_processes", "2"])
     assert printed != shipped  # else this run would not show that the flags suffice
     return {
         "name": "printed-command",
@@ -286,7 +285,6 @@ def fsdp2_launches(
     from tests.test_distributed import sentence_files, write_sentence_pairs
 
     out = tmp_path_factory.mktemp("fsdp2-runs")
-    config = FSDP2_CONFIG
     write_sentence_pairs(out)  # small files: each rank of each run tokenizes 168 pairs
     write_reports(out)
     adafactor = ["--optim", "adafactor", "--max-steps", "4", "--save-every", "2",
@@ -308,7 +306,9 @@ def fsdp2_launches(
         *train("plain", adamw, "--grad-accum", "2", "--max-steps", "2")["args"]
     )
     assert plain.returncode == 0, plain.stdout + plain.stderr
-    one = launch_runs(out, [train("one", adamw, "--grad-accum", "2")], config=config, processes=1)
+    one = launch_runs(
+        out, [train("one", adamw, "--grad-accum", "2")], config=FSDP2_CONFIG, processes=1
+    )
     one.assert_ran("one", codes=(0, None))
     runs = [
         train("straight", adafactor),
@@ -318,7 +318,8 @@ def fsdp2_launches(
         resume("plain-under-fsdp", "plain", adamw, "--grad-accum", "2"),
         *lora_runs_of_the_launch(out, lm_model_dir),
         printed_command_run(command, report_files(out)),
-        {"name": "context-parallel", "script": str(Path(__file__).with_name("context_parallel_ranks.py")),
+        {"name": "context-parallel",
+         "script": str(Path(__file__).with_name("context_parallel_ranks.py")),
          "env": {"CP_RANKS_DIR": str(out / "context-parallel")}},
         *more,
         {"name": "fsdp-facts", "script": str(Path(__file__).with_name("fsdp2_factored.py")),
@@ -326,8 +327,8 @@ def fsdp2_launches(
     ]  # fmt: skip
     (out / "facts").mkdir()
     (out / "context-parallel").mkdir()
-    two = launch_runs(out, runs, config=config, timeout=900)
-    back = launch_runs(out, [resume("two-to-one", "two", adamw)], config=config, processes=1)
+    two = launch_runs(out, runs, config=FSDP2_CONFIG, timeout=900)
+    back = launch_runs(out, [resume("two-to-one", "two", adamw)], config=FSDP2_CONFIG, processes=1)
     return SimpleNamespace(
         out=out,
         adafactor=adafactor,
@@ -675,14 +676,12 @@ def test_two_cp_ranks_on_gloo(fsdp2_runs):
     position and the label of the token after it; the two ranks' loss and gradient equal one
     process's token mean over the whole batch."""
     from effitrain.tasks.lm_loss import shifted_labels
+    from tests.context_parallel_ranks import example
 
     fsdp2_runs.two.assert_ran("context-parallel")
     folder = fsdp2_runs.out / "context-parallel"
     ranks = [torch.load(folder / f"rank{r}.pt") for r in (0, 1)]
-    torch.manual_seed(0)
-    ids = torch.randint(0, 13, (2, 8))
-    labels = ids.clone()
-    labels[0, :3] = -100
+    ids, labels, embed, head = example()
     shifted = shifted_labels(labels)  # the causal-LM loss's shift
     for rank, got in enumerate(ranks):
         chunks = [rank, 3 - rank]
@@ -691,7 +690,6 @@ def test_two_cp_ranks_on_gloo(fsdp2_runs):
         assert torch.equal(got["positions"], positions.repeat(2, 1))
         assert torch.equal(got["ids"], ids[:, positions])
         assert torch.equal(got["shift_labels"], shifted[:, positions])
-    embed, head = torch.nn.Embedding(13, 4), torch.nn.Linear(4, 13)
     loss = torch.nn.functional.cross_entropy(
         head(embed(ids)).flatten(0, 1), shifted.flatten(), ignore_index=-100
     )
