@@ -304,8 +304,8 @@ def lm_model_dir(tmp_path_factory) -> Path:
 def two_process_launch(tmp_path_factory, no_dropout_model_dir, lm_model_dir) -> Any:
     """The suite's two-process launch, one start-up for all: every DDP run of
     tests/test_distributed.py (under the settings of cpu-2proc.yaml's launch) inside the launch
-    of tests/test_fsdp2_optim.py's FSDP2 runs (with the one-process launches before and after
-    it); one xdist worker runs both files (:data:`SAME_WORKER`)."""
+    of tests/test_fsdp2_optim.py's FSDP2 runs (with its one-process runs before and after it);
+    one xdist worker runs both files (:data:`SAME_WORKER`)."""
     from types import SimpleNamespace
 
     from tests.test_distributed import ddp_launch_runs

@@ -17,6 +17,8 @@ Accelerate's and effitrain's unchanged code.
 """
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, parse_flag_from_env
@@ -55,6 +57,17 @@ def _init(self, *args, cpu=False, **kwargs):
 
 
 AcceleratorState.__init__ = _init
+
+
+@contextmanager
+def fsdp_on_cpu() -> Iterator[None]:
+    """The patch for a block of a process that goes on afterwards (a test's), then Accelerate
+    as it was."""
+    AcceleratorState.__init__ = _init
+    try:
+        yield
+    finally:
+        AcceleratorState.__init__ = _original_init
 
 
 if __name__ == "__main__":

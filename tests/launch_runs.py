@@ -18,6 +18,7 @@ opens are recorded under its name (:mod:`tests.read_spy`). ``fsdp2_cpu_launch`` 
 choose FSDP on CPU processes (it changes nothing when FSDP is not asked for).
 
 :func:`launch_runs` is the test side: it writes ``runs.json``, launches, and reads back.
+:func:`one_rank_here` runs one entry as a launch of one process would, in the test's process.
 """
 
 from __future__ import annotations
@@ -102,11 +103,46 @@ class Launched:
         assert self.codes(name) == list(codes), self.tail(name)
 
 
+def one_rank_here(out: Path, entry: dict, config: Path) -> Launched:
+    """``entry`` as the one process of ``accelerate launch --config_file CONFIG
+    --num_processes 1`` would run it, in this process: the variables of that launch (by
+    accelerate's own parsing) and of torchrun's one rank, a process group of one, FSDP on CPU
+    as in a launch (:mod:`tests.fsdp2_cpu_launch`); read back as a launch's run. A launch of
+    one paid seconds of start-up (two processes importing torch and transformers) for a run
+    of one second."""
+    import torch.distributed as dist
+
+    from tests.conftest import OFFLINE
+    from tests.fsdp2_cpu_launch import fsdp_on_cpu
+    from tests.test_distributed import free_port, launch_environment
+
+    rank = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+            "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # fmt: skip
+    environment = launch_environment(["--config_file", str(config), "--num_processes", "1"])
+    environment |= {**rank, **OFFLINE, "ACCELERATE_USE_CPU": "1", "COLUMNS": "200"}
+    if entry.get("copy"):
+        shutil.copytree(*entry["copy"])
+    stem = out / f"{entry['name']}.rank0"
+    try:
+        with (
+            open(f"{stem}.stdout", "w") as printed,
+            open(f"{stem}.stderr", "w") as err,
+            contextlib.redirect_stdout(printed),
+            contextlib.redirect_stderr(err),
+            fsdp_on_cpu(),
+        ):
+            code = run({**entry, "env": {**environment, **entry.get("env", {})}})
+    finally:
+        if dist.is_initialized():  # made by the run's Accelerator
+            dist.destroy_process_group()
+    Path(f"{stem}.json").write_text(json.dumps(code))
+    return Launched(out, subprocess.CompletedProcess([entry["name"]], 0, "", ""))
+
+
 def launch_runs(out: Path, runs: list[dict], **launch_options) -> Launched:
     """Run ``runs`` (``{"name", "args", "copy"?}`` or ``{"name", "script"}``, each with
-    ``env``/``unset`` where given) in one launch (two processes unless ``processes=1`` says one)
-    with their files under ``out``; ``launch_options`` go to
-    :func:`tests.test_distributed.launch`."""
+    ``env``/``unset`` where given) in one launch of two processes, with their files under
+    ``out``; ``launch_options`` go to :func:`tests.test_distributed.launch`."""
     from tests.test_distributed import launch
 
     (out / "runs.json").write_text(json.dumps(runs))

@@ -58,15 +58,13 @@ def launch(
     config: Path = CPU_CONFIG,
     script: Path | None = None,
     extra_env: dict[str, str] | None = None,
-    processes: int = 2,
 ) -> subprocess.CompletedProcess:
     """``accelerate launch`` two CPU processes running ``effitrain ARGS``.
 
     The config file is the shipped ``cpu-2proc.yaml`` unless ``config`` says otherwise; the
     port is a free one. ``no_python``: the console-script form (``--no_python effitrain …``)
     instead of ``-m effitrain …``; ``script``: a Python file to run instead (effitrain's CLI
-    behind a harness, or a test script); ``extra_env``: more environment variables;
-    ``processes``: how many (with another config file than ``cpu-2proc.yaml``).
+    behind a harness, or a test script); ``extra_env``: more environment variables.
     ``use_cpu_env``: set ``ACCELERATE_USE_CPU=1``; without it, on a machine without GPUs,
     effitrain itself must put the processes on CPU (``distributed.cpu_for_launch``).
     """
@@ -95,7 +93,7 @@ def launch(
         "accelerate.commands.launch",
         "--config_file",
         str(config),
-        *(("--num_processes", str(processes)) if config != CPU_CONFIG else ()),
+        *(("--num_processes", "2") if config != CPU_CONFIG else ()),
         "--main_process_port",
         str(free_port()),
         *target,

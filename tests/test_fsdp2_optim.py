@@ -266,7 +266,8 @@ def fsdp2_launches(
     of test_distributed.py) in the two-process launch before ``fsdp-facts``:
 
     - a run without FSDP, in this process (``plain``: its checkpoint an FSDP launch refuses);
-    - one process: ``one`` (adamw, 8 x 2 accumulated, saving at step 2);
+    - one process, this one (:func:`tests.launch_runs.one_rank_here`): ``one`` (adamw, 8 x 2
+      accumulated, saving at step 2);
     - two processes: ``straight`` (adafactor, saving at step 2) and ``resumed`` (a copy of its
       checkpoint), ``two`` (adamw, 8 per process), ``one-to-two`` (``one``'s checkpoint, with
       ``one``'s command), ``plain-under-fsdp``; the LoRA runs of :data:`LORA_RUNS`;
@@ -274,14 +275,14 @@ def fsdp2_launches(
       (``context_parallel_ranks.py``); and last ``fsdp-facts``: torch's FSDP1 and FSDP2
       without effitrain's CLI (``fsdp2_factored.py``, which runs ``fsdp_facts.py``'s checks
       too), each rank's JSON facts in ``facts``;
-    - one process: ``two-to-one`` (``two``'s checkpoint, with ``two``'s command).
+    - one process, this one: ``two-to-one`` (``two``'s checkpoint, with ``two``'s command).
 
     The classifiers train on 128 of the demo's sentence pairs, the LoRA runs and the printed
     command on 64 of the LM demo's reports (:func:`write_reports`): the demo's thousands of
     examples, tokenized and evaluated by each rank of each run, were half of the runs' time.
     """
     from tests.conftest import train_in_process
-    from tests.launch_runs import launch_runs
+    from tests.launch_runs import launch_runs, one_rank_here
     from tests.test_distributed import sentence_files, write_sentence_pairs
 
     out = tmp_path_factory.mktemp("fsdp2-runs")
@@ -306,9 +307,7 @@ def fsdp2_launches(
         *train("plain", adamw, "--grad-accum", "2", "--max-steps", "2")["args"]
     )
     assert plain.returncode == 0, plain.stdout + plain.stderr
-    one = launch_runs(
-        out, [train("one", adamw, "--grad-accum", "2")], config=FSDP2_CONFIG, processes=1
-    )
+    one = one_rank_here(out, train("one", adamw, "--grad-accum", "2"), FSDP2_CONFIG)
     one.assert_ran("one", codes=(0, None))
     runs = [
         train("straight", adafactor),
@@ -328,7 +327,7 @@ def fsdp2_launches(
     (out / "facts").mkdir()
     (out / "context-parallel").mkdir()
     two = launch_runs(out, runs, config=FSDP2_CONFIG, timeout=900)
-    back = launch_runs(out, [resume("two-to-one", "two", adamw)], config=FSDP2_CONFIG, processes=1)
+    back = one_rank_here(out, resume("two-to-one", "two", adamw), FSDP2_CONFIG)
     return SimpleNamespace(
         out=out,
         adafactor=adafactor,
@@ -395,6 +394,7 @@ def test_fsdp2_resumes_on_another_process_count(fsdp2_runs):
     back.assert_ran("two-to-one", codes=(0, None))
     assert "has 2: --grad-accum 1 keeps its global batch of 16" in two.stdout("one-to-two")
     assert "has 1: --grad-accum 2 keeps its global batch of 16" in back.stdout("two-to-one")
+    assert "Per rank: FSDP2 full shard over 1 process (gloo)" in back.stdout("two-to-one")
     straight = load_parameters(out / "two" / "final")
     expected_lr = logged_lr(two.stdout("two"))
     for name, launched in (("one-to-two", two), ("two-to-one", back)):
