@@ -34,6 +34,7 @@ from effitrain.progress import Stopwatch, TrainingProgress
 from effitrain.results import TrainResult
 from effitrain.run import Run
 from effitrain.signals import StoppedAtOnce, StopRequest, TrainingStopped, stop_on_signals
+from effitrain.tasks.sources import check_files_exist
 
 if TYPE_CHECKING:
     from effitrain.report.live import Reporter
@@ -52,6 +53,7 @@ def train(config: TrainConfig, reporter: Reporter) -> TrainResult:
             loop; at once before it and after it: :func:`stopped_at_once`).
     """
     check_config(config)
+    check_files_exist(config)
     reporter.enabled = reporter.enabled and distributed.is_launch_main_process()
     locked = config.output_dir if distributed.is_launch_main_process() else None
     with checkpoint.output_lock(locked, reporter.note), stop_on_signals() as stop:

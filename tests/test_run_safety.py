@@ -101,15 +101,17 @@ def test_the_lock_is_released_after_an_error_and_after_a_stop(
     train, _, model = data
     failed = tmp_path / "failed"
     failed.mkdir()
+    broken = tmp_path / "broken.jsonl"  # refused as the data loads, under the lock
+    broken.write_text('{"sentence": "a", "label": 0}\n{"sentence": \n')
     proc = train_cli(
         "train", "--model", str(model), "--train-file", str(train), "--validation-file",
-        str(tmp_path / "missing.csv"), "--output-dir", str(failed),
+        str(broken), "--output-dir", str(failed),
     )  # fmt: skip
-    assert_clean_error(proc, "missing.csv")
+    assert_clean_error(proc, "broken.jsonl")
     assert list(failed.iterdir()) == []
     created = tmp_path / "new" / "out"  # made for the lock, removed with it: nothing else came
-    proc = train_cli(*train_args(data, created, "--validation-file", str(tmp_path / "none.csv")))
-    assert_clean_error(proc, "none.csv")
+    proc = train_cli(*train_args(data, created, "--validation-file", str(broken)))
+    assert_clean_error(proc, "broken.jsonl")
     assert not created.exists()
 
     def requested(self) -> bool:  # a SIGTERM arrives during step 1

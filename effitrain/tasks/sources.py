@@ -44,15 +44,28 @@ BUILDER_OPTIONS: dict[str, dict[str, Any]] = {
 HELD_OUT_FRACTION = 0.1
 
 
+def _existing(path: str) -> Path:
+    file = Path(path).expanduser()
+    if not file.exists():
+        raise EffitrainError(f"dataset file not found: {path}")
+    return file
+
+
+def check_files_exist(config: TrainConfig) -> None:
+    """``--train-file`` and ``--validation-file`` exist: checked before anything is imported
+    or built (a missing one was found seconds later, when the data loaded after the model)."""
+    for path in (config.train_file, config.validation_file):
+        if path is not None:
+            _existing(path)
+
+
 def load_local_file(
     path: str, split: str, formats: dict[str, str] = LOCAL_FORMATS
 ) -> datasets.Dataset:
     """One split from a local file, read by the datasets builder its suffix names in ``formats``."""
     import datasets
 
-    file = Path(path).expanduser()
-    if not file.exists():
-        raise EffitrainError(f"dataset file not found: {path}")
+    file = _existing(path)
     if file.is_dir():
         raise EffitrainError(f"{path} is a folder; give a file ({', '.join(formats)})")
     suffix = file.suffix.lower()
