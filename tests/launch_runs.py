@@ -103,6 +103,20 @@ class Launched:
         assert self.codes(name) == list(codes), self.tail(name)
 
 
+def recorded(entry: dict, out: Path, rank: str) -> None:
+    """:func:`run` with what it prints in ``<name>.rank<R>.stdout`` and ``.stderr`` under
+    ``out``, and its exit code in ``.json``: what :class:`Launched` reads back."""
+    stem = out / f"{entry['name']}.rank{rank}"
+    with (
+        open(f"{stem}.stdout", "w") as printed,
+        open(f"{stem}.stderr", "w") as err,
+        contextlib.redirect_stdout(printed),
+        contextlib.redirect_stderr(err),
+    ):
+        code = run(entry)
+    Path(f"{stem}.json").write_text(json.dumps(code))
+
+
 def one_rank_here(out: Path, entry: dict, config: Path) -> Launched:
     """``entry`` as the one process of ``accelerate launch --config_file CONFIG
     --num_processes 1`` would run it, in this process: the variables of that launch (by
@@ -122,20 +136,12 @@ def one_rank_here(out: Path, entry: dict, config: Path) -> Launched:
     environment |= {**rank, **OFFLINE, "ACCELERATE_USE_CPU": "1", "COLUMNS": "200"}
     if entry.get("copy"):
         shutil.copytree(*entry["copy"])
-    stem = out / f"{entry['name']}.rank0"
     try:
-        with (
-            open(f"{stem}.stdout", "w") as printed,
-            open(f"{stem}.stderr", "w") as err,
-            contextlib.redirect_stdout(printed),
-            contextlib.redirect_stderr(err),
-            fsdp_on_cpu(),
-        ):
-            code = run({**entry, "env": {**environment, **entry.get("env", {})}})
+        with fsdp_on_cpu():
+            recorded({**entry, "env": {**environment, **entry.get("env", {})}}, out, "0")
     finally:
         if dist.is_initialized():  # made by the run's Accelerator
             dist.destroy_process_group()
-    Path(f"{stem}.json").write_text(json.dumps(code))
     return Launched(out, subprocess.CompletedProcess([entry["name"]], 0, "", ""))
 
 
@@ -166,12 +172,4 @@ if __name__ == "__main__":
         if dist.is_initialized():  # made by the first run's Accelerator
             dist.barrier()
         os.environ["READ_SPY_TAG"] = entry["name"]
-        stem = f"{runs_file.parent / entry['name']}.rank{rank}"
-        with (
-            open(f"{stem}.stdout", "w") as out,
-            open(f"{stem}.stderr", "w") as err,
-            contextlib.redirect_stdout(out),
-            contextlib.redirect_stderr(err),
-        ):
-            code = run(entry)
-        Path(f"{stem}.json").write_text(json.dumps(code))
+        recorded(entry, runs_file.parent, rank)

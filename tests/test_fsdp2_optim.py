@@ -492,17 +492,13 @@ def lora_results(out: Path, model: Path, launched) -> SimpleNamespace | None:
     if not (out / "other-base").exists():
         return None
     launched.assert_ran("qlora-other-base", (1, 1))  # every process refuses
-    for name in LORA_RUNS:
-        if name != "qlora-other-base":
-            launched.assert_ran(name)
+    trained = [name for name in LORA_RUNS if name != "qlora-other-base"]
+    for name in trained:
+        launched.assert_ran(name)
     return SimpleNamespace(
         out=out,
         model=model,
-        metrics={
-            name: json.loads((out / f"{name}.json").read_text())
-            for name in LORA_RUNS
-            if name != "qlora-other-base"
-        },
+        metrics={name: json.loads((out / f"{name}.json").read_text()) for name in trained},
         refusal_output=launched.stdout("qlora-other-base") + launched.stderr("qlora-other-base"),
     )
 
